@@ -1,0 +1,23 @@
+"""Codecs, looked up by id from an explicit allow-list (no registration on import)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fedcomp.codecs.base import Codec, TensorSpec
+from fedcomp.codecs.dense import DenseFP16, DenseFP32, Identity
+from fedcomp.errors import ConfigError
+
+__all__ = ["Codec", "TensorSpec", "DenseFP16", "DenseFP32", "Identity", "CODECS", "get_codec"]
+
+#: Every codec a config may name, by ``codec_id``.
+CODECS: dict[str, type[Codec]] = {c.codec_id: c for c in (DenseFP32, DenseFP16, Identity)}
+
+
+def get_codec(config: dict[str, Any] | str) -> Codec:
+    """Build a codec from its config (``{"id": ..., **params}``) or bare id."""
+    cfg: dict[str, Any] = {"id": config} if isinstance(config, str) else dict(config)
+    cid = cfg.get("id")
+    if cid not in CODECS:
+        raise ConfigError(f"id: unknown codec {cid!r}; known: {sorted(CODECS)}")
+    return CODECS[cid].from_config(cfg)

@@ -1,0 +1,159 @@
+"""The codec contract, after numcodecs: stateless, a ``codec_id``, encode/decode, config round trip.
+
+A codec turns one tensor into an :class:`EncodedTensor` and back. It holds settings only, never
+state: error feedback (residuals) lives in :class:`fedcomp.feedback.ErrorFeedback`, which wraps any
+codec. The same code runs on CPU and CUDA: encoding computes on the tensor's device, decoding on
+the device it is asked for.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from fedcomp.codecs.payloads import WIRE_DTYPES, EncodedTensor, Payload
+from fedcomp.errors import ConfigError, PayloadError
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What the receiver expects a tensor to be. Decoders never allocate beyond ``numel``."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor) -> TensorSpec:
+        return cls(name, tuple(tensor.shape), tensor.dtype)
+
+
+class Codec(ABC):
+    """Base class of every fedcomp codec.
+
+    Subclasses set ``codec_id`` and ``version`` and implement :meth:`_encode` and :meth:`_decode`
+    on flat float32 tensors; this class handles shapes, dtypes and the checks every decoder needs.
+    Two codecs are equal when their configs are equal.
+    """
+
+    codec_id: ClassVar[str]
+    version: ClassVar[int] = 1
+
+    # --- the contract -------------------------------------------------------------------------
+
+    def encode(self, tensor: torch.Tensor, name: str = "") -> EncodedTensor:
+        """Compress ``tensor`` (any float dtype, any device)."""
+        return self.encode_with_reconstruction(tensor, name)[0]
+
+    def encode_with_reconstruction(
+        self, tensor: torch.Tensor, name: str = ""
+    ) -> tuple[EncodedTensor, torch.Tensor]:
+        """Compress ``tensor`` and also return what the receiver will decode (same shape and
+        device; float32, or the tensor's dtype for the identity codec). Error feedback needs that reconstruction; codecs that can produce it
+        while encoding save a decode."""
+        if tensor.dtype not in WIRE_DTYPES:
+            raise TypeError(f"tensor {name!r}: dtype {tensor.dtype} is not supported")
+        flat = self._flatten(tensor)
+        payload, recon = self._encode(flat, name)
+        enc = EncodedTensor(
+            name=name,
+            shape=tuple(int(d) for d in tensor.shape),
+            dtype=WIRE_DTYPES[tensor.dtype],
+            codec_id=self.codec_id,
+            codec_version=self.version,
+            payload=payload,
+        )
+        if recon is None:
+            recon = self._decode(payload, TensorSpec(name, enc.shape), flat.device)
+        return enc, recon.reshape(tensor.shape)
+
+    def decode(
+        self,
+        enc: EncodedTensor,
+        spec: TensorSpec,
+        device: torch.device | str | None = None,
+    ) -> torch.Tensor:
+        """Rebuild the tensor ``spec`` describes from ``enc``.
+
+        Raises :class:`PayloadError` (naming the tensor) when ``enc`` is not an encoding of a
+        tensor of that name, shape and dtype by this codec, or its payload is malformed.
+        """
+        name = spec.name
+        if enc.name != name:
+            raise PayloadError(name, f"payload is for tensor {enc.name!r}")
+        if enc.codec_id != self.codec_id:
+            raise PayloadError(name, f"codec {enc.codec_id!r} where {self.codec_id!r} was expected")
+        if enc.codec_version != self.version:
+            raise PayloadError(
+                name, f"{self.codec_id} version {enc.codec_version} is not supported (have {self.version})"
+            )
+        if tuple(enc.shape) != tuple(spec.shape):
+            raise PayloadError(name, f"shape {list(enc.shape)} where {list(spec.shape)} was expected")
+        if enc.dtype != WIRE_DTYPES.get(spec.dtype):
+            raise PayloadError(name, f"dtype {enc.dtype} where {WIRE_DTYPES.get(spec.dtype)} was expected")
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        flat = self._decode(enc.payload, spec, dev)
+        return flat.reshape(spec.shape).to(spec.dtype)
+
+    def get_config(self) -> dict[str, Any]:
+        """JSON-safe settings, including ``id``; ``from_config`` of it gives an equal codec."""
+        return {"id": self.codec_id, **self._params()}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> Codec:
+        params = dict(config)
+        cid = params.pop("id", cls.codec_id)
+        if cid != cls.codec_id:
+            raise ConfigError(f"id: {cid!r} is not {cls.codec_id!r}")
+        try:
+            return cls(**params)
+        except TypeError as exc:  # unknown or missing keyword
+            raise ConfigError(f"{cls.codec_id}: {exc}") from None
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other.get_config() == self.get_config()  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash(repr(sorted(self.get_config().items())))
+
+    def __repr__(self) -> str:
+        params = ", ".join(f"{k}={v!r}" for k, v in self._params().items())
+        return f"{type(self).__name__}({params})"
+
+    # --- what subclasses implement ------------------------------------------------------------
+
+    def _flatten(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The 1-D tensor ``_encode`` works on: float32 (no copy when it already is)."""
+        return tensor.detach().reshape(-1).to(torch.float32)
+
+    def _params(self) -> dict[str, Any]:
+        """The codec's settings (without ``id``)."""
+        return {}
+
+    @abstractmethod
+    def _encode(self, flat: torch.Tensor, name: str) -> tuple[Payload, torch.Tensor | None]:
+        """Encode a flat float32 tensor; optionally return its float32 reconstruction."""
+
+    @abstractmethod
+    def _decode(self, payload: Payload, spec: TensorSpec, device: torch.device) -> torch.Tensor:
+        """Decode to a flat float32 tensor of ``spec.numel`` elements on ``device``.
+
+        Must validate everything in ``payload`` against ``spec`` before allocating, and raise
+        :class:`PayloadError` naming ``spec.name`` on any inconsistency.
+        """
+
+
+def expect_payload(payload: Payload, kind: type, name: str) -> None:
+    """Raise :class:`PayloadError` unless ``payload`` is of the codec's payload type."""
+    if not isinstance(payload, kind):
+        raise PayloadError(name, f"payload is {type(payload).__name__}, expected {kind.__name__}")

@@ -1,0 +1,76 @@
+"""Plain data classes for what a codec puts on the wire.
+
+They mirror ``proto/fedcomp/v1/wire.proto`` one to one; ``fedcomp.serde`` is the only module
+that converts them to and from protobuf, so codecs never touch generated code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+#: Logical dtypes the wire format knows, by their schema name.
+WIRE_DTYPES: dict[torch.dtype, str] = {
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float64: "float64",
+}
+TORCH_DTYPES: dict[str, torch.dtype] = {v: k for k, v in WIRE_DTYPES.items()}
+DTYPE_SIZES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+
+@dataclass(frozen=True)
+class SBCPayload:
+    """Signed mean, Golomb parameter, count of non-zeros and the position bitstream."""
+
+    mean: float
+    golomb_b: int
+    nnz: int
+    bits: bytes
+
+
+@dataclass(frozen=True)
+class ThreeLCPayload:
+    """3LC scale m, element count, zero-run flag and the base-3^5 bytes."""
+
+    scale: float
+    numel: int
+    zero_run: bool
+    data: bytes
+
+
+@dataclass(frozen=True)
+class DensePayload:
+    """Raw little-endian values in ``encoding`` (a key of ``TORCH_DTYPES``)."""
+
+    encoding: str
+    data: bytes
+
+
+Payload = SBCPayload | ThreeLCPayload | DensePayload
+
+
+@dataclass(frozen=True)
+class EncodedTensor:
+    """One compressed tensor: what it is (name, shape, dtype), how it was coded, the payload."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    codec_id: str
+    codec_version: int
+    payload: Payload
+
+
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class EncodedUpdate:
+    """A whole update: format version, the model version it refers to, its tensors in order."""
+
+    base_model_version: int
+    tensors: tuple[EncodedTensor, ...] = field(default_factory=tuple)
+    format_version: int = FORMAT_VERSION

@@ -1,0 +1,125 @@
+"""Protobuf <-> fedcomp data classes. The only module that imports generated code.
+
+Parsing never trusts the bytes: a payload that protobuf cannot parse, or whose fields are out of
+range, raises :class:`PayloadError`. Codec-level checks (lengths against the expected shape) happen
+in each codec's decoder.
+"""
+
+from __future__ import annotations
+
+from google.protobuf.message import DecodeError as _PbDecodeError
+
+from fedcomp.codecs.payloads import (
+    FORMAT_VERSION,
+    DensePayload,
+    EncodedTensor,
+    EncodedUpdate,
+    Payload,
+    SBCPayload,
+    ThreeLCPayload,
+)
+from fedcomp.errors import PayloadError
+from fedcomp.v1 import wire_pb2 as pb
+
+#: Upper bound on tensor rank accepted from the wire.
+MAX_RANK = 8
+
+_DTYPE_TO_PB = {
+    "float32": pb.DTYPE_FLOAT32,
+    "float16": pb.DTYPE_FLOAT16,
+    "bfloat16": pb.DTYPE_BFLOAT16,
+    "float64": pb.DTYPE_FLOAT64,
+}
+_PB_TO_DTYPE = {v: k for k, v in _DTYPE_TO_PB.items()}
+
+
+def _dtype_from_pb(value: int, name: str, what: str) -> str:
+    try:
+        return _PB_TO_DTYPE[value]
+    except KeyError:
+        raise PayloadError(name, f"unknown {what} {value}") from None
+
+
+def tensor_to_proto(t: EncodedTensor) -> pb.CompressedTensor:
+    msg = pb.CompressedTensor(
+        name=t.name,
+        shape=list(t.shape),
+        dtype=_DTYPE_TO_PB[t.dtype],
+        codec_id=t.codec_id,
+        codec_version=t.codec_version,
+    )
+    p = t.payload
+    if isinstance(p, SBCPayload):
+        msg.sbc.CopyFrom(pb.SBCPayload(mean=p.mean, golomb_b=p.golomb_b, nnz=p.nnz, bits=p.bits))
+    elif isinstance(p, ThreeLCPayload):
+        msg.three_lc.CopyFrom(
+            pb.ThreeLCPayload(scale=p.scale, numel=p.numel, zero_run=p.zero_run, data=p.data)
+        )
+    elif isinstance(p, DensePayload):
+        msg.dense.CopyFrom(pb.DensePayload(encoding=_DTYPE_TO_PB[p.encoding], data=p.data))
+    else:  # pragma: no cover - the Payload union is closed
+        raise TypeError(f"unknown payload type {type(p).__name__}")
+    return msg
+
+
+def tensor_from_proto(msg: pb.CompressedTensor) -> EncodedTensor:
+    name = msg.name
+    if len(msg.shape) > MAX_RANK:
+        raise PayloadError(name, f"rank {len(msg.shape)} exceeds {MAX_RANK}")
+    kind = msg.WhichOneof("payload")
+    payload: Payload
+    if kind == "sbc":
+        s = msg.sbc
+        payload = SBCPayload(mean=s.mean, golomb_b=s.golomb_b, nnz=s.nnz, bits=s.bits)
+    elif kind == "three_lc":
+        s3 = msg.three_lc
+        payload = ThreeLCPayload(scale=s3.scale, numel=s3.numel, zero_run=s3.zero_run, data=s3.data)
+    elif kind == "dense":
+        payload = DensePayload(_dtype_from_pb(msg.dense.encoding, name, "dense encoding"), msg.dense.data)
+    else:
+        raise PayloadError(name, "no payload")
+    return EncodedTensor(
+        name=name,
+        shape=tuple(int(d) for d in msg.shape),
+        dtype=_dtype_from_pb(msg.dtype, name, "dtype"),
+        codec_id=msg.codec_id,
+        codec_version=msg.codec_version,
+        payload=payload,
+    )
+
+
+def tensor_to_bytes(t: EncodedTensor) -> bytes:
+    return tensor_to_proto(t).SerializeToString(deterministic=True)
+
+
+def tensor_from_bytes(data: bytes) -> EncodedTensor:
+    msg = pb.CompressedTensor()
+    try:
+        msg.ParseFromString(data)
+    except _PbDecodeError as exc:
+        raise PayloadError("", f"not a CompressedTensor message ({exc})") from None
+    return tensor_from_proto(msg)
+
+
+def update_to_bytes(u: EncodedUpdate) -> bytes:
+    msg = pb.CompressedUpdate(
+        format_version=u.format_version,
+        base_model_version=u.base_model_version,
+        tensors=[tensor_to_proto(t) for t in u.tensors],
+    )
+    return msg.SerializeToString(deterministic=True)
+
+
+def update_from_bytes(data: bytes) -> EncodedUpdate:
+    msg = pb.CompressedUpdate()
+    try:
+        msg.ParseFromString(data)
+    except _PbDecodeError as exc:
+        raise PayloadError("", f"not a CompressedUpdate message ({exc})") from None
+    if msg.format_version != FORMAT_VERSION:
+        raise PayloadError("", f"format version {msg.format_version} is not supported (have {FORMAT_VERSION})")
+    return EncodedUpdate(
+        base_model_version=msg.base_model_version,
+        tensors=tuple(tensor_from_proto(t) for t in msg.tensors),
+        format_version=msg.format_version,
+    )

@@ -1,0 +1,108 @@
+"""Whole-model updates: which codec each tensor gets, encoding with error feedback, and decoding
+an untrusted update against the shapes the receiver knows.
+
+Tensors with fewer than ``min_numel`` elements (biases, batch-norm parameters) go dense: as in
+3LC, compressing them costs more time than the bytes it saves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+import torch
+
+from fedcomp.codecs.base import Codec, TensorSpec
+from fedcomp.codecs.dense import DenseFP32
+from fedcomp.codecs.payloads import EncodedUpdate
+from fedcomp.errors import PayloadError
+from fedcomp.feedback import ErrorFeedback
+
+#: Default size below which a tensor is sent dense.
+DEFAULT_MIN_NUMEL = 1000
+
+
+def specs_of(tensors: Mapping[str, torch.Tensor]) -> list[TensorSpec]:
+    """The specs a receiver needs to decode an update of these tensors, in order."""
+    return [TensorSpec.of(name, t) for name, t in tensors.items()]
+
+
+class UpdateEncoder:
+    """Encodes a dict of tensors into one :class:`EncodedUpdate`.
+
+    With ``error_feedback`` the large tensors go through an :class:`ErrorFeedback` whose residuals
+    persist across calls (``state_dict``/``load_state_dict``). Small tensors use ``small_codec``
+    (lossless fp32 by default, so they need no residual).
+    """
+
+    def __init__(
+        self,
+        codec: Codec,
+        *,
+        min_numel: int = DEFAULT_MIN_NUMEL,
+        small_codec: Codec | None = None,
+        error_feedback: bool = True,
+    ) -> None:
+        if min_numel < 0:
+            raise ValueError("min_numel: must be >= 0")
+        self.min_numel = min_numel
+        self.small_codec = small_codec or DenseFP32()
+        self._codec = codec
+        self.feedback = ErrorFeedback(codec) if error_feedback else None
+
+    @property
+    def codec(self) -> Codec:
+        return self._codec
+
+    @codec.setter
+    def codec(self, codec: Codec) -> None:
+        """Swap the codec (e.g. a new sparsity for this round), keeping the residuals."""
+        self._codec = codec
+        if self.feedback is not None:
+            self.feedback.codec = codec
+
+    def codec_for(self, numel: int) -> Codec:
+        return self.small_codec if numel < self.min_numel else self._codec
+
+    def encode(self, tensors: Mapping[str, torch.Tensor], base_model_version: int = 0) -> EncodedUpdate:
+        out = []
+        for name, t in tensors.items():
+            if t.numel() < self.min_numel:
+                out.append(self.small_codec.encode(t, name))
+            elif self.feedback is not None:
+                out.append(self.feedback.encode(t, name))
+            else:
+                out.append(self._codec.encode(t, name))
+        return EncodedUpdate(base_model_version=base_model_version, tensors=tuple(out))
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.feedback.state_dict() if self.feedback is not None else {}
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor], device: torch.device | str | None = None) -> None:
+        if self.feedback is not None:
+            self.feedback.load_state_dict(state, device)
+
+
+def decode_update(
+    update: EncodedUpdate,
+    specs: Sequence[TensorSpec],
+    codecs: Iterable[Codec],
+    device: torch.device | str | None = None,
+) -> dict[str, torch.Tensor]:
+    """Decode an untrusted update into exactly the tensors ``specs`` describes.
+
+    ``codecs`` are the codecs the receiver accepts (matched by ``codec_id``). Raises
+    :class:`PayloadError` when a tensor is missing, repeated, unexpected, or uses a codec not
+    accepted, or when any payload is malformed. Nothing is allocated beyond the specs' sizes.
+    """
+    accepted = {c.codec_id: c for c in codecs}
+    if len(update.tensors) != len(specs):
+        raise PayloadError("", f"update has {len(update.tensors)} tensors, expected {len(specs)}")
+    out: dict[str, torch.Tensor] = {}
+    for spec, enc in zip(specs, update.tensors, strict=True):
+        if enc.name != spec.name:
+            raise PayloadError(spec.name, f"found tensor {enc.name!r} in its place")
+        codec = accepted.get(enc.codec_id)
+        if codec is None:
+            raise PayloadError(spec.name, f"codec {enc.codec_id!r} is not accepted here ({sorted(accepted)})")
+        out[spec.name] = codec.decode(enc, spec, device)
+    return out

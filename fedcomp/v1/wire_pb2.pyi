@@ -1,0 +1,83 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    DTYPE_FLOAT32: _ClassVar[DType]
+    DTYPE_FLOAT16: _ClassVar[DType]
+    DTYPE_BFLOAT16: _ClassVar[DType]
+    DTYPE_FLOAT64: _ClassVar[DType]
+DTYPE_UNSPECIFIED: DType
+DTYPE_FLOAT32: DType
+DTYPE_FLOAT16: DType
+DTYPE_BFLOAT16: DType
+DTYPE_FLOAT64: DType
+
+class SBCPayload(_message.Message):
+    __slots__ = ("mean", "golomb_b", "nnz", "bits")
+    MEAN_FIELD_NUMBER: _ClassVar[int]
+    GOLOMB_B_FIELD_NUMBER: _ClassVar[int]
+    NNZ_FIELD_NUMBER: _ClassVar[int]
+    BITS_FIELD_NUMBER: _ClassVar[int]
+    mean: float
+    golomb_b: int
+    nnz: int
+    bits: bytes
+    def __init__(self, mean: _Optional[float] = ..., golomb_b: _Optional[int] = ..., nnz: _Optional[int] = ..., bits: _Optional[bytes] = ...) -> None: ...
+
+class ThreeLCPayload(_message.Message):
+    __slots__ = ("scale", "numel", "zero_run", "data")
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    ZERO_RUN_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    scale: float
+    numel: int
+    zero_run: bool
+    data: bytes
+    def __init__(self, scale: _Optional[float] = ..., numel: _Optional[int] = ..., zero_run: _Optional[bool] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class DensePayload(_message.Message):
+    __slots__ = ("encoding", "data")
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    encoding: DType
+    data: bytes
+    def __init__(self, encoding: _Optional[_Union[DType, str]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class CompressedTensor(_message.Message):
+    __slots__ = ("name", "shape", "dtype", "codec_id", "codec_version", "sbc", "three_lc", "dense")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CODEC_ID_FIELD_NUMBER: _ClassVar[int]
+    CODEC_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SBC_FIELD_NUMBER: _ClassVar[int]
+    THREE_LC_FIELD_NUMBER: _ClassVar[int]
+    DENSE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: DType
+    codec_id: str
+    codec_version: int
+    sbc: SBCPayload
+    three_lc: ThreeLCPayload
+    dense: DensePayload
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec_id: _Optional[str] = ..., codec_version: _Optional[int] = ..., sbc: _Optional[_Union[SBCPayload, _Mapping]] = ..., three_lc: _Optional[_Union[ThreeLCPayload, _Mapping]] = ..., dense: _Optional[_Union[DensePayload, _Mapping]] = ...) -> None: ...
+
+class CompressedUpdate(_message.Message):
+    __slots__ = ("format_version", "base_model_version", "tensors")
+    FORMAT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    format_version: int
+    base_model_version: int
+    tensors: _containers.RepeatedCompositeFieldContainer[CompressedTensor]
+    def __init__(self, format_version: _Optional[int] = ..., base_model_version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[CompressedTensor, _Mapping]]] = ...) -> None: ...

@@ -1,0 +1,59 @@
+import pytest
+import torch
+
+from fedcomp import serde
+from fedcomp.codecs import DenseFP16, DenseFP32, Identity, TensorSpec
+from fedcomp.codecs.payloads import DensePayload, EncodedTensor
+from fedcomp.errors import PayloadError
+from tests.codecs import kit
+
+
+@pytest.mark.parametrize("device", kit.devices())
+@pytest.mark.parametrize("codec", [DenseFP32(), DenseFP16(), Identity()], ids=lambda c: c.codec_id)
+def test_round_trip(codec, device):
+    x = torch.randn(7, 5, generator=torch.Generator().manual_seed(0)).to(device)
+    dec, _ = kit.round_trip(codec, x)
+    tol = 1e-3 if codec.codec_id == "dense-fp16" else 0.0
+    torch.testing.assert_close(dec, x, rtol=tol, atol=tol)
+
+
+def test_identity_keeps_float64_bits():
+    x = torch.randn(33, dtype=torch.float64)
+    dec, _ = kit.round_trip(Identity(), x)
+    assert torch.equal(dec, x)
+
+
+@pytest.mark.parametrize("codec", [DenseFP32(), DenseFP16(), Identity()], ids=lambda c: c.codec_id)
+def test_config_round_trip(codec):
+    kit.check_config_round_trip(codec)
+
+
+@pytest.mark.parametrize("codec", [DenseFP32(), DenseFP16()], ids=lambda c: c.codec_id)
+def test_golden(codec):
+    x = torch.linspace(-3, 3, 257).reshape(1, 257)
+    kit.check_golden(codec, "linspace257", x)
+
+
+def test_bad_inputs_raise_payload_error():
+    c, spec = DenseFP32(), TensorSpec("w", (4, 4))
+    good = c.encode(torch.ones(4, 4), "w")
+    cases = {
+        "truncated": DensePayload("float32", good.payload.data[:-1]),  # type: ignore[union-attr]
+        "wrong encoding": DensePayload("float16", b"\0" * 32),
+    }
+    for why, payload in cases.items():
+        bad = EncodedTensor("w", (4, 4), "float32", "dense-fp32", 1, payload)
+        with pytest.raises(PayloadError, match="'w'"):
+            c.decode(bad, spec)
+    for field, value, msg in [("shape", (4, 5), "shape"), ("dtype", "float16", "dtype"), ("codec_id", "sbc", "codec"),
+                              ("name", "v", "for tensor"), ("codec_version", 9, "version")]:
+        kwargs = {**good.__dict__, field: value}
+        with pytest.raises(PayloadError, match=msg):
+            c.decode(EncodedTensor(**kwargs), spec)
+
+
+def test_garbage_protobuf_is_payload_error():
+    with pytest.raises(PayloadError):
+        serde.tensor_from_bytes(b"\xff\xff\xff\xff")
+    with pytest.raises(PayloadError):
+        serde.update_from_bytes(b"\x08\x07")  # format_version = 7
