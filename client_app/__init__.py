@@ -1,0 +1,1 @@
+"""The fedcomp ClientApp (see client_app/app.py)."""

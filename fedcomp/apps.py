@@ -1,0 +1,141 @@
+"""The reference app's server and client logic (LeNet5-Caffe on digits / MNIST / Fashion-MNIST).
+
+``server_app/app.py`` and ``client_app/app.py`` are thin shells around :func:`server_main` and
+:func:`client_train`; test apps reuse them with another inner strategy. With ``compress = true``
+(the default) the inner FedAvg is wrapped in :class:`CompressionStrategy` and the ClientApp carries
+:func:`compression_mod`; with ``compress = false`` the same app is plain FedAvg, the baseline.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg, Strategy
+
+from fedcomp.config import AppConfig
+from fedcomp.data import load_dataset, load_partition
+from fedcomp.errors import ConfigError
+from fedcomp.fl import (
+    MeteredGrid,
+    arrayrecord_nbytes,
+    centralized_evaluate_fn,
+    recording_train_metrics_aggr,
+    wait_for_nodes,
+)
+from fedcomp.flower.records import digest, tensors_from_record
+from fedcomp.flower.strategy import CompressionStrategy
+from fedcomp.models import LeNet5Caffe, resolve_device, train_local
+from fedcomp.results import RunRecorder
+
+#: Builds the inner strategy from the validated config (FedAvg by default).
+InnerFactory = Callable[[AppConfig, Callable], Strategy]
+
+
+def default_inner(cfg: AppConfig, train_metrics_aggr_fn: Callable) -> Strategy:
+    n = cfg.clients_per_round
+    return FedAvg(
+        fraction_train=1.0 if n == 0 else 1e-9,  # n > 0: exactly min_train_nodes = n
+        fraction_evaluate=0.0,  # centralized evaluation only
+        min_train_nodes=max(n, 1),
+        min_available_nodes=max(n, 1),
+        train_metrics_aggr_fn=train_metrics_aggr_fn,
+    )
+
+
+def server_main(
+    grid: Grid, context: Context, make_inner: InnerFactory = default_inner, extra_keys: Iterable[str] = ()
+) -> None:
+    """Run the whole federation: rounds, centralized evaluation, results.json, final model.
+
+    ``extra_keys``: run-config keys the caller's own code reads (not rejected as unknown).
+    """
+    cfg = AppConfig.from_run_config(context.run_config, ignore=extra_keys)  # a bad key stops the run here
+    comp = cfg.compression
+    if not comp.compress and comp.local_iters.kind != "constant":
+        raise ConfigError("local-iters: a per-round schedule needs compress = true (the wrapper applies it)")
+    if cfg.torch_threads:
+        torch.set_num_threads(cfg.torch_threads)
+    torch.manual_seed(cfg.seed)
+    model = LeNet5Caffe()
+    test = load_dataset(cfg.dataset, cfg.resolved_data_dir()).test  # fail before round 1
+    arrays = ArrayRecord(model.state_dict())
+
+    wait_for_nodes(grid, max(cfg.clients_per_round, 1))
+    random.seed(cfg.seed)  # FedAvg samples clients with `random`
+    recorder = RunRecorder(cfg.to_run_config(), cfg.resolved_results_dir(), cfg.run_name)
+    strategy = make_inner(cfg, recording_train_metrics_aggr(recorder))
+    wrapper: CompressionStrategy | None = None
+    if comp.compress:
+        strategy = wrapper = CompressionStrategy(strategy, comp)
+    evaluate = centralized_evaluate_fn(model, test.x, test.y, recorder, resolve_device(cfg.device))
+
+    def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        recorder.add_metrics(model_digest=digest(tensors_from_record(arrays)))
+        if wrapper is not None and server_round in wrapper.traffic:
+            t = wrapper.traffic[server_round]
+            recorder.add_metrics(
+                downlink_modes={str(k): v for k, v in sorted(t.downlink_mode.items())},
+                rejected={str(k): v for k, v in sorted(t.rejected.items())},
+                payload_uplink_bytes=sum(t.uplink.values()),
+                payload_downlink_bytes=sum(t.downlink.values()),
+                replica_version=wrapper.replica.version if wrapper.replica else 0,
+            )
+        return evaluate(server_round, arrays)
+
+    try:
+        result = strategy.start(
+            grid=MeteredGrid(grid, recorder, dense_nbytes=arrayrecord_nbytes(arrays)),
+            initial_arrays=arrays,
+            num_rounds=cfg.num_server_rounds,
+            train_config=ConfigRecord({"local-iters": comp.local_iters_at(1), "lr": cfg.lr}),
+            evaluate_fn=evaluate_fn,
+        )
+    except BaseException as err:
+        recorder.finish("failed", error=f"{type(err).__name__}: {err}")
+        raise
+    torch.save(result.arrays.to_torch_state_dict(), Path(recorder.run_dir) / "final_model.pt")
+    recorder.finish()
+
+
+def client_train(msg: Message, context: Context, extra_keys: Iterable[str] = ()) -> Message:
+    """Train LeNet5 on this SuperNode's partition for ``local-iters`` steps and reply the model."""
+    cfg = AppConfig.from_run_config(context.run_config, ignore=extra_keys)
+    if cfg.torch_threads:
+        torch.set_num_threads(cfg.torch_threads)
+    pid = int(context.node_config["partition-id"])
+    data = load_partition(
+        cfg.dataset,
+        pid,
+        int(context.node_config["num-partitions"]),
+        scheme=cfg.partitioning,
+        alpha=cfg.dirichlet_alpha,
+        seed=cfg.seed,
+        data_dir=cfg.resolved_data_dir(),
+    )
+    model = LeNet5Caffe()
+    model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+    config = msg.content["config"]
+    server_round = int(config.get("server-round", 0))
+    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + pid * 1_009 + server_round)
+    loss = train_local(
+        model,
+        (data.x, data.y),
+        iterations=int(config.get("local-iters", cfg.compression.local_iters_at(max(server_round, 1)))),
+        lr=float(config.get("lr", cfg.lr)),
+        optimizer=cfg.optimizer,
+        device=cfg.device,
+        batch_size=cfg.batch_size,
+        generator=gen,
+    )
+    content = RecordDict(
+        {
+            "arrays": ArrayRecord(model.cpu().state_dict()),
+            "metrics": MetricRecord({"num-examples": len(data), "train-loss": loss}),
+        }
+    )
+    return Message(content=content, reply_to=msg)

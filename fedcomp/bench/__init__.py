@@ -1,0 +1,1 @@
+"""Benchmarks (commands, not tests): ``python -m fedcomp.bench codecs --help``."""

@@ -1,0 +1,396 @@
+"""3LC (Lim, Andersen, Kaminsky, MLSys 2019): the downlink codec for model deltas.
+
+Three steps, exactly as in the paper (section 3):
+
+1. **3-value quantization with sparsity multiplier** ``s`` (``1 <= s < 2``)::
+
+       m = s * max|T|                       (float32; 0 when T is all zero)
+       q = round(T / m)  in {-1, 0, 1}      (true float32 division, round half to even)
+       T_out = m * q
+
+   ``round`` is :func:`torch.round`, i.e. round half to even, so ``T / m == +-0.5`` gives 0.
+   With ``|T| <= m`` this keeps ``|T - T_out| <= m / 2 < max|T|``. ``m`` is computed as the
+   float32 product of ``float32(s)`` and ``max|T|``; if that overflows (``max|T|`` within a factor
+   ``s`` of the float32 maximum) ``m`` is clamped to the float32 maximum, which keeps
+   ``|T| <= m``. Non-finite input (NaN or inf) cannot be coded and raises :class:`ValueError`.
+   The division is a true division by a tensor on the input's device, never a multiplication by
+   ``1 / m``, so CPU and CUDA produce the same bytes.
+
+2. **Base-3^5 packing**: add 1 (digits 0, 1, 2), flatten, pad with the digit 0 to a multiple of
+   5, split into five equal contiguous parts ``P0..P4`` of ``G = ceil(n / 5)`` digits each, and
+   emit ``81*P0 + 27*P1 + 9*P2 + 3*P3 + P4`` (a byte in 0..242; five zero values give 121).
+   Without zero-run encoding that is exactly ``ceil(n / 5)`` bytes, 1.6 bits per value.
+
+3. **Zero-run encoding** (optional, on by default): bytes 243..255 stand for runs of the byte 121,
+   the byte ``v`` for ``v - 241`` of them (243 = two 121s, ..., 255 = fourteen). A *maximal* run of
+   ``L`` consecutive 121 bytes is written greedily, left to right, as ``L // 14`` bytes 255
+   followed by the remainder ``r = L % 14``: one byte ``243 + (r - 2)`` if ``r >= 2``, a single
+   121 if ``r == 1``, nothing if ``r == 0``. Every other byte is copied. The encoding is
+   therefore canonical (one output per input). An all-zero float32 tensor of ``70 k`` values
+   becomes ``k`` bytes: the 280x bound of the paper.
+
+Decoding reverses the steps. A payload is checked against the expected shape before anything
+of the tensor's size is allocated: ``numel`` must match, ``scale`` must be finite and ``>= 0``,
+the data must be exactly ``ceil(n / 5)`` bytes (without zero runs; bytes above 242 are then
+rejected) or expand to exactly that many (with zero runs; the expanded length is computed from
+the compressed bytes first). Anything else is a :class:`PayloadError` naming the tensor.
+
+Everything is vectorized torch and runs unchanged on CPU and CUDA. The hot paths (quantize +
+pack + reconstruction on encode, unpack + scale on decode) run over the tensor in chunks of
+groups so that the float temporaries stay in cache: the tensor is read twice on encode (max, then
+quantize) and the float32 output written once on both sides.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedcomp.codecs.base import Codec, TensorSpec, expect_payload
+from fedcomp.codecs.payloads import Payload, ThreeLCPayload
+from fedcomp.errors import ConfigError, PayloadError
+
+#: Weights of the five parts in one byte.
+WEIGHTS = (81, 27, 9, 3, 1)
+#: The byte of five zero values.
+ZERO_GROUP = 121
+#: First zero-run byte (a run of two 121s); 255 is a run of fourteen.
+RUN_BASE = 243
+MAX_RUN = 14
+
+#: Byte for the last piece of a run of r 121s, r = 1..14 (index 0 unused).
+_LAST_PIECE = torch.tensor([0, ZERO_GROUP] + [RUN_BASE + r - 2 for r in range(2, MAX_RUN + 1)], dtype=torch.uint8)
+
+_F32_MAX = float(torch.finfo(torch.float32).max)
+# Groups per chunk on CPU: five float segments of this many values stay in cache.
+_CPU_CHUNK = 1 << 16
+_DEV_CHUNK = 1 << 22
+
+
+def _chunk(device: torch.device) -> int:
+    return _CPU_CHUNK if device.type == "cpu" else _DEV_CHUNK
+
+
+def groups(numel: int) -> int:
+    """Number of base-3^5 bytes (groups of five values) for ``numel`` values."""
+    return (numel + 4) // 5
+
+
+# --- quantization ---------------------------------------------------------------------------------
+
+
+def max_abs(flat: torch.Tensor, name: str = "") -> float:
+    """``max|flat|`` as a Python float (0.0 for an empty tensor); ValueError if not finite."""
+    if flat.numel() == 0:
+        return 0.0
+    lo, hi = torch.stack(torch.aminmax(flat)).tolist()  # one pass, one device sync
+    value = max(abs(lo), abs(hi))
+    if not math.isfinite(value):
+        raise ValueError(f"tensor {name!r}: 3LC cannot encode non-finite values (max|T| = {value})")
+    return value
+
+
+def scale_for(maxabs: float, s: float) -> float:
+    """``m = float32(float32(s) * float32(max|T|))``, clamped to the float32 maximum."""
+    with np.errstate(over="ignore"):
+        m = float(np.float32(s) * np.float32(maxabs))  # float32 arithmetic, rounded once
+    return _F32_MAX if math.isinf(m) else m
+
+
+def quantize(flat: torch.Tensor, s: float = 1.0) -> tuple[torch.Tensor, float]:
+    """3-value quantization: ``(q, m)`` with ``q = round(flat / m)`` as int8 in {-1, 0, 1}.
+
+    The straightforward form (one full-size float temporary); the codec fuses the same
+    computation with packing. ``m`` is a Python float holding a float32 value.
+    """
+    flat = flat.reshape(-1).to(torch.float32)
+    m = scale_for(max_abs(flat), s)
+    if m == 0.0:
+        return torch.zeros(flat.numel(), dtype=torch.int8, device=flat.device), m
+    m_t = torch.tensor(m, dtype=torch.float32, device=flat.device)
+    return torch.round(flat / m_t).to(torch.int8), m
+
+
+# --- base-3^5 packing -----------------------------------------------------------------------------
+
+
+def pack_base243(q: torch.Tensor) -> torch.Tensor:
+    """Pack int values in {-1, 0, 1} five to a byte (see the module docstring); uint8, ``ceil(n/5)``."""
+    q = q.reshape(-1)
+    n = q.numel()
+    g = groups(n)
+    digits = torch.zeros(5 * g, dtype=torch.uint8, device=q.device)  # padding digit 0
+    digits[:n] = (q.to(torch.int8) + 1).view(torch.uint8)
+    parts = digits.view(5, g)
+    out = parts[0].clone()
+    for k in range(1, 5):
+        out.mul_(3).add_(parts[k])
+    return out
+
+
+def unpack_base243(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    """Inverse of :func:`pack_base243`: int8 values in {-1, 0, 1}, ``numel`` of them."""
+    packed = packed.reshape(-1)
+    g = groups(numel)
+    if packed.numel() != g:
+        raise ValueError(f"{packed.numel()} bytes where {g} were expected for {numel} values")
+    if g and int(packed.max()) > RUN_BASE - 1:
+        raise ValueError(f"byte {int(packed.max())} is not a base-3^5 code (0..242)")
+    digits = torch.empty(5, g, dtype=torch.int8, device=packed.device)
+    rest = packed.clone()
+    for k in range(4, -1, -1):
+        digits[k] = (rest % 3).view(torch.int8)
+        rest.div_(3, rounding_mode="floor")
+    return (digits.reshape(-1)[:numel] - 1).to(torch.int8)
+
+
+def _rows(t: torch.Tensor, g: int, a: int, rows: int, width: int) -> torch.Tensor:
+    """View of ``t[k*g + a : k*g + a + width]`` for ``k < rows`` as a (rows, width) tensor."""
+    return t.as_strided((rows, width), (g, 1), t.storage_offset() + a)
+
+
+def _full_rows(n: int, g: int, a: int, width: int) -> int:
+    """How many of the parts P0, P1, ... have all of ``[a, a + width)`` inside the tensor."""
+    return min(5, max(0, (n - a - width) // g + 1))
+
+
+def _quantize_pack(flat: torch.Tensor, m: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused ``pack_base243(quantize(flat))`` plus the reconstruction ``m * q``, for ``m > 0``.
+
+    Works in chunks of groups ``[a, a + width)``: the five parts' slices are divided by ``m`` into
+    a (5, width) float buffer (padding gets q = -1, i.e. the digit 0), rounded, written scaled to
+    the reconstruction, and folded into bytes by one matrix-vector product with the weights:
+    ``sum_k w_k q_k`` is in -121..121 and exact in float32, and the byte is that plus 121.
+    """
+    n = flat.numel()
+    g = groups(n)
+    dev = flat.device
+    flat = flat.contiguous()
+    recon = torch.empty(n, dtype=torch.float32, device=dev)
+    packed = torch.empty(g, dtype=torch.uint8, device=dev)
+    m_t = torch.tensor(m, dtype=torch.float32, device=dev)
+    w_t = torch.tensor(WEIGHTS, dtype=torch.float32, device=dev)
+    width_max = min(_chunk(dev), g)
+    fbuf = torch.empty(5 * width_max, dtype=torch.float32, device=dev)
+    acc_buf = torch.empty(width_max, dtype=torch.float32, device=dev)
+    i8_buf = torch.empty(width_max, dtype=torch.int8, device=dev)
+    for a in range(0, g, width_max):
+        width = min(width_max, g - a)
+        f = fbuf[: 5 * width].view(5, width)
+        full = _full_rows(n, g, a, width)
+        if full:
+            torch.div(_rows(flat, g, a, full, width), m_t, out=f[:full])
+        part = 0
+        if full < 5:  # the tensor ends inside part `full`; the rest is padding
+            lo = full * g + a
+            part = max(0, min(width, n - lo))
+            if part:
+                torch.div(flat[lo : lo + part], m_t, out=f[full, :part])
+            f[full, part:].fill_(-1.0)
+            f[full + 1 :].fill_(-1.0)
+        f.round_()
+        f.add_(0.0)  # -0.0 -> +0.0, so the reconstruction has the decoder's bits
+        if full:
+            torch.mul(f[:full], m_t, out=_rows(recon, g, a, full, width))
+        if part:
+            lo = full * g + a
+            torch.mul(f[full, :part], m_t, out=recon[lo : lo + part])
+        acc = acc_buf[:width]
+        torch.mv(f.t(), w_t, out=acc)
+        i8 = i8_buf[:width]
+        i8.copy_(acc)
+        torch.add(i8.view(torch.uint8), ZERO_GROUP, out=packed[a : a + width])  # wraps mod 256
+    return packed, recon
+
+
+def _zero_packed(n: int, device: torch.device) -> torch.Tensor:
+    """``pack_base243`` of ``n`` zeros without materializing them: 121s, minus the padding."""
+    g = groups(n)
+    packed = torch.full((g,), ZERO_GROUP, dtype=torch.uint8, device=device)
+    for p in range(n, 5 * g):  # at most four padding digits (0 instead of 1)
+        k, j = divmod(p, g)
+        packed[j] -= WEIGHTS[k]
+    return packed
+
+
+def _unpack_scale(packed: torch.Tensor, numel: int, scale: float, device: torch.device) -> torch.Tensor:
+    """Fused ``scale * unpack_base243(packed, numel)`` as float32, in chunks of groups.
+
+    With ``F_k = floor(byte / w_k)`` (exact in float32 for bytes <= 255), the digits are
+    ``d_0 = F_0`` and ``d_k = F_k - 3 F_(k-1)``, computed for all five parts at once into a
+    (5, width) buffer. Bytes must be <= 242 (checked by the caller).
+    """
+    g = groups(numel)
+    out = torch.empty(numel, dtype=torch.float32, device=device)
+    if numel == 0:
+        return out
+    packed = packed.to(device)
+    s_t = torch.tensor(scale, dtype=torch.float32, device=device)
+    w_col = torch.tensor(WEIGHTS, dtype=torch.float32, device=device).view(5, 1)
+    width_max = min(_chunk(device), g)
+    b_buf = torch.empty(width_max, dtype=torch.float32, device=device)
+    f_buf = torch.empty(5 * width_max, dtype=torch.float32, device=device)
+    q_buf = torch.empty(5 * width_max, dtype=torch.float32, device=device)
+    for a in range(0, g, width_max):
+        width = min(width_max, g - a)
+        b = b_buf[:width]
+        b.copy_(packed[a : a + width])
+        f = f_buf[: 5 * width].view(5, width)
+        q = q_buf[: 5 * width].view(5, width)
+        torch.div(b.unsqueeze(0), w_col, out=f)
+        f.floor_()
+        torch.sub(f[0], 1.0, out=q[0])
+        torch.sub(f[1:], f[:-1], alpha=3, out=q[1:])
+        q[1:].sub_(1.0)
+        full = _full_rows(numel, g, a, width)
+        if full:
+            torch.mul(q[:full], s_t, out=_rows(out, g, a, full, width))
+        if full < 5:
+            lo = full * g + a
+            part = max(0, min(width, numel - lo))
+            if part:
+                torch.mul(q[full, :part], s_t, out=out[lo : lo + part])
+    return out
+
+
+# --- zero-run encoding ----------------------------------------------------------------------------
+
+
+def zero_run_encode(packed: torch.Tensor) -> torch.Tensor:
+    """Replace runs of the byte 121 by run bytes 243..255 (rule in the module docstring).
+
+    Vectorized over the ``K`` bytes that are not 121 rather than over the input: their
+    positions split the input into ``K + 1`` gaps (maximal runs of 121, possibly empty) of
+    lengths ``L_i``. Gap ``i`` becomes ``c_i = ceil(L_i / 14)`` bytes: 255s, the last one being
+    the remainder piece of ``r_i = L_i - 14 (c_i - 1)`` (1..14) 121s, coded ``241 + r_i``, or 121
+    when ``r_i == 1``; each gap but the last is followed by its non-121 byte. The output is
+    filled with 255, then two scatters place the last pieces and the non-121 bytes. Index
+    arithmetic is int64 of size ``K``, nothing of the input's size but one subtraction.
+    """
+    x = packed.reshape(-1)
+    g = x.numel()
+    dev = x.device
+    pos = torch.nonzero(x - ZERO_GROUP).reshape(-1)  # uint8 difference: non-zero where x != 121
+    k = pos.numel()
+    if k == g:  # no 121 at all
+        return x.clone()
+    bounds = torch.cat([pos.new_tensor([-1]), pos, pos.new_tensor([g])])
+    gap = torch.diff(bounds).sub_(1)  # L_i, i = 0..K
+    nbytes = torch.div(gap + (MAX_RUN - 1), MAX_RUN, rounding_mode="floor")  # c_i
+    # Output with one leading dummy byte: gap i's last piece lands at ends_i - 1 and its
+    # following byte at ends_i. An empty gap's "last piece" lands on the dummy or on the
+    # previous non-121 byte, which the second scatter then writes.
+    ends = torch.cumsum(nbytes.add_(1), 0)  # nbytes now c_i + 1
+    total = int(ends[-1])  # the dummy and the output
+    out = torch.full((total,), RUN_BASE + MAX_RUN - 2, dtype=torch.uint8, device=dev)  # 255
+    rem = gap.add_(2 * MAX_RUN).sub_(nbytes, alpha=MAX_RUN)  # r_i = L_i - 14 (c_i - 1), 14 when L_i = 0
+    out[ends - 1] = _LAST_PIECE.to(dev)[rem]
+    if k:
+        out[ends[:-1]] = x[pos]
+    return out[1:]
+
+
+def zero_run_expanded_length(data: torch.Tensor) -> int:
+    """How many bytes ``data`` expands to: ``v - 241`` for each byte ``v >= 243``, else 1."""
+    extra = torch.clamp(data.reshape(-1), min=RUN_BASE - 1) - (RUN_BASE - 1)  # uint8, 0..13
+    return data.numel() + int(extra.sum(dtype=torch.int64))
+
+
+def zero_run_decode(data: torch.Tensor, expected_len: int, name: str = "") -> torch.Tensor:
+    """Expand run bytes 243..255 back to runs of 121; the result has ``expected_len`` bytes.
+
+    The expanded length is computed from ``data`` before anything of that size is allocated;
+    a mismatch raises :class:`PayloadError` naming ``name``.
+    """
+    x = data.reshape(-1)
+    total = zero_run_expanded_length(x)
+    if total != expected_len:
+        raise PayloadError(name, f"zero runs expand to {total} groups, expected {expected_len}")
+    if total == x.numel():  # no run bytes
+        return x.clone()
+    is_run = x >= RUN_BASE
+    counts = torch.where(is_run, x - (RUN_BASE - 2), 1).to(torch.uint8)
+    idx_dtype = torch.int32 if total < 2**31 - 1 else torch.int64
+    ends = torch.cumsum(counts, 0, dtype=idx_dtype)
+    keep = ~is_run
+    pos = (ends - counts)[keep]
+    out = torch.full((total,), ZERO_GROUP, dtype=torch.uint8, device=x.device)
+    out[pos] = x[keep]
+    return out
+
+
+# --- the codec ------------------------------------------------------------------------------------
+
+
+class ThreeLC(Codec):
+    """3LC: 3-value quantization (sparsity multiplier ``s``), base-3^5 packing, zero-run encoding.
+
+    ``s`` in [1, 2) trades accuracy for sparsity (larger: more zeros, shorter zero-run output);
+    ``zero_run`` turns the final lossless step on (default) or off (exactly 1.6 bits per value).
+    Stateless: error accumulation is :class:`fedcomp.feedback.ErrorFeedback`'s job, fed by the
+    reconstruction that encoding returns.
+    """
+
+    codec_id = "3lc"
+    version = 1
+
+    def __init__(self, s: float = 1.0, zero_run: bool = True) -> None:
+        if isinstance(s, bool) or not isinstance(s, numbers.Real):
+            raise ConfigError(f"s: must be a number in [1, 2), got {s!r}")
+        s = float(s)
+        if not (1.0 <= s < 2.0):
+            raise ConfigError(f"s: must be in [1, 2), got {s!r}")
+        if not isinstance(zero_run, bool):
+            raise ConfigError(f"zero_run: must be true or false, got {zero_run!r}")
+        self.s = s
+        self.zero_run = zero_run
+
+    def _params(self) -> dict[str, Any]:
+        return {"s": self.s, "zero_run": self.zero_run}
+
+    def _encode(self, flat: torch.Tensor, name: str) -> tuple[Payload, torch.Tensor | None]:
+        n = flat.numel()
+        m = scale_for(max_abs(flat, name), self.s)
+        if m == 0.0:
+            packed = _zero_packed(n, flat.device)
+            recon = torch.zeros(n, dtype=torch.float32, device=flat.device)
+        else:
+            packed, recon = _quantize_pack(flat, m)
+        if self.zero_run:
+            packed = zero_run_encode(packed)
+        data = packed.cpu().numpy().tobytes()
+        return ThreeLCPayload(scale=m, numel=n, zero_run=self.zero_run, data=data), recon
+
+    def _decode(self, payload: Payload, spec: TensorSpec, device: torch.device) -> torch.Tensor:
+        name = spec.name
+        expect_payload(payload, ThreeLCPayload, name)
+        assert isinstance(payload, ThreeLCPayload)
+        numel = spec.numel
+        if isinstance(payload.numel, bool) or not isinstance(payload.numel, int) or payload.numel != numel:
+            raise PayloadError(name, f"payload has {payload.numel!r} values, expected {numel}")
+        scale = payload.scale
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale < 0:
+            raise PayloadError(name, f"scale {scale!r} is not a finite number >= 0")
+        data = payload.data
+        if not isinstance(data, (bytes, bytearray)) or not isinstance(payload.zero_run, bool):
+            raise PayloadError(name, "malformed 3LC payload (data must be bytes, zero_run a bool)")
+        g = groups(numel)
+        if not payload.zero_run and len(data) != g:
+            raise PayloadError(name, f"data is {len(data)} bytes, expected {g}")
+        if len(data) > g:  # a zero-run stream is never longer than its expansion
+            raise PayloadError(name, f"data is {len(data)} bytes, more than the {g} groups it codes")
+        if g == 0:
+            return torch.zeros(0, dtype=torch.float32, device=device)
+        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
+        if payload.zero_run:
+            packed = zero_run_decode(raw, g, name)
+        else:
+            top = int(raw.max())
+            if top >= RUN_BASE:
+                raise PayloadError(name, f"byte {top} is not a base-3^5 code (0..242) without zero runs")
+            packed = raw
+        return _unpack_scale(packed, numel, float(scale), device)

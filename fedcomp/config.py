@@ -1,0 +1,138 @@
+"""The Flower app's run config, validated once at start.
+
+``[tool.flwr.app.config]`` in ``pyproject.toml`` holds the defaults (kebab-case keys); ``flwr run
+--run-config "key=value ..."`` overrides them. :class:`AppConfig` is the one place that says which
+keys exist, their types and their ranges: the ServerApp and the ClientApp both call
+:meth:`AppConfig.from_run_config`, so a bad value stops the run before the first round with a
+:class:`~fedcomp.errors.ConfigError` that names the key (``lr: must be > 0``).
+
+To add a setting: add a field with ``alias="the-kebab-key"`` here and the same key with its default
+in ``pyproject.toml``. Unknown keys are rejected, so the two cannot silently drift apart.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from fedcomp.errors import ConfigError
+from fedcomp.flower.settings import CompressionConfig
+
+#: Environment variables read when the matching config value is empty.
+DATA_DIR_ENV = "FEDCOMP_DATA_DIR"
+RESULTS_DIR_ENV = "FEDCOMP_RESULTS_DIR"
+
+Dataset = Literal["digits", "mnist", "fashion-mnist"]
+
+
+class AppConfig(BaseModel):
+    """Run config of the fedcomp Flower app. Field aliases are the kebab-case run-config keys."""
+
+    model_config = ConfigDict(
+        populate_by_name=True,  # AppConfig(num_server_rounds=3) works as well as the alias
+        extra="forbid",
+        strict=True,  # no "3" -> 3 or True -> 1; an int is still accepted for a float field
+        frozen=True,
+    )
+
+    num_server_rounds: int = Field(5, alias="num-server-rounds", ge=1)
+    #: Clients sampled per round; 0 = every connected SuperNode.
+    clients_per_round: int = Field(0, alias="clients-per-round", ge=0)
+    lr: float = Field(1e-3, alias="lr", gt=0)
+    batch_size: int = Field(32, alias="batch-size", ge=1)
+    optimizer: Literal["adam", "sgd"] = Field("adam", alias="optimizer")
+    device: Literal["auto", "cpu", "cuda"] = Field("cpu", alias="device")
+    #: torch.set_num_threads in every ClientApp/ServerApp process; 0 = leave torch's default.
+    #: 1 by default: simulated clients run side by side, and oversubscribed torch threads are
+    #: many times slower on a small machine.
+    torch_threads: int = Field(1, alias="torch-threads", ge=0)
+    dataset: Dataset = Field("digits", alias="dataset")
+    #: Folder holding ``mnist/`` and ``fashion-mnist/``; "" = the FEDCOMP_DATA_DIR variable.
+    data_dir: str = Field("", alias="data-dir")
+    partitioning: Literal["iid", "dirichlet"] = Field("iid", alias="partitioning")
+    dirichlet_alpha: float = Field(0.5, alias="dirichlet-alpha", gt=0)
+    seed: int = Field(0, alias="seed", ge=0)
+    #: Root of the results folders; "" = FEDCOMP_RESULTS_DIR, else ``results`` in the cwd.
+    results_dir: str = Field("", alias="results-dir")
+    #: Name of this run's results folder; "" = a timestamp.
+    run_name: str = Field("", alias="run-name")
+    #: Codecs, schedules (local iterations, p, s) and the other compression keys; validated by
+    #: :class:`fedcomp.flower.settings.CompressionConfig`, from the same flat run config.
+    compression: CompressionConfig = Field(default_factory=CompressionConfig)
+
+    @field_validator("run_name")
+    @classmethod
+    def _plain_name(cls, v: str) -> str:
+        if v in (".", "..") or "/" in v or "\\" in v:
+            raise ValueError("must be a plain folder name (no '/', not '.' or '..')")
+        return v
+
+    # --- construction -----------------------------------------------------------------------
+
+    @classmethod
+    def from_run_config(
+        cls, run_config: Mapping[str, Any], ignore: Iterable[str] = ()
+    ) -> AppConfig:
+        """Validate ``context.run_config``; raise :class:`ConfigError` naming the bad key.
+
+        ``ignore``: keys validated elsewhere (e.g. another settings model's aliases), skipped here
+        instead of being rejected as unknown.
+        """
+        skip = set(ignore)
+        comp_keys = CompressionConfig.keys()
+        compression = CompressionConfig.from_run_config({k: v for k, v in run_config.items() if k in comp_keys})
+        data = {k: v for k, v in run_config.items() if k not in skip and k not in comp_keys}
+        try:
+            return cls.model_validate({**data, "compression": compression})
+        except ValidationError as err:
+            raise ConfigError(_format_errors(err)) from None
+
+    def to_run_config(self) -> dict[str, Any]:
+        """The kebab-case dict this config came from (what results.json records)."""
+        return {**self.model_dump(by_alias=True, exclude={"compression"}), **self.compression.to_run_config()}
+
+    # --- resolved paths ----------------------------------------------------------------------
+
+    def resolved_data_dir(self) -> Path | None:
+        """``data-dir``, else ``$FEDCOMP_DATA_DIR``, else None (only "digits" needs no folder)."""
+        value = self.data_dir or os.environ.get(DATA_DIR_ENV, "")
+        return Path(value).expanduser() if value else None
+
+    def resolved_results_dir(self) -> Path:
+        """``results-dir``, else ``$FEDCOMP_RESULTS_DIR``, else ``results`` in the cwd."""
+        value = self.results_dir or os.environ.get(RESULTS_DIR_ENV, "") or "results"
+        return Path(value).expanduser()
+
+
+# Turn pydantic's messages into "key: what is wrong", with the kebab-case key.
+_MESSAGES = {
+    "greater_than": "must be > {gt}",
+    "greater_than_equal": "must be >= {ge}",
+    "less_than": "must be < {lt}",
+    "less_than_equal": "must be <= {le}",
+    "literal_error": "must be one of {expected}",
+    "extra_forbidden": "unknown key (not a field of fedcomp.config.AppConfig)",
+    "int_type": "must be an integer",
+    "float_type": "must be a number",
+    "string_type": "must be a string",
+    "bool_type": "must be true or false",
+}
+
+
+def _format_errors(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"])
+        template = _MESSAGES.get(e["type"])
+        if template is not None:
+            msg = template.format(**(e.get("ctx") or {}))
+        else:
+            msg = e["msg"].removeprefix("Value error, ")
+        if "input" in e and e["type"] != "extra_forbidden":
+            msg += f" (got {e['input']!r})"
+        lines.append(f"{key}: {msg}" if key else msg)
+    return "invalid run config: " + "; ".join(lines)

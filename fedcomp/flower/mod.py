@@ -1,0 +1,168 @@
+"""Client side: a Flower mod that gives any ClientApp compressed traffic both ways.
+
+On a message from :class:`~fedcomp.flower.strategy.CompressionStrategy` it rebuilds the model
+from the compressed downlink into an ordinary ArrayRecord, calls the app's handler, and for a
+train reply replaces the trained model with an SBC-compressed delta (plus the residual from
+earlier rounds). Replica, version and residual persist in ``context.state``: in deployment a
+fresh ClientApp process serves every message, so nothing may live in Python globals.
+
+    app = ClientApp(mods=[compression_mod])
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, RecordDict
+from flwr.app.message_type import MessageType  # type: ignore[import-not-found]
+from flwr.clientapp.typing import ClientAppCallable  # type: ignore[import-not-found]
+
+from fedcomp.codecs import DenseFP32, get_codec
+from fedcomp.errors import ConfigError, PayloadError
+from fedcomp.flower import keys
+from fedcomp.flower.records import digest, record_from_tensors, tensors_from_record
+from fedcomp.flower.replica import apply_delta
+from fedcomp.serde import update_from_bytes, update_to_bytes
+from fedcomp.update import UpdateEncoder, decode_update, specs_of
+
+log = logging.getLogger("fedcomp")
+
+#: Error code of a reply that asks the server for a full resync.
+RESYNC_ERROR_CODE = 6  # flwr.common.constant.ErrorCode.MOD_FAILED_PRECONDITION
+
+
+def pick_device(setting: str) -> torch.device:
+    """``auto`` means CUDA when present; ``cuda`` without a GPU is a configuration error."""
+    if setting == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("client-device: 'cuda' was asked for but no CUDA device is available")
+    if setting == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda")
+
+
+class ClientState:
+    """The mod's per-client state, loaded from and saved to ``context.state``."""
+
+    def __init__(self, context: Context, device: torch.device) -> None:
+        self.context, self.device = context, device
+        state = context.state
+        meta = state.config_records.get(keys.STATE_META)
+        self.version: int | None = None
+        self.replica: dict[str, torch.Tensor] | None = None
+        if meta is not None and keys.STATE_REPLICA in state.array_records:
+            replica = tensors_from_record(state.array_records[keys.STATE_REPLICA], device)
+            if digest(replica) == meta["digest"]:
+                self.version, self.replica = int(meta["version"]), replica  # type: ignore[arg-type]
+            else:
+                log.warning("fedcomp: stored replica fails its digest check; asking for a full resync")
+        res = state.array_records.get(keys.STATE_RESIDUAL)
+        self.residual = tensors_from_record(res, device) if res is not None else {}
+
+    def save(self) -> None:
+        state = self.context.state
+        if self.replica is None or self.version is None:
+            for k in (keys.STATE_REPLICA, keys.STATE_META):
+                if k in state:
+                    del state[k]
+        else:
+            state[keys.STATE_REPLICA] = record_from_tensors(self.replica)
+            state[keys.STATE_META] = ConfigRecord({"version": self.version, "digest": digest(self.replica)})
+        state[keys.STATE_RESIDUAL] = record_from_tensors(self.residual)
+
+
+def _apply_downlink(st: ClientState, dl: ConfigRecord) -> None:
+    """Bring ``st.replica`` to the version the server sent; raise PayloadError when impossible."""
+    mode, target, want = str(dl["mode"]), int(dl["version"]), str(dl["digest"])  # type: ignore[arg-type]
+    payloads = list(dl.get("payloads", []))  # type: ignore[arg-type]
+    if mode == "full":
+        if len(payloads) != 1:
+            raise PayloadError("", "a full resync carries exactly one payload")
+        update = update_from_bytes(payloads[0])
+        if update.base_model_version != target:
+            raise PayloadError("", f"full replica is version {update.base_model_version}, expected {target}")
+        if st.replica is None:
+            specs = [_spec_from(t) for t in update.tensors]
+        else:
+            specs = specs_of(st.replica)
+        st.replica = decode_update(update, specs, [DenseFP32()], st.device)
+    elif mode == "chain":
+        if st.replica is None or st.version is None:
+            raise PayloadError("", "a delta chain was sent but this client holds no replica")
+        codec = get_codec(str(dl["downlink-codec"]))
+        specs, v = specs_of(st.replica), st.version
+        for data in payloads:
+            apply_delta(st.replica, data, specs, codec, v)
+            v += 1
+    elif mode != "none":
+        raise PayloadError("", f"unknown downlink mode {mode!r}")
+    if st.replica is None:
+        raise PayloadError("", "no replica after the downlink")
+    got = digest(st.replica)
+    if got != want:
+        raise PayloadError("", f"replica digest {got} after the downlink, the server has {want}")
+    st.version = target
+
+
+def _spec_from(enc):  # type: ignore[no-untyped-def]
+    """A spec for a full replica a new client has never seen: taken from the payload itself,
+    bounded by the dense payload's own length (the decoder checks it)."""
+    from fedcomp.codecs.base import TensorSpec
+    from fedcomp.codecs.payloads import TORCH_DTYPES
+
+    return TensorSpec(enc.name, tuple(enc.shape), TORCH_DTYPES[enc.dtype])
+
+
+def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
+    """Decompress the model going in, compress the update coming out (see the module docstring)."""
+    if not msg.has_content() or keys.DOWNLINK not in msg.content.config_records:
+        return call_next(msg, context)
+    dl = msg.content.config_records[keys.DOWNLINK]
+    device = pick_device(str(dl.get("device", "auto")))
+    st = ClientState(context, device)
+    try:
+        _apply_downlink(st, dl)
+    except PayloadError as exc:
+        st.replica, st.version = None, None
+        st.save()
+        log.warning("fedcomp: %s; asking for a full resync", exc)
+        return Message(Error(code=RESYNC_ERROR_CODE, reason=f"fedcomp resync needed: {exc}"), reply_to=msg)
+    assert st.replica is not None and st.version is not None
+    arrays_key = str(dl["arrays-key"])
+    content = RecordDict({k: v for k, v in msg.content.items() if k != keys.DOWNLINK})
+    content[arrays_key] = record_from_tensors(st.replica)
+    msg.content = content
+
+    reply = call_next(msg, context)
+
+    status = {"replica-version": st.version, "replica-digest": digest(st.replica)}
+    if reply.has_error():
+        st.save()
+        return reply
+    if msg.metadata.message_type == MessageType.TRAIN:
+        trained_rec = reply.content.array_records.get(arrays_key)
+        if trained_rec is None:
+            raise ConfigError(f"the ClientApp's train reply has no ArrayRecord {arrays_key!r}")
+        trained = tensors_from_record(trained_rec, device)
+        delta = {k: trained[k] - st.replica[k] for k in st.replica}
+        encoder = UpdateEncoder(
+            get_codec(json.loads(str(dl["uplink-codec"]))),
+            min_numel=int(dl["min-compress-numel"]),  # type: ignore[arg-type]
+            error_feedback=bool(dl["error-feedback"]),
+        )
+        encoder.load_state_dict(st.residual, device)
+        t0 = time.perf_counter()
+        data = update_to_bytes(encoder.encode(delta, base_model_version=st.version))
+        seconds = time.perf_counter() - t0
+        st.residual = encoder.state_dict()
+        out = RecordDict({k: v for k, v in reply.content.items() if k != arrays_key})
+        out[keys.UPLINK] = ConfigRecord(
+            {"payload": data, "encode-seconds": seconds, "device": str(device), **status}
+        )
+        reply.content = out
+    else:
+        reply.content[keys.UPLINK] = ConfigRecord(status)
+    st.save()
+    return reply

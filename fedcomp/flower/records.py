@@ -1,0 +1,41 @@
+"""Model tensors <-> Flower ArrayRecords, and the replica digest both sides compare."""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Mapping
+
+import torch
+from flwr.app import ArrayRecord
+
+from fedcomp.errors import ConfigError
+
+
+def tensors_from_record(record: ArrayRecord, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """Float32 tensors of an ArrayRecord, in its order. Only floating-point arrays are supported."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in record.to_torch_state_dict().items():
+        if not t.is_floating_point():
+            raise ConfigError(f"array {name!r} has dtype {t.dtype}: fedcomp compresses floating-point arrays only")
+        out[name] = t.to(device=device, dtype=torch.float32)
+    return out
+
+
+def record_from_tensors(tensors: Mapping[str, torch.Tensor]) -> ArrayRecord:
+    return ArrayRecord(OrderedDict((k, v.detach().cpu()) for k, v in tensors.items()))
+
+
+def digest(tensors: Mapping[str, torch.Tensor]) -> str:
+    """SHA-256 over names, shapes and float32 bytes, in order: equal iff bit-identical."""
+    h = hashlib.sha256()
+    for name, t in tensors.items():
+        h.update(name.encode())
+        h.update(repr(tuple(t.shape)).encode())
+        h.update(t.detach().to(torch.float32).contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()[:32]
+
+
+def fp32_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
+    """What the tensors would cost dense in float32: the baseline for compression factors."""
+    return 4 * sum(t.numel() for t in tensors.values())

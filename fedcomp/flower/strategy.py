@@ -1,0 +1,220 @@
+"""Server side: a strategy wrapper that gives any Flower strategy compressed traffic both ways.
+
+Downlink (3LC by default): every train/evaluate message the inner strategy builds has its model
+replaced by what that client needs to rebuild the replica (see ``replica.py``). Uplink (SBC by
+default): each client's reply carries a compressed delta against the replica it trained on; the
+wrapper decodes it, rebuilds ``global model + delta`` as an ordinary ArrayRecord and hands the replies
+to the inner strategy, which aggregates as usual. A reply whose payload is corrupt or hostile is
+dropped with a logged reason and the round goes on with the others.
+
+Pair it with :func:`fedcomp.flower.mod.compression_mod` on the clients.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
+
+from fedcomp.codecs import DenseFP32
+from fedcomp.errors import ConfigError, PayloadError
+from fedcomp.flower import keys
+from fedcomp.flower.records import fp32_bytes, record_from_tensors, tensors_from_record
+from fedcomp.flower.replica import ServerReplica
+from fedcomp.flower.settings import CompressionConfig
+from fedcomp.serde import update_from_bytes
+from fedcomp.update import decode_update
+
+log = logging.getLogger("fedcomp")
+
+
+@dataclass
+class RoundTraffic:
+    """Bytes per client (node id) and direction for one round, as they crossed the wire."""
+
+    uplink: dict[int, int] = field(default_factory=dict)
+    downlink: dict[int, int] = field(default_factory=dict)
+    dense_uplink: dict[int, int] = field(default_factory=dict)
+    dense_downlink: dict[int, int] = field(default_factory=dict)
+    downlink_mode: dict[int, str] = field(default_factory=dict)
+    rejected: dict[int, str] = field(default_factory=dict)
+    encode_seconds: float = 0.0  # server-side downlink compression time
+    decode_seconds: float = 0.0  # server-side uplink decompression time
+
+    def add_downlink(self, node: int, nbytes: int, dense: int, mode: str) -> None:
+        self.downlink[node] = self.downlink.get(node, 0) + nbytes
+        self.dense_downlink[node] = self.dense_downlink.get(node, 0) + dense
+        self.downlink_mode[node] = mode
+
+
+class CompressionStrategy(Strategy):
+    """Wrap ``strategy`` (FedAvg, FedProx, FedAdam, ...) so its traffic is compressed.
+
+    ``traffic[server_round]`` holds the measured bytes of each round.
+    """
+
+    def __init__(self, strategy: Strategy, config: CompressionConfig | None = None) -> None:
+        self.strategy = strategy
+        self.config = config or CompressionConfig()
+        self.replica: ServerReplica | None = None
+        self.traffic: dict[int, RoundTraffic] = {}
+        self._arrays_key: str = getattr(strategy, "arrayrecord_key", "arrays")
+        self._target: dict[str, torch.Tensor] | None = None  # the W the replica was last synced to
+        self._nodes: dict[int, tuple[int, str]] = {}  # node -> (replica version, digest) it reported
+        self._round = 0
+
+    # --- downlink ------------------------------------------------------------------------------
+
+    def _sync_replica(self, arrays: ArrayRecord, server_round: int) -> None:
+        """Bring the replica to the global model ``arrays`` (one compression per model change)."""
+        target = tensors_from_record(arrays)
+        if self.replica is None:
+            self.replica = ServerReplica(target, self.config.delta_log_size, self.config.min_compress_numel)
+        elif self._target is None or any(not torch.equal(target[k], self._target[k]) for k in target):
+            t0 = time.perf_counter()
+            self.replica.advance(target, self.config.downlink_codec_at(server_round))
+            self._traffic(server_round).encode_seconds += time.perf_counter() - t0
+        self._target = target
+
+    def _traffic(self, server_round: int) -> RoundTraffic:
+        return self.traffic.setdefault(server_round, RoundTraffic())
+
+    def _with_downlink(self, messages: Iterable[Message], server_round: int) -> list[Message]:
+        assert self.replica is not None
+        out = []
+        dense = fp32_bytes(self.replica.tensors)
+        for msg in messages:
+            node = msg.metadata.dst_node_id
+            version, digest = self._nodes.get(node, (None, None))
+            dl = self.replica.downlink_for(version, digest)
+            record = ConfigRecord(
+                {
+                    "mode": dl.mode,
+                    "payloads": list(dl.payloads),
+                    "version": dl.version,
+                    "digest": dl.digest,
+                    "arrays-key": self._arrays_key,
+                    "downlink-codec": self.config.downlink_codec,
+                    "uplink-codec": json.dumps(self.config.uplink_codec_at(server_round).get_config()),
+                    "error-feedback": self.config.error_feedback,
+                    "min-compress-numel": self.config.min_compress_numel,
+                    "device": self.config.client_device,
+                }
+            )
+            # A fresh RecordDict per message: the inner strategy shares one between all messages.
+            content = RecordDict({k: v for k, v in msg.content.items() if k != self._arrays_key})
+            content[keys.DOWNLINK] = record
+            msg.content = content
+            self._traffic(server_round).add_downlink(node, dl.nbytes, dense, dl.mode)
+            out.append(msg)
+        return out
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        self._sync_replica(arrays, server_round)
+        config = ConfigRecord(dict(config))
+        config[keys.LOCAL_ITERS] = self.config.local_iters_at(server_round)
+        msgs = self.strategy.configure_train(server_round, arrays, config, grid)
+        return self._with_downlink(msgs, server_round)
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        msgs = list(self.strategy.configure_evaluate(server_round, arrays, config, grid))
+        if not msgs:
+            return msgs
+        self._sync_replica(arrays, server_round)
+        return self._with_downlink(msgs, server_round)
+
+    # --- uplink --------------------------------------------------------------------------------
+
+    def _note_node(self, msg: Message) -> None:
+        """Remember the replica version a client reports; forget it when it erred or lied."""
+        node = msg.metadata.src_node_id
+        rec = msg.content.config_records.get(keys.UPLINK) if msg.has_content() else None
+        if rec is None:
+            self._nodes.pop(node, None)
+            return
+        version, digest = int(rec.get("replica-version", -1)), str(rec.get("replica-digest", ""))
+        assert self.replica is not None
+        if self.replica.digest_of(version) == digest:
+            self._nodes[node] = (version, digest)
+        else:
+            self._nodes.pop(node, None)
+
+    def _decode_reply(self, msg: Message, server_round: int) -> None:
+        """Replace the compressed payload in ``msg`` by ``W + delta`` (raises PayloadError)."""
+        assert self.replica is not None
+        rec = msg.content.config_records.get(keys.UPLINK)
+        if rec is None or not isinstance(rec.get("payload"), bytes):
+            raise PayloadError("", f"reply has no {keys.UPLINK} payload")
+        data: bytes = rec["payload"]  # type: ignore[assignment]
+        traffic = self._traffic(server_round)
+        node = msg.metadata.src_node_id
+        traffic.uplink[node] = len(data)
+        traffic.dense_uplink[node] = fp32_bytes(self.replica.tensors)
+        t0 = time.perf_counter()
+        update = update_from_bytes(data)
+        if update.base_model_version != self.replica.version:
+            raise PayloadError("", f"update is against version {update.base_model_version}, expected {self.replica.version}")
+        uplink_codec = self.config.uplink_codec_at(server_round)
+        delta = decode_update(update, self.replica.specs, [uplink_codec, DenseFP32()])
+        # The client trained from the replica R, but its delta is applied to the exact global
+        # model W: the inner strategy then aggregates W + delta_i, so W - R (what 3LC has not yet
+        # delivered) survives into the next round's downlink. Rebasing on R would drop it every
+        # round and turn 3LC's error accumulation off.
+        assert self._target is not None
+        model = {k: self._target[k] + delta[k] for k in self._target}
+        traffic.decode_seconds += time.perf_counter() - t0
+        content = RecordDict({k: v for k, v in msg.content.items() if k != keys.UPLINK})
+        content[self._arrays_key] = record_from_tensors(model)
+        msg.content = content
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        accepted = []
+        for msg in replies:
+            self._note_node(msg)
+            if msg.has_error():
+                accepted.append(msg)  # the inner strategy logs and skips it
+                continue
+            try:
+                self._decode_reply(msg, server_round)
+            except Exception as exc:  # noqa: BLE001 - one client's bytes must never stop the round
+                node = msg.metadata.src_node_id
+                if not isinstance(exc, PayloadError | ConfigError):
+                    log.exception("fedcomp: unexpected error decoding node %s's update", node)
+                    exc = PayloadError("", f"decoder failed: {type(exc).__name__}: {exc}")
+                # The client's replica state (checked above) is still good; only this update is
+                # lost, like a dropout. Its residual already counted it as sent.
+                self._traffic(server_round).rejected[node] = str(exc)
+                log.warning("fedcomp: rejected the update of node %s in round %s: %s", node, server_round, exc)
+                continue
+            accepted.append(msg)
+        return self.strategy.aggregate_train(server_round, accepted)
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        replies = list(replies)
+        for msg in replies:
+            self._note_node(msg)
+        return self.strategy.aggregate_evaluate(server_round, replies)
+
+    def summary(self) -> None:
+        c = self.config
+        log.info(
+            "fedcomp: uplink %s (p=%s, %s), downlink %s (s=%s), local iterations %s",
+            c.uplink_codec, c.sbc_p, c.sbc_mode, c.downlink_codec, c.threelc_s, c.local_iters,
+        )
+        self.strategy.summary()
+
+    def __repr__(self) -> str:
+        return f"CompressionStrategy({self.strategy!r})"

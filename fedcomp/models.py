@@ -1,0 +1,150 @@
+"""The model of the SBC paper's MNIST experiments, local training, and evaluation."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["LeNet5Caffe", "resolve_device", "train_local", "evaluate", "state_dict_nbytes"]
+
+
+class LeNet5Caffe(nn.Module):
+    """Caffe's LeNet-5 (used by Sattler et al., SBC, for MNIST): 431,080 parameters.
+
+    conv 1->20 5x5, maxpool 2, conv 20->50 5x5, maxpool 2, fc 800->500, ReLU, fc 500->10.
+    Input ``N x 1 x 28 x 28``, output logits ``N x 10``. As in Caffe, the convolutions have no
+    nonlinearity.
+    """
+
+    def __init__(self, num_classes: int = 10) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 20, kernel_size=5)
+        self.conv2 = nn.Conv2d(20, 50, kernel_size=5)
+        self.fc1 = nn.Linear(800, 500)
+        self.fc2 = nn.Linear(500, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.max_pool2d(self.conv1(x), 2)  # 20 x 12 x 12
+        x = F.max_pool2d(self.conv2(x), 2)  # 50 x 4 x 4
+        x = F.relu(self.fc1(torch.flatten(x, 1)))
+        return self.fc2(x)
+
+
+def state_dict_nbytes(model: nn.Module) -> int:
+    """Bytes of all tensors in the state dict as stored (fp32 model: 4 x #params)."""
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """Map "auto" to cuda when available, else cpu; pass anything else to torch.device."""
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+Batches = Iterable[tuple[torch.Tensor, torch.Tensor]]
+
+
+def _tensor_batches(
+    x: torch.Tensor, y: torch.Tensor, batch_size: int, generator: torch.Generator | None
+) -> Batches:
+    """Endless shuffled minibatches of (x, y); reshuffles at the end of every epoch."""
+    n = len(y)
+    if n == 0:
+        raise ValueError("train_local: no training samples")
+    batch_size = min(batch_size, n)
+    while True:
+        perm = torch.randperm(n, generator=generator)
+        for start in range(0, n - batch_size + 1, batch_size):  # drop the ragged last batch
+            idx = perm[start : start + batch_size]
+            yield x[idx], y[idx]
+
+
+def _cycle(loader: Batches) -> Batches:
+    while True:
+        empty = True
+        for batch in loader:
+            empty = False
+            yield batch[0], batch[1]
+        if empty:
+            raise ValueError("train_local: the data loader yielded no batches")
+
+
+def train_local(
+    model: nn.Module,
+    data: tuple[torch.Tensor, torch.Tensor] | Batches,
+    iterations: int,
+    lr: float,
+    optimizer: Literal["adam", "sgd"] = "adam",
+    device: str | torch.device = "cpu",
+    *,
+    batch_size: int = 32,
+    momentum: float = 0.0,
+    weight_decay: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> float:
+    """Run exactly ``iterations`` minibatch steps on ``data`` and return the mean training loss.
+
+    ``data`` is either a tuple ``(x, y)`` of tensors (shuffled minibatches of ``batch_size``,
+    reshuffled each epoch with ``generator``) or any iterable of ``(x, y)`` batches such as a
+    ``DataLoader``; both are cycled until ``iterations`` steps have run. A fresh optimizer is made
+    per call (no optimizer state is carried between federated rounds).
+    """
+    if iterations < 1:
+        raise ValueError(f"local-iters: must be >= 1 (got {iterations})")
+    device = resolve_device(device)
+    model.to(device).train()
+    if optimizer == "adam":
+        opt: torch.optim.Optimizer = torch.optim.Adam(
+            model.parameters(), lr=lr, weight_decay=weight_decay
+        )
+    elif optimizer == "sgd":
+        opt = torch.optim.SGD(
+            model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay
+        )
+    else:
+        raise ValueError(f"optimizer: must be 'adam' or 'sgd' (got {optimizer!r})")
+
+    if isinstance(data, tuple) and len(data) == 2 and isinstance(data[0], torch.Tensor):
+        batches = _tensor_batches(data[0], data[1], batch_size, generator)
+    else:
+        batches = _cycle(data)
+
+    total = torch.zeros((), device=device)
+    for _, (xb, yb) in zip(range(iterations), batches):
+        xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(xb), yb)
+        loss.backward()
+        opt.step()
+        total += loss.detach()
+    return float(total) / iterations
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    device: str | torch.device = "cpu",
+    batch_size: int = 1000,
+) -> tuple[float, float]:
+    """Mean cross-entropy loss and accuracy of ``model`` on ``(x, y)``."""
+    device = resolve_device(device)
+    model.to(device).eval()
+    n = len(y)
+    if n == 0:
+        raise ValueError("evaluate: empty test set")
+    loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+    correct = torch.zeros((), device=device, dtype=torch.long)
+    for start in range(0, n, batch_size):
+        xb = x[start : start + batch_size].to(device)
+        yb = y[start : start + batch_size].to(device)
+        logits = model(xb)
+        loss_sum += F.cross_entropy(logits, yb, reduction="sum").double()
+        correct += (logits.argmax(1) == yb).sum()
+    return float(loss_sum) / n, int(correct) / n

@@ -1,0 +1,281 @@
+"""Per-round results: a table printed as the run goes, and ``results/<run>/results.json``.
+
+The recorder knows nothing about compression. Whoever moves bytes reports them with
+:meth:`RunRecorder.add_traffic` (per client, per direction, actual and dense-equivalent sizes);
+:meth:`RunRecorder.add_metrics` attaches extra numbers (``train_loss``); whoever evaluates the
+global model closes the round with :meth:`RunRecorder.end_round`, which
+sums the traffic, prints one table row and rewrites ``results.json`` (so a crashed run still
+leaves every finished round on disk). :meth:`RunRecorder.finish` marks the run completed.
+
+``results.json``::
+
+    {
+      "run_name": "...", "status": "running" | "completed" | "failed", "error": null,
+      "started_at": "2025-...Z", "finished_at": ..., "config": {... run config ...},
+      "summary": {...},
+      "rounds": [
+        {"round": 0, "accuracy": 0.1, "loss": 2.3,
+         "uplink_bytes": 0, "downlink_bytes": 0, "dense_uplink_bytes": 0,
+         "dense_downlink_bytes": 0, "uplink_compression": null, "downlink_compression": null,
+         "num_clients": 0, "round_time_s": 0.4, "wall_time_s": 0.4,
+         "clients": {"ids": [], "uplink_bytes": [], "downlink_bytes": [],
+                     "dense_uplink_bytes": [], "dense_downlink_bytes": []},
+         ... extra metrics passed to end_round ...},
+        ...
+      ]
+    }
+
+Round 0 is the evaluation of the initial model (no traffic). Compression factors are
+dense / actual bytes (null when nothing was sent).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from fedcomp.config import RESULTS_DIR_ENV
+
+__all__ = ["RESULTS_FILE", "ClientTraffic", "RunRecorder", "resolve_results_root"]
+
+RESULTS_FILE = "results.json"
+_DIRECTIONS = ("uplink_bytes", "downlink_bytes", "dense_uplink_bytes", "dense_downlink_bytes")
+
+
+def resolve_results_root(results_dir: str | Path | None = None) -> Path:
+    """``results_dir`` if non-empty, else ``$FEDCOMP_RESULTS_DIR``, else ``./results``."""
+    value = str(results_dir) if results_dir else os.environ.get(RESULTS_DIR_ENV, "") or "results"
+    return Path(value).expanduser().resolve()
+
+
+@dataclass
+class ClientTraffic:
+    uplink_bytes: int = 0
+    downlink_bytes: int = 0
+    dense_uplink_bytes: int = 0
+    dense_downlink_bytes: int = 0
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return f"{n}B"
+
+
+def _ratio(dense: int, actual: int) -> float | None:
+    return dense / actual if actual > 0 else None
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None  # NaN/inf are not JSON
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if hasattr(value, "item"):  # numpy / torch scalars
+        return _jsonable(value.item())
+    return str(value)
+
+
+class RunRecorder:
+    """Collects per-round metrics and traffic, prints a table, writes ``results.json``.
+
+    Parameters
+    ----------
+    config : the run's config (recorded verbatim under ``"config"``).
+    results_dir : root folder; empty/None = ``$FEDCOMP_RESULTS_DIR`` or ``./results``.
+    run_name : the run's folder under the root; empty/None = a UTC timestamp (with a numeric
+        suffix if that folder exists). An explicit name reuses (overwrites) its folder.
+    stream : where the table goes (``None`` = no table). Default: stdout.
+    """
+
+    def __init__(
+        self,
+        config: Mapping[str, Any],
+        results_dir: str | Path | None = None,
+        run_name: str | None = None,
+        stream: IO[str] | None = sys.stdout,
+    ) -> None:
+        root = resolve_results_root(results_dir)
+        self.started_at = _dt.datetime.now(_dt.UTC)
+        if run_name:
+            name = run_name
+        else:
+            base = self.started_at.strftime("%Y%m%d-%H%M%S")
+            name, k = base, 1
+            while (root / name).exists():
+                name, k = f"{base}-{k}", k + 1
+        self.run_name = name
+        self.run_dir = root / name
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / RESULTS_FILE
+        self.stream = stream
+        self._config = _jsonable(dict(config))
+        self._t0 = time.monotonic()
+        self._t_round = self._t0
+        self._rounds: list[dict[str, Any]] = []
+        self._traffic: dict[str, ClientTraffic] = {}
+        self._metrics: dict[str, Any] = {}
+        self._status = "running"
+        self._error: str | None = None
+        self._summary: dict[str, Any] = {}
+        self._header_printed = False
+        self._write()
+
+    # --- recording ----------------------------------------------------------------------------
+
+    @property
+    def current_round(self) -> int:
+        """The round traffic is being added to: one past the last ended round (0 at start)."""
+        return self._rounds[-1]["round"] + 1 if self._rounds else 0
+
+    @property
+    def rounds(self) -> list[dict[str, Any]]:
+        return list(self._rounds)
+
+    def add_traffic(
+        self,
+        client: int | str,
+        *,
+        uplink_bytes: int = 0,
+        downlink_bytes: int = 0,
+        dense_uplink_bytes: int = 0,
+        dense_downlink_bytes: int = 0,
+    ) -> None:
+        """Add bytes moved to/from ``client`` in the current round (accumulates per client)."""
+        t = self._traffic.setdefault(str(client), ClientTraffic())
+        t.uplink_bytes += int(uplink_bytes)
+        t.downlink_bytes += int(downlink_bytes)
+        t.dense_uplink_bytes += int(dense_uplink_bytes)
+        t.dense_downlink_bytes += int(dense_downlink_bytes)
+
+    def add_metrics(self, **metrics: Any) -> None:
+        """Attach extra metrics (e.g. ``train_loss``) to the current round's entry."""
+        self._metrics.update(_jsonable(metrics))
+
+    def end_round(
+        self, round: int, *, accuracy: float, loss: float, **metrics: Any
+    ) -> dict[str, Any]:
+        """Close ``round``: sum its traffic, print a row, rewrite results.json; return the entry."""
+        now = time.monotonic()
+        ids = sorted(self._traffic, key=lambda c: (len(c), c))  # numeric order for node ids
+        clients: dict[str, list[Any]] = {"ids": ids}
+        for key in _DIRECTIONS:
+            clients[key] = [getattr(self._traffic[c], key) for c in ids]
+        totals = {key: sum(clients[key]) for key in _DIRECTIONS}
+        entry: dict[str, Any] = {
+            "round": int(round),
+            "accuracy": float(accuracy),
+            "loss": float(loss),
+            **totals,
+            "uplink_compression": _ratio(totals["dense_uplink_bytes"], totals["uplink_bytes"]),
+            "downlink_compression": _ratio(
+                totals["dense_downlink_bytes"], totals["downlink_bytes"]
+            ),
+            "num_clients": len(ids),
+            "round_time_s": round_s(now - self._t_round),
+            "wall_time_s": round_s(now - self._t0),
+            "clients": clients,
+            **self._metrics,
+            **_jsonable(metrics),
+        }
+        self._rounds.append(entry)
+        self._traffic = {}
+        self._metrics = {}
+        self._t_round = now
+        self._print_row(entry)
+        self._write()
+        return entry
+
+    def finish(self, status: str = "completed", error: str | None = None, **summary: Any) -> Path:
+        """Mark the run ``status`` ("completed" | "failed"), add a summary, write; return path."""
+        self._status = status
+        self._error = error
+        self._summary.update(_jsonable(summary))
+        if self._rounds:
+            last = self._rounds[-1]
+            self._summary.setdefault("final_accuracy", last["accuracy"])
+            self._summary.setdefault("best_accuracy", max(r["accuracy"] for r in self._rounds))
+            for key in _DIRECTIONS:
+                self._summary.setdefault(f"total_{key}", sum(r[key] for r in self._rounds))
+        self._summary.setdefault("wall_time_s", round_s(time.monotonic() - self._t0))
+        self._write(finished=True)
+        if self.stream is not None:
+            print(f"[fedcomp] run {status}: results in {self.path}", file=self.stream, flush=True)
+        return self.path
+
+    # --- output -------------------------------------------------------------------------------
+
+    _COLUMNS = (
+        ("round", 5), ("acc", 7), ("loss", 7), ("up", 9), ("down", 9),
+        ("dense_up", 9), ("dense_dn", 9), ("up_x", 7), ("down_x", 7), ("time_s", 7),
+    )  # fmt: skip
+
+    def _print_row(self, e: dict[str, Any]) -> None:
+        if self.stream is None:
+            return
+        if not self._header_printed:
+            print(f"[fedcomp] run {self.run_name}: results in {self.path}", file=self.stream)
+            print(" ".join(f"{n:>{w}}" for n, w in self._COLUMNS), file=self.stream)
+            self._header_printed = True
+
+        def factor(x: float | None) -> str:
+            return "-" if x is None else f"{x:.1f}"
+
+        cells = (
+            str(e["round"]),
+            f"{e['accuracy']:.4f}",
+            f"{e['loss']:.4f}",
+            _fmt_bytes(e["uplink_bytes"]),
+            _fmt_bytes(e["downlink_bytes"]),
+            _fmt_bytes(e["dense_uplink_bytes"]),
+            _fmt_bytes(e["dense_downlink_bytes"]),
+            factor(e["uplink_compression"]),
+            factor(e["downlink_compression"]),
+            f"{e['wall_time_s']:.1f}",
+        )
+        print(" ".join(f"{c:>{w}}" for c, (_, w) in zip(cells, self._COLUMNS)), file=self.stream)
+        self.stream.flush()
+
+    def to_dict(self, finished: bool = False) -> dict[str, Any]:
+        return {
+            "run_name": self.run_name,
+            "status": self._status,
+            "error": self._error,
+            "started_at": self.started_at.isoformat().replace("+00:00", "Z"),
+            "finished_at": (
+                _dt.datetime.now(_dt.UTC).isoformat().replace("+00:00", "Z") if finished else None
+            ),
+            "config": self._config,
+            "summary": self._summary,
+            "rounds": self._rounds,
+        }
+
+    def _write(self, finished: bool = False) -> None:
+        """Atomically replace results.json (readers never see a half-written file)."""
+        data = json.dumps(self.to_dict(finished), indent=2, allow_nan=False)
+        fd, tmp = tempfile.mkstemp(dir=self.run_dir, prefix=".results-", suffix=".json")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(data + "\n")
+            os.replace(tmp, self.path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+
+def round_s(seconds: float) -> float:
+    return round(seconds, 3)

@@ -1,0 +1,1 @@
+"""Helpers for tests and benchmarks (not imported by the apps)."""

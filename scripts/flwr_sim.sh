@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Run the fedcomp Flower app as a sandboxed local simulation and check that it completed.
+#
+#   scripts/flwr_sim.sh [APP_DIR] [-n NUM_SUPERNODES] [-t TIMEOUT_S] [-c "key=value ..."]...
+#   scripts/flwr_sim.sh -n 10 -c "dataset='mnist' data-dir='/work/shared/data'"
+#
+# Starts its own SuperLink on a free port with a temporary FLWR_HOME (telemetry, update check
+# and runtime `uv sync` off), runs `flwr run --stream`, checks results.json (flwr run exits 0
+# even when the run failed) and stops every process it started. Exit code 0 = run completed.
+# Results go to results-dir, else $FEDCOMP_RESULTS_DIR, else ./results (of the caller's cwd).
+# See fedcomp/testing/flower.py (run_simulation) for the details.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" FEDCOMP_APP_DIR="${FEDCOMP_APP_DIR:-$root}"
+exec python -m fedcomp.testing.flower "$@"

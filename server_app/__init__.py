@@ -1,0 +1,1 @@
+"""The fedcomp ServerApp (see server_app/app.py)."""

@@ -1,0 +1,200 @@
+import math
+import time
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fedcomp.codecs.golomb import (
+    MAX_B,
+    decode_positions,
+    encode_positions,
+    expected_bits_per_position,
+    golomb_b,
+)
+from fedcomp.errors import PayloadError
+from tests.codecs import kit, reference_sbc as ref
+
+FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_golomb_b_worked_values():
+    assert golomb_b(0.01) == 6
+    assert golomb_b(0.001) == 9
+    assert round(expected_bits_per_position(0.01, 6), 2) == 8.11
+    assert round(expected_bits_per_position(0.001, 9), 2) == 11.49
+
+
+def test_golomb_b_edges():
+    assert golomb_b(0.0) == MAX_B and golomb_b(-1.0) == MAX_B
+    assert golomb_b(1e-300) == MAX_B  # log1p(-p) underflows to -0.0
+    assert golomb_b(1.0) == 0 and golomb_b(2.0) == 0
+    assert golomb_b(0.5) == 0 and golomb_b(0.9) == 0
+    with pytest.raises(ValueError):
+        golomb_b(math.nan)
+
+
+@given(st.floats(min_value=1e-9, max_value=0.999))
+@FAST
+def test_golomb_b_matches_reference_and_is_monotone(p):
+    assert golomb_b(p) == ref.golomb_b(p)
+    assert golomb_b(p) >= golomb_b(min(0.999, p * 2))
+
+
+@st.composite
+def positions(draw, max_numel=5000):
+    numel = draw(st.integers(1, max_numel))
+    idx = sorted(draw(st.sets(st.integers(0, numel - 1), max_size=min(numel, 300))))
+    b = draw(st.one_of(st.integers(0, 12), st.sampled_from([20, 31, 32, 40, 62])))
+    return idx, b, numel
+
+
+@given(positions())
+@FAST
+def test_encode_matches_reference_and_decodes(case):
+    idx, b, numel = case
+    if sum(((d - 1) >> b) for d in _gaps(idx)) > 200_000:
+        return  # a tiny b on big gaps: a long but uninteresting unary section
+    t = torch.tensor(idx, dtype=torch.int64)
+    bits = encode_positions(t, b)
+    assert bits == ref.encode_positions(idx, b)
+    back = decode_positions(bits, len(idx), b, numel, "t")
+    assert back.dtype == torch.int64 and back.tolist() == idx
+    if idx:
+        assert ref.decode_positions(bits, len(idx), b) == idx
+
+
+def _gaps(idx):
+    prev = -1
+    for i in idx:
+        yield i - prev
+        prev = i
+
+
+def test_known_stream():
+    # positions 0, 3, 20 with b = 2: gaps 1, 3, 17 -> (q, r) = (0, 0), (0, 2), (4, 0)
+    # remainders 00 10 00, unary 0 0 11110 -> 001000 0011110 + pad -> 00100000 11110000
+    bits = encode_positions(torch.tensor([0, 3, 20]), 2)
+    assert bits == bytes([0b00100000, 0b11110000])
+    assert decode_positions(bits, 3, 2, 21, "t").tolist() == [0, 3, 20]
+
+
+@pytest.mark.parametrize("device", kit.devices())
+def test_devices_round_trip(device):
+    g = torch.Generator().manual_seed(1)
+    idx = (torch.rand(100_000, generator=g) < 0.02).nonzero().view(-1).to(device)
+    b = golomb_b(0.02)
+    bits = encode_positions(idx, b)
+    assert bits == encode_positions(idx.cpu(), b)
+    back = decode_positions(bits, idx.numel(), b, 100_000, "t", device)
+    assert back.device.type == torch.device(device).type and torch.equal(back.cpu(), idx.cpu())
+
+
+@pytest.mark.parametrize("p", [0.01, 0.001])
+def test_bits_per_position_near_expectation(p):
+    n = 4_000_000
+    g = torch.Generator().manual_seed(7)
+    idx = (torch.rand(n, generator=g) < p).nonzero().view(-1)
+    b = golomb_b(p)
+    bits = encode_positions(idx, b)
+    per_position = len(bits) * 8 / idx.numel()
+    expected = expected_bits_per_position(p, b)
+    assert abs(per_position - expected) / expected < 0.01, (per_position, expected)
+
+
+# --- hostile input -----------------------------------------------------------------------------
+
+GOOD_IDX = [0, 3, 20, 21, 63]
+GOOD_B = 2
+NUMEL = 64
+
+
+def good_bits():
+    return encode_positions(torch.tensor(GOOD_IDX), GOOD_B)
+
+
+@pytest.mark.parametrize(
+    "case, bits, nnz, b, numel, reason",
+    [
+        ("nnz > numel", None, 65, GOOD_B, NUMEL, "exceeds"),
+        ("negative nnz", None, -1, GOOD_B, NUMEL, "negative"),
+        ("b too big", None, 5, 63, NUMEL, "golomb_b"),
+        ("negative b", None, 5, -1, NUMEL, "golomb_b"),
+        ("truncated", b"\x00", 5, GOOD_B, NUMEL, "truncated"),
+        ("trailing byte", "good+\x00", 5, GOOD_B, NUMEL, "trailing"),
+        ("bytes for nnz 0", b"\x00", 0, GOOD_B, NUMEL, "nnz 0"),
+        ("too long for numel", b"\x00" * 40, 5, GOOD_B, NUMEL, "more than"),
+        ("overflow", None, 5, GOOD_B, 63, "overflow"),
+        ("no terminating zeros", b"\x00\xff\xff", 5, GOOD_B, NUMEL, "runs past"),
+        ("padding bits set", "good|pad", 5, GOOD_B, NUMEL, "padding"),
+    ],
+)
+def test_bad_streams_raise_payload_error(case, bits, nnz, b, numel, reason):
+    good = good_bits()
+    if bits is None:
+        bits = good
+    elif bits == "good+\x00":
+        bits = good + b"\x00"
+    elif bits == "good|pad":
+        bits = good[:-1] + bytes([good[-1] | 1])
+    with pytest.raises(PayloadError, match=reason) as info:
+        decode_positions(bits, nnz, b, numel, "layer.weight")
+    assert info.value.tensor == "layer.weight"
+
+
+def test_good_stream_is_accepted_as_is():
+    # the fixtures above are only meaningful if the unmodified stream decodes
+    assert len(good_bits()) * 8 - (5 * GOOD_B + 5 + sum((d - 1) >> GOOD_B for d in _gaps(GOOD_IDX))) < 8
+    assert decode_positions(good_bits(), 5, GOOD_B, NUMEL, "t").tolist() == GOOD_IDX
+
+
+def _pack(stream: str) -> bytes:
+    stream += "0" * (-len(stream) % 8)
+    return bytes(int(stream[i : i + 8], 2) for i in range(0, len(stream), 8))
+
+
+def test_overflow_with_huge_quotients_is_caught_before_shifting():
+    # b = 62 with q = 3: q << 62 would overflow int64
+    bits = _pack("0" * 62 + "1110")
+    with pytest.raises(PayloadError, match="overflow"):
+        decode_positions(bits, 1, 62, 2**40, "t")
+    # the same stream with q = 0 is fine
+    assert decode_positions(_pack("0" * 62 + "0"), 1, 62, 2**40, "t").tolist() == [0]
+
+
+def test_cumulative_overflow_is_caught():
+    # five gaps of 2**62 - 1 (b = 61, q = 1, r = 2**61 - 2) each fit numel = 2**62 - 1, but their
+    # sum wraps int64 and lands back in range: the last position alone would look valid
+    r = format(2**61 - 2, "061b")
+    bits = _pack(r * 5 + "10" * 5)
+    with pytest.raises(PayloadError, match="overflow"):
+        decode_positions(bits, 5, 61, 2**62 - 1, "t")
+    assert decode_positions(_pack(r + "10"), 1, 61, 2**62 - 1, "t").tolist() == [2**62 - 2]
+
+
+def test_numel_out_of_range():
+    with pytest.raises(PayloadError, match="numel"):
+        decode_positions(b"", 0, 0, 2**62, "t")
+
+
+@given(
+    st.binary(max_size=64),
+    st.integers(0, 2**64 - 1) | st.integers(0, 100),
+    st.integers(0, 2**32 - 1) | st.integers(0, 64),
+    st.integers(0, 2**40) | st.integers(0, 600),
+)
+@settings(max_examples=400, deadline=None)
+def test_fuzz_only_payload_errors(bits, nnz, b, numel):
+    start = time.perf_counter()
+    try:
+        out = decode_positions(bits, nnz, b, numel, "fuzz")
+    except PayloadError as exc:
+        assert exc.tensor == "fuzz"
+    else:
+        assert out.numel() == nnz
+        if nnz:
+            assert int(out[0]) >= 0 and int(out[-1]) < numel
+            assert bool((out[1:] > out[:-1]).all())
+            assert encode_positions(out, b) == bits  # only canonical streams are accepted
+    assert time.perf_counter() - start < 1.0

@@ -1,0 +1,415 @@
+import math
+import time
+from fractions import Fraction
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fedcomp import serde
+from fedcomp.codecs import TensorSpec, get_codec
+from fedcomp.codecs.golomb import encode_positions, golomb_b
+from fedcomp.codecs.payloads import DensePayload, EncodedTensor, SBCPayload
+from fedcomp.codecs.sbc import (
+    SBC,
+    _exact_sum,
+    _extreme_positions_cpu,
+    _extreme_positions_torch,
+    _round_f32,
+    _sample_positions,
+    _threshold_select_cpu,
+    _threshold_select_torch,
+)
+from fedcomp.errors import ConfigError, PayloadError
+from tests.codecs import kit, reference_sbc as ref
+
+FAST = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def seeded(n, seed=0, kind="normal"):
+    g = torch.Generator().manual_seed(seed)
+    if kind == "normal":
+        return torch.randn(n, generator=g)
+    if kind == "student":
+        # student-t (df 3): heavy tails, like accumulated weight updates
+        z = torch.randn(n, generator=g, dtype=torch.float64)
+        chi2 = (torch.randn(n, 3, generator=g, dtype=torch.float64) ** 2).sum(1)
+        return (z / torch.sqrt(chi2 / 3)).to(torch.float32)
+    raise ValueError(kind)
+
+
+# --- exact mode against the reference ---------------------------------------------------------
+
+
+KINDS = ["normal", "ties", "zeros", "negative", "wide", "subnormal", "const"]
+
+
+def make_tensor(kind: str, n: int, seed: int) -> torch.Tensor:
+    rng = np.random.default_rng(seed)
+    if kind == "normal":
+        a = rng.standard_normal(n)
+    elif kind == "ties":  # few distinct values: ties across the selection boundary
+        a = rng.integers(-3, 4, n).astype(np.float64) * 0.25
+    elif kind == "zeros":  # mostly zeros, some of them negative zeros
+        a = np.where(rng.random(n) < 0.9, 0.0, rng.standard_normal(n))
+        a = np.where(rng.random(n) < 0.5, -a, a)
+    elif kind == "negative":  # the negative side should win
+        a = -np.abs(rng.standard_normal(n)) * 3 + rng.random(n)
+    elif kind == "wide":  # exponents far apart: the exact sum needs per-exponent bins
+        a = rng.standard_normal(n) * 10.0 ** rng.integers(-30, 30, n)
+    elif kind == "subnormal":  # means that round into the subnormal range
+        a = rng.integers(-5, 6, n) * 2.0**-149
+    else:
+        a = np.full(n, rng.standard_normal())
+    return torch.from_numpy(a.astype(np.float32))
+
+
+@st.composite
+def small_tensors(draw):
+    n = draw(st.integers(0, 2000))
+    x = make_tensor(draw(st.sampled_from(KINDS)), n, draw(st.integers(0, 2**32 - 1)))
+    p = draw(st.sampled_from([0.001, 0.01, 0.1, 0.25, 0.5]) | st.floats(0.0005, 0.5))
+    return x, p
+
+
+def check_against_reference(x: torch.Tensor, p: float) -> None:
+    enc = SBC(p=p, mode="exact").encode(x, "t")
+    mean, b, nnz, bits = ref.sbc_exact([float(v) for v in x.tolist()], p)
+    payload = enc.payload
+    assert isinstance(payload, SBCPayload)
+    assert (payload.nnz, payload.golomb_b, payload.bits) == (nnz, b, bits)
+    assert payload.mean == mean and math.copysign(1, payload.mean) == math.copysign(1, mean)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n, p", [(1999, 0.01), (2000, 0.5), (2000, 0.001), (40_000, 0.01)])
+def test_exact_mode_matches_reference_on_larger_tensors(kind, n, p):
+    if n > 2000 and kind not in ("ties", "normal", "zeros"):
+        return
+    check_against_reference(make_tensor(kind, n, n), p)
+
+
+@given(small_tensors())
+@FAST
+def test_exact_mode_matches_reference(case):
+    check_against_reference(*case)
+
+
+@given(small_tensors())
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_fast_mode_on_small_tensors_is_exact(case):
+    x, p = case  # at most sample_size elements: fast mode is exact mode
+    assert SBC(p, "fast", sample_size=2000).encode(x, "t") == SBC(p, "exact").encode(x, "t")
+
+
+@given(st.integers(-(2**64), 2**64), st.integers(1, 2**64), st.integers(-220, 60))
+@FAST
+def test_round_f32_is_correctly_rounded(num, den, exp):
+    # num / den * 2**exp stays below 2**125, inside float32's range, and reaches below subnormals
+    x = Fraction(num, den) * Fraction(2) ** exp
+    assert _round_f32(x.numerator, x.denominator) == ref.round_to_float32(x)
+
+
+def test_round_f32_ties_and_subnormals():
+    assert _round_f32(1, 3) == float(np.float32(1 / 3))
+    assert _round_f32(2**24 + 1, 1) == 2.0**24  # tie to even
+    assert _round_f32(2**24 + 3, 1) == 2.0**24 + 4
+    assert _round_f32(1, 2**150) == 0.0  # half the smallest subnormal: ties to even (zero)
+    assert _round_f32(3, 2**150) == 2.0**-148
+    assert _round_f32(-7, 2**149) == -7 * 2.0**-149
+
+
+@given(st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False), max_size=300))
+@FAST
+def test_exact_sum_is_exact(values):
+    a = np.array(values, dtype=np.float32)
+    assert Fraction(_exact_sum(a), 2**149) == sum((Fraction(float(v)) for v in a), Fraction(0))
+
+
+def test_exact_sum_paths():
+    narrow = np.float32([1.5, -2.25, 3.0, 1e-3])  # float64 path
+    wide = np.float32([3e38, 1e-45, -3e38, 2.0**-126, 1.0])  # per-exponent bins
+    for a in (narrow, wide):
+        assert Fraction(_exact_sum(a), 2**149) == sum(Fraction(float(v)) for v in a)
+    assert _exact_sum(np.float32([1.0, np.inf])) is None
+    assert _exact_sum(np.float32([np.nan])) is None
+    assert _exact_sum(np.float32([])) == 0
+
+
+@given(small_tensors())
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_device_generic_selection_matches_cpu_selection(case):
+    """The torch code CUDA runs, run on CPU, selects exactly what the NumPy CPU code selects."""
+    x, p = case
+    n = x.numel()
+    if n == 0:
+        return
+    k = max(1, round(p * n))
+    hi, lo = _extreme_positions_cpu(x.numpy(), k)
+    assert _extreme_positions_torch(x, k, largest=True).tolist() == hi.tolist()
+    assert _extreme_positions_torch(x, k, largest=False).tolist() == lo.tolist()
+    thr_hi, thr_lo = np.float32(x.max()), np.float32(x.median())
+    a = _threshold_select_cpu(x.numpy(), thr_hi, thr_lo, limit=2 * n)
+    b = _threshold_select_torch(x, thr_hi, thr_lo, limit=2 * n)
+    assert a is not None and b is not None
+    for u, v in zip(a, b):
+        assert np.asarray(u).tolist() == (v.tolist() if isinstance(v, torch.Tensor) else v.tolist())
+    assert _threshold_select_cpu(x.numpy(), thr_hi, thr_lo, limit=0) is None
+    assert _threshold_select_torch(x, thr_hi, thr_lo, limit=0) is None
+
+
+# --- round trips, devices, special tensors ----------------------------------------------------
+
+CODECS = [SBC(0.01, "exact"), SBC(0.01, "fast"), SBC(0.001, "fast"), SBC(0.5, "exact")]
+TENSORS = {
+    "normal-4096": lambda: seeded(4096),
+    "student-3x300x700": lambda: seeded(630_000, 3, "student").reshape(3, 300, 700),
+    "zeros": lambda: torch.zeros(50, 20),
+    "empty": lambda: torch.zeros(0, 5),
+    "scalar": lambda: torch.tensor(-2.5),
+    "one": lambda: torch.ones(1),
+    "negative": lambda: -seeded(5000).abs() * 4,
+    "mostly-zero-1M": lambda: torch.where(seeded(1_000_000, 4) > 2.5, 1.0, 0.0),
+}
+
+
+@pytest.mark.parametrize("device", kit.devices())
+@pytest.mark.parametrize("codec", CODECS, ids=repr)
+@pytest.mark.parametrize("tensor", list(TENSORS))
+def test_round_trip(codec, tensor, device):
+    x = TENSORS[tensor]().to(device)
+    dec, _ = kit.round_trip(codec, x)
+    n = x.numel()
+    nz = dec.reshape(-1)[dec.reshape(-1) != 0]
+    if n:
+        assert nz.numel() <= max(1, 2 * round(codec.p * n))
+        assert torch.unique(nz).numel() <= 1  # binary: one value
+    if tensor == "zeros":
+        assert not bool(dec.any())
+    if tensor == "negative" and n:
+        assert float(nz[0]) < 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_other_float_dtypes(dtype):
+    x = seeded(3000, 5).to(dtype)
+    dec, _ = kit.round_trip(SBC(0.05), x)
+    assert dec.dtype == dtype
+
+
+def test_selection_semantics():
+    x = torch.tensor([0.0, 5.0, -1.0, 4.0, -9.0, 3.0, -8.0, 0.0, 2.0, 1.0])
+    # p = 0.2 -> k = 2: positive side {5, 4} mean 4.5, negative side {-9, -8} mean -8.5 -> negative
+    enc = SBC(0.2, "exact").encode(x, "t")
+    dec = SBC(0.2, "exact").decode(enc, TensorSpec.of("t", x))
+    assert dec.tolist() == [0, 0, 0, 0, -8.5, 0, -8.5, 0, 0, 0]
+    # equal means keep the positive side; ties go to the lowest indices
+    y = torch.tensor([1.0, -1.0, 1.0, -1.0, 1.0, -1.0])
+    enc = SBC(0.34, "exact").encode(y, "t")  # k = round(2.04) = 2
+    assert SBC(0.34).decode(enc, TensorSpec.of("t", y)).tolist() == [1, 0, 1, 0, 0, 0]
+
+
+def test_reconstruction_is_cheap_and_exact():
+    x = seeded(200_000, 9, "student")
+    codec = SBC(0.01)
+    enc, recon = codec.encode_with_reconstruction(x, "t")
+    assert torch.equal(recon, codec.decode(enc, TensorSpec.of("t", x)))
+    assert enc.payload.golomb_b == golomb_b(enc.payload.nnz / x.numel())
+
+
+@pytest.mark.parametrize("tensor", ["normal-4096", "student-3x300x700", "zeros", "empty", "scalar"])
+def test_encode_skips_reconstruction_but_gives_the_same_message(tensor):
+    x = TENSORS[tensor]()
+    for codec in CODECS:
+        assert codec.encode(x, "w") == codec.encode_with_reconstruction(x, "w")[0]
+    with pytest.raises(TypeError):
+        SBC().encode(torch.zeros(3, dtype=torch.int32), "w")
+
+
+def test_threaded_scan_does_not_change_the_result():
+    x = seeded(1_500_000, 12, "student")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = SBC(0.01).encode(x, "t")
+        torch.set_num_threads(3)
+        three = SBC(0.01).encode(x, "t")
+    finally:
+        torch.set_num_threads(before)
+    assert one == three
+
+
+def test_non_finite_input_is_rejected():
+    for mode in ("exact", "fast"):
+        for bad in (math.nan, math.inf, -math.inf):
+            x = seeded(100_000, 1)
+            x[12345] = bad
+            if mode == "fast" and math.isnan(bad):
+                x[_sample_positions(100_000, SBC(0.01).sample_size, "cpu")[7]] = bad  # sampled
+            with pytest.raises(ValueError, match="'w'"):
+                SBC(0.01, mode).encode(x, "w")
+
+
+def test_sample_positions():
+    pos = _sample_positions(1_000_003, 25_600, "cpu")
+    assert pos.dtype == torch.int64 and pos.numel() == 25_600
+    assert int(pos[0]) >= 0 and int(pos[-1]) < 1_000_003
+    assert bool((pos[1:] > pos[:-1]).all())  # one per stratum
+    # pinned: the sample is part of the wire format of fast mode
+    assert pos[:4].tolist() == [21, 67, 81, 152]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("codec", CODECS, ids=repr)
+def test_cuda_and_cpu_give_identical_bytes(codec):
+    for name, make in TENSORS.items():
+        x = make()
+        cpu = serde.tensor_to_bytes(codec.encode(x, name))
+        gpu = serde.tensor_to_bytes(codec.encode(x.cuda(), name))
+        assert cpu == gpu, name
+        enc = serde.tensor_from_bytes(cpu)
+        dec = codec.decode(enc, TensorSpec.of(name, x), device="cuda")
+        assert torch.equal(dec.cpu(), codec.decode(enc, TensorSpec.of(name, x)))
+
+
+# --- fast mode: how far the count strays from k -------------------------------------------------
+
+
+@pytest.mark.parametrize("p", [0.01, 0.001])
+def test_fast_mode_count_near_k(p):
+    """Documented in SBC's docstring: typically within ~6 % of k, bound asserted here: 25 %."""
+    n = 1 << 20
+    k = round(p * n)
+    deviations = []
+    for seed in range(6):
+        x = seeded(n, 100 + seed, "student") * (1 + seed)
+        nnz = SBC(p).encode(x, "t").payload.nnz
+        deviations.append(abs(nnz - k) / k)
+    assert max(deviations) < 0.25, deviations
+    assert sum(deviations) / len(deviations) < 0.12, deviations
+
+
+def test_fast_mode_falls_back_to_exact_on_degenerate_tensors():
+    # 99.9 % zeros: the sampled thresholds are 0, so a threshold pass would select everything
+    x = torch.zeros(300_000)
+    x[::1000] = torch.arange(300, dtype=torch.float32) - 100
+    assert SBC(0.01, "fast").encode(x, "t") == SBC(0.01, "exact").encode(x, "t")
+
+
+# --- config -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("codec", [SBC(), SBC(0.001, "exact"), SBC(0.05, "fast", 5000)], ids=repr)
+def test_config_round_trip(codec):
+    kit.check_config_round_trip(codec)
+
+
+def test_defaults():
+    c = SBC()
+    assert c.get_config() == {"id": "sbc", "p": 0.01, "mode": "fast", "sample_size": 25600}
+    assert get_codec({"id": "sbc", "p": 0.01}) == c
+
+
+@pytest.mark.parametrize(
+    "kwargs, key",
+    [
+        ({"p": 0.7}, "p"),
+        ({"p": 0.0}, "p"),
+        ({"p": -0.1}, "p"),
+        ({"p": math.nan}, "p"),
+        ({"p": "0.1"}, "p"),
+        ({"p": True}, "p"),
+        ({"mode": "slow"}, "mode"),
+        ({"sample_size": 0}, "sample_size"),
+        ({"sample_size": 10.5}, "sample_size"),
+        ({"sample_size": True}, "sample_size"),
+    ],
+)
+def test_invalid_config(kwargs, key):
+    with pytest.raises(ConfigError, match=f"^{key}:"):
+        SBC(**kwargs)
+    with pytest.raises(ConfigError, match=f"^{key}:"):
+        get_codec({"id": "sbc", **kwargs})
+
+
+def test_unknown_config_key():
+    with pytest.raises(ConfigError, match="sbc"):
+        SBC.from_config({"id": "sbc", "q": 3})
+
+
+# --- golden fixtures --------------------------------------------------------------------------
+
+
+def test_golden():
+    kit.check_golden(SBC(0.01, "exact"), "exact-p0.01-normal4096", seeded(4096, 42).reshape(64, 64))
+    kit.check_golden(SBC(0.001, "exact"), "exact-p0.001-student20000", seeded(20_000, 43, "student"))
+    kit.check_golden(SBC(0.01, "fast"), "fast-p0.01-student100000", seeded(100_000, 44, "student"))
+    kit.check_golden(SBC(0.01, "fast"), "zeros-300", torch.zeros(3, 100))
+    kit.check_golden(SBC(0.25, "exact"), "ties-64", (torch.arange(64) % 5 - 2).float())
+
+
+# --- hostile payloads -------------------------------------------------------------------------
+
+
+def _good():
+    x = seeded(1000, 11)
+    return SBC(0.01, "exact").encode(x, "layer.w"), TensorSpec.of("layer.w", x)
+
+
+def _with(enc, **changes):
+    p = enc.payload
+    fields = {"mean": p.mean, "golomb_b": p.golomb_b, "nnz": p.nnz, "bits": p.bits, **changes}
+    return EncodedTensor(enc.name, enc.shape, enc.dtype, enc.codec_id, enc.codec_version, SBCPayload(**fields))
+
+
+def test_bad_payloads_raise_payload_error():
+    enc, spec = _good()
+    p = enc.payload
+    codec = SBC(0.01, "exact")
+    cases = {
+        "truncated": _with(enc, bits=p.bits[:-3]),
+        "trailing": _with(enc, bits=p.bits + b"\x00"),
+        "nnz > numel": _with(enc, nnz=1001),
+        "golomb_b too big": _with(enc, golomb_b=63),
+        "runs past end": _with(enc, bits=p.bits[: p.nnz * p.golomb_b // 8] + b"\xff" * 3),
+        "overflow": _with(enc, nnz=2, bits=encode_positions(torch.tensor([5, 1500]), p.golomb_b)),
+        "nan mean": _with(enc, mean=math.nan),
+        "inf mean": _with(enc, mean=math.inf),
+        "mean beyond float32": _with(enc, mean=1e300),
+        "wrong payload type": EncodedTensor(
+            enc.name, enc.shape, enc.dtype, enc.codec_id, enc.codec_version, DensePayload("float32", b"")
+        ),
+    }
+    assert torch.equal(codec.decode(enc, spec), codec.decode(_with(enc), spec))
+    for why, bad in cases.items():
+        with pytest.raises(PayloadError, match="'layer.w'") as info:
+            codec.decode(bad, spec)
+        assert info.value.tensor == "layer.w", why
+        # and through real protobuf bytes where the wire can carry the case
+        if why not in ("wrong payload type", "mean beyond float32"):
+            with pytest.raises(PayloadError):
+                codec.decode(serde.tensor_from_bytes(serde.tensor_to_bytes(bad)), spec)
+
+
+@given(
+    st.binary(max_size=80),
+    st.integers(0, 2**64 - 1) | st.integers(0, 40),
+    st.integers(0, 2**32 - 1) | st.integers(0, 70),
+    st.floats(width=32),
+    st.integers(0, 300),
+)
+@settings(max_examples=300, deadline=None)
+def test_fuzz_decode_only_payload_errors(bits, nnz, b, mean, numel):
+    spec = TensorSpec("fz", (numel,))
+    enc = EncodedTensor("fz", (numel,), "float32", "sbc", 1, SBCPayload(mean, b, nnz, bits))
+    start = time.perf_counter()
+    try:
+        out = SBC().decode(enc, spec)
+    except PayloadError as exc:
+        assert exc.tensor == "fz"
+    else:
+        assert out.shape == (numel,) and int((out != 0).sum()) <= nnz
+    assert time.perf_counter() - start < 1.0

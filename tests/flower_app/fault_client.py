@@ -1,0 +1,36 @@
+"""ClientApp of the fault-injection test app: the reference client plus a fault mod outside
+fedcomp's compression mod (corrupts the stored replica before it runs, or the uplink after)."""
+
+from __future__ import annotations
+
+from flwr.app import Context, Message
+from flwr.clientapp import ClientApp
+from flwr.clientapp.typing import ClientAppCallable
+
+from fedcomp.apps import client_train
+from fedcomp.flower import keys
+from fedcomp.flower.mod import compression_mod
+from fault_server import EXTRA_KEYS
+
+
+def fault_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
+    config = msg.content.config_records.get("config", {})
+    if config.get("test-corrupt-replica") and keys.STATE_REPLICA in context.state.array_records:
+        replica = context.state.array_records[keys.STATE_REPLICA]
+        name = next(iter(replica))
+        arr = replica[name].numpy().copy()
+        arr.flat[0] += 1.0  # one silently flipped value: only the digest can tell
+        replica[name] = type(replica[name]).from_numpy_ndarray(arr)
+    reply = call_next(msg, context)
+    if config.get("test-corrupt-uplink") and reply.has_content() and keys.UPLINK in reply.content.config_records:
+        up = reply.content.config_records[keys.UPLINK]
+        up["payload"] = up["payload"][: len(up["payload"]) // 2]  # truncated in transit
+    return reply
+
+
+app = ClientApp(mods=[fault_mod, compression_mod])
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    return client_train(msg, context, extra_keys=EXTRA_KEYS)

@@ -1,0 +1,63 @@
+"""The app's run config (fedcomp.config.AppConfig) and its defaults in pyproject.toml."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from fedcomp.config import AppConfig
+from fedcomp.errors import ConfigError
+
+PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+
+
+def _pyproject_run_config() -> dict:
+    with PYPROJECT.open("rb") as f:
+        return tomllib.load(f)["tool"]["flwr"]["app"]["config"]
+
+
+def test_pyproject_defaults_are_valid_and_match_the_model() -> None:
+    cfg = AppConfig.from_run_config(_pyproject_run_config())
+    assert cfg == AppConfig()  # the two places that define defaults agree
+    assert cfg.to_run_config() == _pyproject_run_config()
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ({"lr": 0}, "lr: must be > 0"),
+        ({"lr": -1e-3}, "lr: must be > 0"),
+        ({"num-server-rounds": 0}, "num-server-rounds: must be >= 1"),
+        ({"num-server-rounds": 2.5}, "num-server-rounds: must be an integer"),
+        ({"local-iters": "10"}, "local-iters: must be an integer"),
+        ({"dataset": "cifar10"}, "dataset: must be one of"),
+        ({"partitioning": "pathological"}, "partitioning: must be one of"),
+        ({"dirichlet-alpha": 0.0}, "dirichlet-alpha: must be > 0"),
+        ({"run-name": "../x"}, "run-name: must be a plain folder name"),
+        ({"lerning-rate": 0.1}, "lerning-rate: unknown key"),
+    ],
+)
+def test_bad_values_name_the_key(override: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+        AppConfig.from_run_config({**_pyproject_run_config(), **override})
+
+
+def test_ints_are_accepted_for_floats_and_ignore_skips_foreign_keys() -> None:
+    cfg = AppConfig.from_run_config({"lr": 1, "uplink-codec": "sbc"}, ignore={"uplink-codec"})
+    assert cfg.lr == 1.0 and isinstance(cfg.lr, float)
+
+
+def test_paths_fall_back_to_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("FEDCOMP_DATA_DIR", str(tmp_path / "d"))
+    monkeypatch.setenv("FEDCOMP_RESULTS_DIR", str(tmp_path / "r"))
+    cfg = AppConfig()
+    assert cfg.resolved_data_dir() == tmp_path / "d"
+    assert cfg.resolved_results_dir() == tmp_path / "r"
+    cfg = AppConfig(data_dir="/x", results_dir="/y")
+    assert cfg.resolved_data_dir() == Path("/x") and cfg.resolved_results_dir() == Path("/y")
+    monkeypatch.delenv("FEDCOMP_DATA_DIR")
+    monkeypatch.delenv("FEDCOMP_RESULTS_DIR")
+    assert AppConfig().resolved_data_dir() is None
+    assert AppConfig().resolved_results_dir() == Path("results")

@@ -1,0 +1,68 @@
+"""A real Flower simulation of the plain (uncompressed) baseline app, end to end."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fedcomp.testing.flower import alive_pids, find_marked_pids, run_simulation
+
+pytestmark = pytest.mark.flower
+
+REPO = Path(__file__).resolve().parents[1]
+ROUND_KEYS = {
+    "round", "accuracy", "loss", "uplink_bytes", "downlink_bytes",
+    "dense_uplink_bytes", "dense_downlink_bytes", "clients",
+}  # fmt: skip
+LENET5_FP32_BYTES = 431_080 * 4
+
+
+def test_digits_simulation_learns_and_records(tmp_path: Path) -> None:
+    clients = 3
+    results = run_simulation(
+        REPO,
+        {"num-server-rounds": 3, "local-iters": 10, "dataset": "digits",
+         "results-dir": str(tmp_path / "results"), "run-name": "baseline"},
+        num_supernodes=clients,
+        timeout_s=300,
+        work_dir=tmp_path / "work",
+    )  # fmt: skip
+
+    assert results["status"] == "completed"
+    assert results["config"]["dataset"] == "digits"
+    assert results["config"]["num-server-rounds"] == 3
+    rounds = results["rounds"]
+    assert [r["round"] for r in rounds] == [0, 1, 2, 3]
+    for r in rounds:
+        assert ROUND_KEYS <= r.keys(), ROUND_KEYS - r.keys()
+
+    acc = [r["accuracy"] for r in rounds]
+    assert acc[3] > acc[0] and acc[3] > acc[1], acc
+    assert acc[3] > 0.5, acc
+
+    assert rounds[0]["uplink_bytes"] == rounds[0]["downlink_bytes"] == 0
+    for r in rounds[1:]:
+        # Plain FedAvg: every client gets and sends the whole fp32 model once per round.
+        assert r["clients"]["uplink_bytes"] == [LENET5_FP32_BYTES] * clients
+        assert r["clients"]["downlink_bytes"] == [LENET5_FP32_BYTES] * clients
+        assert r["uplink_bytes"] == r["dense_uplink_bytes"] == clients * LENET5_FP32_BYTES
+        assert r["downlink_bytes"] == r["dense_downlink_bytes"] == clients * LENET5_FP32_BYTES
+        assert r["uplink_compression"] == r["downlink_compression"] == 1.0
+        assert r["num_examples"] == 1500  # the digits training set, split over the clients
+        assert r["train_loss"] > 0
+    assert (tmp_path / "results" / "baseline" / "results.json").is_file()
+    # Nothing of the run lives on: SuperLink, SuperExec, simulation, Ray.
+    assert len(results["_simulation"]["pids"]) >= 3
+    assert alive_pids(results["_simulation"]["pids"]) == []
+    assert find_marked_pids(results["_simulation"]["token"]) == []
+
+
+def test_invalid_config_fails_fast_naming_the_key(tmp_path: Path) -> None:
+    from fedcomp.testing.flower import SimulationError
+
+    with pytest.raises(SimulationError, match=r"lr: must be > 0"):
+        run_simulation(
+            REPO, {"lr": 0.0, "num-server-rounds": 1}, num_supernodes=2, timeout_s=180,
+            work_dir=tmp_path / "work",
+        )  # fmt: skip

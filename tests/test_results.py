@@ -1,0 +1,102 @@
+"""RunRecorder (fedcomp.results) and the traffic-metering Grid (fedcomp.fl)."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+
+from fedcomp.fl import MeteredGrid, arrayrecord_nbytes, payload_nbytes
+from fedcomp.models import LeNet5Caffe
+from fedcomp.results import RunRecorder
+
+
+def test_recorder_writes_rounds_and_prints_a_table(tmp_path: Path) -> None:
+    out = io.StringIO()
+    rec = RunRecorder({"lr": 0.1}, tmp_path, "run1", stream=out)
+    assert json.loads(rec.path.read_text())["status"] == "running"
+    rec.end_round(0, accuracy=0.1, loss=2.3)
+    rec.add_traffic(7, downlink_bytes=100, dense_downlink_bytes=400)
+    rec.add_traffic(7, uplink_bytes=10, dense_uplink_bytes=400)
+    rec.add_traffic(12, downlink_bytes=100, dense_downlink_bytes=400, uplink_bytes=30,
+                    dense_uplink_bytes=400)  # fmt: skip
+    rec.add_metrics(train_loss=0.7)
+    rec.end_round(1, accuracy=0.8, loss=0.5)
+    path = rec.finish()
+
+    data = json.loads(path.read_text())
+    assert path == tmp_path / "run1" / "results.json"
+    assert data["status"] == "completed" and data["config"] == {"lr": 0.1}
+    r0, r1 = data["rounds"]
+    assert r0["uplink_bytes"] == 0 and r0["uplink_compression"] is None
+    assert r1["round"] == 1 and r1["accuracy"] == 0.8 and r1["train_loss"] == 0.7
+    assert (r1["uplink_bytes"], r1["downlink_bytes"]) == (40, 200)
+    assert (r1["dense_uplink_bytes"], r1["dense_downlink_bytes"]) == (800, 800)
+    assert r1["uplink_compression"] == 20.0 and r1["downlink_compression"] == 4.0
+    assert r1["clients"] == {
+        "ids": ["7", "12"], "uplink_bytes": [10, 30], "downlink_bytes": [100, 100],
+        "dense_uplink_bytes": [400, 400], "dense_downlink_bytes": [400, 400],
+    }  # fmt: skip
+    assert data["summary"]["final_accuracy"] == 0.8
+    table = out.getvalue().splitlines()
+    assert "round" in table[1] and table[2].split()[0] == "0" and table[3].split()[0] == "1"
+
+
+def test_timestamped_run_names_do_not_collide(tmp_path: Path) -> None:
+    a = RunRecorder({}, tmp_path, stream=None)
+    b = RunRecorder({}, tmp_path, stream=None)
+    assert a.run_dir != b.run_dir and a.run_dir.parent == b.run_dir.parent == tmp_path
+
+
+def test_payload_nbytes_counts_arrays_and_bytes_only() -> None:
+    arrays = ArrayRecord(LeNet5Caffe().state_dict())
+    assert arrayrecord_nbytes(arrays) == 431_080 * 4
+    content = RecordDict(
+        {
+            "arrays": ArrayRecord([np.zeros(10, np.uint8)]),
+            "config": ConfigRecord({"server-round": 3, "blob": b"12345", "blobs": [b"ab", b"c"]}),
+            "metrics": MetricRecord({"num-examples": 10}),
+        }
+    )
+    assert payload_nbytes(content) == 10 + 5 + 3
+
+
+class _Msg:
+    """Stand-in for flwr.app.Message (a real one needs a running Flower task)."""
+
+    def __init__(self, content: RecordDict, dst: int = 0, src: int = 0, error: bool = False):
+        self.content = content
+        self.metadata = SimpleNamespace(dst_node_id=dst, src_node_id=src)
+        self._error = error
+
+    def has_error(self) -> bool:
+        return self._error
+
+
+class _FakeGrid:
+    """Just enough Grid: each node replies with the content it got; node 13 fails."""
+
+    def send_and_receive(self, messages, *, timeout=None):
+        return [
+            _Msg(m.content, src=m.metadata.dst_node_id, error=m.metadata.dst_node_id == 13)
+            for m in messages
+        ]
+
+
+def test_metered_grid_reports_both_directions(tmp_path: Path) -> None:
+    rec = RunRecorder({}, tmp_path, "g", stream=None)
+    model_bytes = 431_080 * 4
+    grid = MeteredGrid(_FakeGrid(), rec, dense_nbytes=model_bytes)  # type: ignore[arg-type]
+    content = RecordDict({"arrays": ArrayRecord(LeNet5Caffe().state_dict())})
+    replies = list(grid.send_and_receive([_Msg(content, dst=n) for n in (5, 9, 13)]))
+    assert len(replies) == 3
+    entry = rec.end_round(1, accuracy=0.5, loss=1.0)
+    assert entry["clients"]["ids"] == ["5", "9", "13"]
+    assert entry["clients"]["downlink_bytes"] == [model_bytes] * 3
+    assert entry["clients"]["uplink_bytes"] == [model_bytes, model_bytes, 0]  # 13 failed
+    assert entry["dense_uplink_bytes"] == 2 * model_bytes
+    assert entry["dense_downlink_bytes"] == 3 * model_bytes
