@@ -67,7 +67,7 @@ _LAST_PIECE = torch.tensor([0, ZERO_GROUP] + [RUN_BASE + r - 2 for r in range(2,
 
 _F32_MAX = float(torch.finfo(torch.float32).max)
 # Groups per chunk on CPU: five float segments of this many values stay in cache.
-_CPU_CHUNK = 1 << 16
+_CPU_CHUNK = 1 << 17
 _DEV_CHUNK = 1 << 22
 
 

@@ -9,7 +9,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    FieldSerializationInfo,
+    ValidationError,
+    field_serializer,
+    field_validator,
+)
 
 from fedcomp.codecs import Codec, get_codec
 from fedcomp.errors import ConfigError
@@ -72,8 +80,11 @@ class CompressionConfig(BaseModel):
         return self.model_dump(by_alias=True)
 
     @field_serializer("sbc_p", "threelc_s", "local_iters")
-    def _schedule_str(self, v: Schedule) -> str:
-        return str(v)
+    def _schedule_out(self, v: Schedule, info: FieldSerializationInfo) -> float | int | str:
+        """Constants as numbers (as written in pyproject.toml), other schedules as strings."""
+        if v.kind != "constant":
+            return str(v)
+        return int(v.values[0]) if info.field_name == "local_iters" else v.values[0]
 
     @classmethod
     def from_run_config(cls, run_config: Mapping[str, Any]) -> CompressionConfig:
