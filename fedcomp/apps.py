@@ -84,6 +84,14 @@ def server_main(
                 payload_uplink_bytes=sum(t.uplink.values()),
                 payload_downlink_bytes=sum(t.downlink.values()),
                 replica_version=wrapper.replica.version if wrapper.replica else 0,
+                # Per client (node id): what its bandwidth policy chose and what it measured.
+                client_sbc_p=_by_node(t.sbc_p),
+                client_local_iters=_by_node(t.local_iters),
+                client_budget_bytes=_by_node(t.budget_bytes),
+                client_estimated_bytes=_by_node(t.estimated_bytes),
+                client_fits=_by_node(t.fits),
+                client_train_seconds=_by_node(t.train_seconds),
+                client_links=_by_node(t.links),
             )
         return evaluate(server_round, arrays)
 
@@ -92,6 +100,7 @@ def server_main(
             grid=MeteredGrid(grid, recorder, dense_nbytes=arrayrecord_nbytes(arrays)),
             initial_arrays=arrays,
             num_rounds=cfg.num_server_rounds,
+            timeout=cfg.round_timeout,
             train_config=ConfigRecord({"local-iters": comp.local_iters_at(1), "lr": cfg.lr}),
             evaluate_fn=evaluate_fn,
         )
@@ -100,6 +109,10 @@ def server_main(
         raise
     torch.save(result.arrays.to_torch_state_dict(), Path(recorder.run_dir) / "final_model.pt")
     recorder.finish()
+
+
+def _by_node(values: dict) -> dict[str, object]:
+    return {str(k): v for k, v in sorted(values.items())}
 
 
 def client_train(msg: Message, context: Context, extra_keys: Iterable[str] = ()) -> Message:

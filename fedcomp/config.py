@@ -60,6 +60,10 @@ class AppConfig(BaseModel):
     results_dir: str = Field("", alias="results-dir")
     #: Name of this run's results folder; "" = a timestamp.
     run_name: str = Field("", alias="run-name")
+    #: Seconds the server waits for a round's replies (``Strategy.start(timeout=...)``); a round
+    #: goes on with the replies it has when it runs out, e.g. after a SuperNode died mid-round.
+    #: Flower's own default is 3600.
+    round_timeout: float = Field(3600.0, alias="round-timeout", gt=0)
     #: Codecs, schedules (local iterations, p, s) and the other compression keys; validated by
     #: :class:`fedcomp.flower.settings.CompressionConfig`, from the same flat run config.
     compression: CompressionConfig = Field(default_factory=CompressionConfig)

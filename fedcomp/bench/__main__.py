@@ -151,8 +151,14 @@ def _print_row(r: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["links"]:  # its own options: fedcomp/bench/links.py
+        from fedcomp.bench.links import main as links_main
+
+        return links_main(argv[1:])
     ap = argparse.ArgumentParser(prog="python -m fedcomp.bench", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("links", help="dense FedAvg vs SBC+3LC on emulated 10M/100M/1G links (see --help after it)")
     c = sub.add_parser("codecs", help="encode/decode time vs clone() over a ResNet-50-shaped update")
     c.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     c.add_argument("--json", type=Path, help="write the rows as a JSON list to this path")

@@ -35,10 +35,15 @@ the data must be exactly ``ceil(n / 5)`` bytes (without zero runs; bytes above 2
 rejected) or expand to exactly that many (with zero runs; the expanded length is computed from
 the compressed bytes first). Anything else is a :class:`PayloadError` naming the tensor.
 
-Everything is vectorized torch and runs unchanged on CPU and CUDA. The hot paths (quantize +
-pack + reconstruction on encode, unpack + scale on decode) run over the tensor in chunks of
-groups so that the float temporaries stay in cache: the tensor is read twice on encode (max, then
-quantize) and the float32 output written once on both sides.
+Everything is vectorized torch (no Python loop over elements or bytes) and runs unchanged on
+CPU and CUDA. The hot paths (quantize + pack + reconstruction on encode, unpack + scale on
+decode) walk the tensor in chunks of groups, handling the five parts of a chunk together as a
+(5, width) float32 buffer that stays in cache; so the input is read twice on encode (max|T|,
+then quantize), the float32 reconstruction or output is written once, and no temporary of the
+tensor's size is made. Zero-run encoding works on the positions of the bytes that are not 121
+(few, for sparse updates); decoding on the compressed bytes. The module-level helpers
+(:func:`quantize`, :func:`pack_base243`, :func:`unpack_base243`, :func:`zero_run_encode`,
+:func:`zero_run_decode`) are the unfused steps, for tests and benchmarks.
 """
 
 from __future__ import annotations
@@ -62,6 +67,7 @@ ZERO_GROUP = 121
 RUN_BASE = 243
 MAX_RUN = 14
 
+_WEIGHTS_F32 = torch.tensor(WEIGHTS, dtype=torch.float32)
 #: Byte for the last piece of a run of r 121s, r = 1..14 (index 0 unused).
 _LAST_PIECE = torch.tensor([0, ZERO_GROUP] + [RUN_BASE + r - 2 for r in range(2, MAX_RUN + 1)], dtype=torch.uint8)
 
@@ -173,7 +179,7 @@ def _quantize_pack(flat: torch.Tensor, m: float) -> tuple[torch.Tensor, torch.Te
     recon = torch.empty(n, dtype=torch.float32, device=dev)
     packed = torch.empty(g, dtype=torch.uint8, device=dev)
     m_t = torch.tensor(m, dtype=torch.float32, device=dev)
-    w_t = torch.tensor(WEIGHTS, dtype=torch.float32, device=dev)
+    w_t = _WEIGHTS_F32.to(dev)
     width_max = min(_chunk(dev), g)
     fbuf = torch.empty(5 * width_max, dtype=torch.float32, device=dev)
     acc_buf = torch.empty(width_max, dtype=torch.float32, device=dev)
@@ -230,7 +236,7 @@ def _unpack_scale(packed: torch.Tensor, numel: int, scale: float, device: torch.
         return out
     packed = packed.to(device)
     s_t = torch.tensor(scale, dtype=torch.float32, device=device)
-    w_col = torch.tensor(WEIGHTS, dtype=torch.float32, device=device).view(5, 1)
+    w_col = _WEIGHTS_F32.to(device).view(5, 1)
     width_max = min(_chunk(device), g)
     b_buf = torch.empty(width_max, dtype=torch.float32, device=device)
     f_buf = torch.empty(5 * width_max, dtype=torch.float32, device=device)
@@ -268,8 +274,9 @@ def zero_run_encode(packed: torch.Tensor) -> torch.Tensor:
     lengths ``L_i``. Gap ``i`` becomes ``c_i = ceil(L_i / 14)`` bytes: 255s, the last one being
     the remainder piece of ``r_i = L_i - 14 (c_i - 1)`` (1..14) 121s, coded ``241 + r_i``, or 121
     when ``r_i == 1``; each gap but the last is followed by its non-121 byte. The output is
-    filled with 255, then two scatters place the last pieces and the non-121 bytes. Index
-    arithmetic is int64 of size ``K``, nothing of the input's size but one subtraction.
+    filled with 255, then two scatters place the last pieces and the non-121 bytes. Over the
+    input there is one uint8 subtraction and the scan for non-zeros; index arithmetic is int64
+    of size ``K``.
     """
     x = packed.reshape(-1)
     g = x.numel()

@@ -20,11 +20,13 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, RecordD
 from flwr.app.message_type import MessageType  # type: ignore[import-not-found]
 from flwr.clientapp.typing import ClientAppCallable  # type: ignore[import-not-found]
 
+from fedcomp.bandwidth import BandwidthBudget, Choice, ClientSituation, get_policy
 from fedcomp.codecs import DenseFP32, get_codec
 from fedcomp.errors import ConfigError, PayloadError
 from fedcomp.flower import keys
 from fedcomp.flower.records import digest, record_from_tensors, tensors_from_record
 from fedcomp.flower.replica import apply_delta
+from fedcomp.links import LinkProfile, link_of, parse_link_profiles
 from fedcomp.serde import update_from_bytes, update_to_bytes
 from fedcomp.update import UpdateEncoder, decode_update, specs_of
 
@@ -135,7 +137,12 @@ def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable
     content[arrays_key] = record_from_tensors(st.replica)
     msg.content = content
 
+    is_train = msg.metadata.message_type == MessageType.TRAIN
+    uplink_cfg = json.loads(str(dl["uplink-codec"]))
+    plan = _plan_bandwidth(msg, context, dl, st, uplink_cfg) if is_train else None
+    t_train = time.perf_counter()
     reply = call_next(msg, context)
+    train_seconds = time.perf_counter() - t_train
 
     status = {"replica-version": st.version, "replica-digest": digest(st.replica)}
     if reply.has_error():
@@ -148,7 +155,7 @@ def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable
         trained = tensors_from_record(trained_rec, device)
         delta = {k: trained[k] - st.replica[k] for k in st.replica}
         encoder = UpdateEncoder(
-            get_codec(json.loads(str(dl["uplink-codec"]))),
+            get_codec(uplink_cfg),  # p as the bandwidth policy chose it, if it did
             min_numel=int(dl["min-compress-numel"]),  # type: ignore[arg-type]
             error_feedback=bool(dl["error-feedback"]),
         )
@@ -158,11 +165,82 @@ def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable
         seconds = time.perf_counter() - t0
         st.residual = encoder.state_dict()
         out = RecordDict({k: v for k, v in reply.content.items() if k != arrays_key})
+        report = _bandwidth_report(context, plan, uplink_cfg, train_seconds)
         out[keys.UPLINK] = ConfigRecord(
-            {"payload": data, "encode-seconds": seconds, "device": str(device), **status}
+            {"payload": data, "encode-seconds": seconds, "device": str(device), **status, **report}
         )
         reply.content = out
     else:
         reply.content[keys.UPLINK] = ConfigRecord(status)
     st.save()
     return reply
+
+
+# --- bandwidth awareness (fedcomp.bandwidth) ---------------------------------------------------
+
+
+class _Plan:
+    """What the mod decided before training: the link, the policy's choice, the iterations."""
+
+    def __init__(self, link: LinkProfile | None, choice: Choice | None, local_iters: int | None) -> None:
+        self.link, self.choice, self.local_iters = link, choice, local_iters
+
+
+def _plan_bandwidth(
+    msg: Message, context: Context, dl: ConfigRecord, st: ClientState, uplink_cfg: dict
+) -> _Plan | None:
+    """Pick this round's p (into ``uplink_cfg``) and local iterations (into the train config)."""
+    if "bandwidth" not in dl:
+        return None  # a server without bandwidth awareness
+    budget = BandwidthBudget.from_json(str(dl["bandwidth"]))
+    link = link_of(context.node_config, parse_link_profiles(budget.link_profiles), where="node config")
+    config_key = str(dl.get("config-key", "config"))
+    config = msg.content.config_records.get(config_key)
+    iters = int(config[keys.LOCAL_ITERS]) if config is not None and keys.LOCAL_ITERS in config else None  # type: ignore[arg-type]
+    if uplink_cfg.get("id") != "sbc" or not budget.active or st.replica is None:
+        return _Plan(link, None, iters)
+    seconds_per_iter = budget.seconds_per_iter or _measured_seconds_per_iter(context)
+    situation = ClientSituation(
+        link=link,
+        tensors=tuple((name, t.numel()) for name, t in st.replica.items()),
+        min_numel=int(dl["min-compress-numel"]),  # type: ignore[arg-type]
+        p=float(uplink_cfg["p"]),
+        local_iters=iters if iters is not None else 1,
+        downlink_bytes=sum(len(b) for b in dl.get("payloads", [])),  # type: ignore[arg-type]
+        seconds_per_iter=seconds_per_iter,
+    )
+    choice = get_policy(budget.policy).choose(budget, situation)
+    uplink_cfg["p"] = float(min(0.5, max(choice.p, 1e-12)))
+    if config is not None and iters is not None and choice.local_iters != iters:
+        # A copy: the config record may be shared with other messages.
+        msg.content[config_key] = ConfigRecord({**config, keys.LOCAL_ITERS: int(choice.local_iters)})
+        iters = int(choice.local_iters)
+    return _Plan(link, choice, iters)
+
+
+def _bandwidth_report(context: Context, plan: _Plan | None, uplink_cfg: dict, train_seconds: float) -> dict:
+    """The uplink record's report of this round; remembers seconds per iteration for the next."""
+    out: dict = {"train-seconds": float(train_seconds)}
+    if uplink_cfg.get("id") == "sbc":
+        out["sbc-p"] = float(uplink_cfg["p"])
+    if plan is None:
+        return out
+    if plan.local_iters is not None:
+        out["local-iters"] = int(plan.local_iters)
+        # The fastest seen: a first call's warm-up (imports, data loading) must not stick.
+        measured = train_seconds / max(1, plan.local_iters)
+        best = _measured_seconds_per_iter(context)
+        context.state[keys.STATE_BANDWIDTH] = ConfigRecord({"seconds-per-iter": min(measured, best) if best else measured})
+    if plan.link is not None:
+        out.update(plan.link.to_node_config())
+    if plan.choice is not None:
+        c = plan.choice
+        out.update({"estimated-bytes": int(c.estimated_bytes), "fits": bool(c.fits)})
+        if c.budget_bytes is not None:
+            out["budget-bytes"] = int(c.budget_bytes)
+    return out
+
+
+def _measured_seconds_per_iter(context: Context) -> float:
+    rec = context.state.config_records.get(keys.STATE_BANDWIDTH)
+    return float(rec.get("seconds-per-iter", 0.0)) if rec is not None else 0.0  # type: ignore[arg-type]

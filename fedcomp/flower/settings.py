@@ -7,7 +7,7 @@ the run at start with a message naming the key.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -16,12 +16,16 @@ from pydantic import (
     FieldSerializationInfo,
     ValidationError,
     field_serializer,
+    ValidationInfo,
     field_validator,
 )
 
 from fedcomp.codecs import Codec, get_codec
 from fedcomp.errors import ConfigError
 from fedcomp.schedules import Schedule
+
+if TYPE_CHECKING:
+    from fedcomp.bandwidth import BandwidthBudget
 
 UplinkCodec = Literal["sbc", "dense-fp32", "dense-fp16", "identity"]
 DownlinkCodec = Literal["3lc", "dense-fp32", "dense-fp16", "identity"]
@@ -45,6 +49,24 @@ class CompressionConfig(BaseModel):
     min_compress_numel: int = Field(1000, ge=0, alias="min-compress-numel")
     delta_log_size: int = Field(8, ge=0, le=1000, alias="delta-log-size")
     client_device: Literal["auto", "cpu", "cuda"] = Field("auto", alias="client-device")
+    # --- bandwidth awareness (fedcomp.bandwidth; off while both budgets are 0) ---
+    #: Clients' links in a simulation: "UP,DOWN,LATENCY;..." (Mbit/s, Mbit/s, ms) cycled over
+    #: partition ids; a node config naming uplink-mbps/downlink-mbps wins (fedcomp.links).
+    link_profiles: str = Field("", alias="link-profiles")
+    #: Per-round deadline in seconds each client's round (downlink, compute, upload, latency)
+    #: should fit; 0 = none.
+    round_deadline_s: float = Field(0.0, ge=0, alias="round-deadline-s")
+    #: Per-client per-round cap on the upload, bytes; 0 = none.
+    uplink_budget_bytes: int = Field(0, ge=0, alias="uplink-budget-bytes")
+    sbc_p_min: float = Field(0.001, gt=0, le=0.5, alias="sbc-p-min")
+    sbc_p_max: float = Field(0.1, gt=0, le=0.5, alias="sbc-p-max")
+    #: Let the policy change local iterations (constant total sparsity p / local-iters).
+    adapt_local_iters: bool = Field(False, alias="adapt-local-iters")
+    local_iters_min: int = Field(1, ge=1, alias="local-iters-min")
+    local_iters_max: int = Field(100, ge=1, alias="local-iters-max")
+    bandwidth_policy: str = Field("constant-total-sparsity", alias="bandwidth-policy")
+    #: Compute seconds per local iteration the deadline assumes; 0 = measured by each client.
+    seconds_per_iter: float = Field(0.0, ge=0, alias="seconds-per-iter")
 
     @field_validator("sbc_p", "threelc_s", "local_iters", mode="before")
     @classmethod
@@ -69,6 +91,59 @@ class CompressionConfig(BaseModel):
         if any(x < 1 or x != int(x) for x in v.values):
             raise ValueError("local iterations must be whole numbers >= 1")
         return v
+
+    @field_validator("link_profiles")
+    @classmethod
+    def _links(cls, v: str) -> str:
+        from fedcomp.links import parse_link_profiles
+
+        try:
+            parse_link_profiles(v)
+        except ConfigError as err:
+            raise ValueError(str(err).removeprefix("link-profiles: ")) from None
+        return v
+
+    @field_validator("sbc_p_max")
+    @classmethod
+    def _p_bounds(cls, v: float, info: ValidationInfo) -> float:
+        lo = info.data.get("sbc_p_min")
+        if lo is not None and lo > v:
+            raise ValueError(f"must be >= sbc-p-min ({lo})")
+        return v
+
+    @field_validator("local_iters_max")
+    @classmethod
+    def _iters_bounds(cls, v: int, info: ValidationInfo) -> int:
+        lo = info.data.get("local_iters_min")
+        if lo is not None and lo > v:
+            raise ValueError(f"must be >= local-iters-min ({lo})")
+        return v
+
+    @field_validator("bandwidth_policy")
+    @classmethod
+    def _policy(cls, v: str) -> str:
+        from fedcomp.bandwidth import policy_names
+
+        if v not in policy_names():
+            raise ValueError(f"unknown policy (known: {policy_names()})")
+        return v
+
+    def bandwidth_budget(self) -> BandwidthBudget:
+        """What the clients' bandwidth policy works with (inactive while both budgets are 0)."""
+        from fedcomp.bandwidth import BandwidthBudget
+
+        return BandwidthBudget(
+            round_deadline_s=self.round_deadline_s,
+            uplink_budget_bytes=self.uplink_budget_bytes,
+            p_min=self.sbc_p_min,
+            p_max=self.sbc_p_max,
+            local_iters_min=self.local_iters_min,
+            local_iters_max=self.local_iters_max,
+            adapt_local_iters=self.adapt_local_iters,
+            policy=self.bandwidth_policy,
+            link_profiles=self.link_profiles,
+            seconds_per_iter=self.seconds_per_iter,
+        )
 
     @classmethod
     def keys(cls) -> set[str]:

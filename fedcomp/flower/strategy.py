@@ -47,6 +47,31 @@ class RoundTraffic:
     rejected: dict[int, str] = field(default_factory=dict)
     encode_seconds: float = 0.0  # server-side downlink compression time
     decode_seconds: float = 0.0  # server-side uplink decompression time
+    # What each client reported doing (fedcomp.bandwidth): the SBC p and local iterations it used,
+    # its byte budget (absent: none), the policy's estimate, whether it fit, its training time
+    # and its link (uplink Mbit/s, downlink Mbit/s, latency ms).
+    sbc_p: dict[int, float] = field(default_factory=dict)
+    local_iters: dict[int, int] = field(default_factory=dict)
+    budget_bytes: dict[int, int] = field(default_factory=dict)
+    estimated_bytes: dict[int, int] = field(default_factory=dict)
+    fits: dict[int, bool] = field(default_factory=dict)
+    train_seconds: dict[int, float] = field(default_factory=dict)
+    links: dict[int, list[float]] = field(default_factory=dict)
+
+    def note_client(self, node: int, rec: ConfigRecord) -> None:
+        """Copy what the client mod reported in its uplink record (keys it did not send: skipped)."""
+        for key, store, cast in (
+            ("sbc-p", self.sbc_p, float),
+            ("local-iters", self.local_iters, int),
+            ("budget-bytes", self.budget_bytes, int),
+            ("estimated-bytes", self.estimated_bytes, int),
+            ("fits", self.fits, bool),
+            ("train-seconds", self.train_seconds, float),
+        ):
+            if key in rec:
+                store[node] = cast(rec[key])  # type: ignore[call-overload]
+        if "uplink-mbps" in rec:
+            self.links[node] = [float(rec[k]) for k in ("uplink-mbps", "downlink-mbps", "latency-ms")]  # type: ignore[arg-type]
 
     def add_downlink(self, node: int, nbytes: int, dense: int, mode: str) -> None:
         self.downlink[node] = self.downlink.get(node, 0) + nbytes
@@ -69,6 +94,8 @@ class CompressionStrategy(Strategy):
         self._target: dict[str, torch.Tensor] | None = None  # the W the replica was last synced to
         self._nodes: dict[int, tuple[int, str]] = {}  # node -> (replica version, digest) it reported
         self._round = 0
+        self._bandwidth = self.config.bandwidth_budget().to_json()
+        self._config_key: str = getattr(strategy, "configrecord_key", "config")
 
     # --- downlink ------------------------------------------------------------------------------
 
@@ -106,6 +133,8 @@ class CompressionStrategy(Strategy):
                     "error-feedback": self.config.error_feedback,
                     "min-compress-numel": self.config.min_compress_numel,
                     "device": self.config.client_device,
+                    "bandwidth": self._bandwidth,
+                    "config-key": self._config_key,
                 }
             )
             # A fresh RecordDict per message: the inner strategy shares one between all messages.
@@ -159,6 +188,7 @@ class CompressionStrategy(Strategy):
         data: bytes = rec["payload"]  # type: ignore[assignment]
         traffic = self._traffic(server_round)
         node = msg.metadata.src_node_id
+        traffic.note_client(node, rec)
         traffic.uplink[node] = len(data)
         traffic.dense_uplink[node] = fp32_bytes(self.replica.tensors)
         t0 = time.perf_counter()

@@ -1,0 +1,134 @@
+"""Temporal x gradient sparsity grid (after SBC's Fig. 3 and 4), in one command.
+
+    FEDCOMP_DATA_DIR=/work/shared/data python examples/sparsity_grid.py [--out DIR] [--iterations N]
+
+Every cell is one run of LeNet5-Caffe on MNIST (4 clients, IID, Adam lr 0.001, batch 128) with a
+communication delay (temporal sparsity 1/delay) and an SBC sparsity p (gradient sparsity; p = 100 %
+means dense fp32 deltas, i.e. Federated Averaging). The paper's Fig. 3 is ResNet32 on CIFAR for
+60,000 iterations; this grid is sized for about 15 minutes on one core: 200 iterations per cell by
+default (``--iterations`` for more). SBC's observation to check: accuracy stays roughly constant
+along the off-diagonals, where the total sparsity p / delay is the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shutil
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import numpy as np  # noqa: E402
+
+import fedsim  # noqa: E402
+from fedsim import SimConfig  # noqa: E402
+
+DELAYS = (1, 10, 100)
+PS = (1.0, 0.1, 0.01, 0.001)
+ITERATIONS = 200
+
+
+def cell(delay: int, p: float, iterations: int) -> SimConfig:
+    dense = p >= 1.0
+    label = f"delay {delay}, " + ("dense" if dense else f"p={100 * p:g}%")
+    return SimConfig(
+        label=label,
+        iterations=iterations,
+        delay=delay,
+        uplink="dense-fp32" if dense else "sbc",
+        p=0.01 if dense else p,
+        eval_every=max(delay, iterations // 4),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    fedsim.common_args(ap, fedsim.DEFAULT_RESULTS / "sparsity_grid")
+    ap.add_argument("--delays", type=int, nargs="+", default=list(DELAYS))
+    ap.add_argument("--ps", type=float, nargs="+", default=list(PS), help="SBC p per cell; 1 = dense")
+    ap.add_argument("--figures-to", type=Path, default=None, help="also copy the plots here (e.g. docs/figures)")
+    args = ap.parse_args(argv)
+    fedsim.check_data("mnist")
+
+    iterations = args.iterations or ITERATIONS
+    delays = sorted(set(args.delays))
+    if args.smoke:
+        iterations = args.iterations or 2
+        delays = sorted({min(d, iterations) for d in delays})
+    bad = [d for d in delays if iterations % d]
+    if bad:
+        sys.exit(f"error: iterations {iterations} is not a multiple of delay(s) {bad}")
+    grid = [(d, p, cell(d, p, iterations)) for d in delays for p in args.ps]
+    configs = [c for _, _, c in grid]
+    if args.smoke:
+        configs = [replace(c, batch_size=16, test_limit=200, eval_every=1) for c in configs]
+    results = fedsim.run_all(configs, args.out, force=args.force, jobs=args.jobs)
+
+    acc = np.full((len(delays), len(args.ps)), np.nan)
+    comp = np.full_like(acc, np.nan)
+    rows, table = [], []
+    for (d, p, _), r in zip(grid, results):
+        i, j = delays.index(d), args.ps.index(p)
+        acc[i, j] = r["final_acc"]
+        comp[i, j] = r["uplink"]["compression_wire"]
+        rows.append({"delay": d, "p": p, "final_acc": r["final_acc"], "compression_wire": comp[i, j],
+                     "total_sparsity": p / d, "run_time_s": r["timing_s"]["total"], "config_hash": r["config_hash"]})
+    pcols = [("dense" if p >= 1 else f"p = {100 * p:g} %") for p in args.ps]
+    header = ["delay \\ p", *pcols]
+    for i, d in enumerate(delays):
+        table.append([f"delay {d}", *[f"{acc[i, j]:.4f} (x{comp[i, j]:,.0f})" for j in range(len(args.ps))]])
+    total_time = sum(r["timing_s"]["total"] for r in results)
+    text = (f"Final test accuracy (uplink compression) after {iterations} iterations, LeNet5-Caffe / MNIST, "
+            f"4 clients; {len(results)} cells, {fedsim._fmt_s(total_time)} of runs\n\n" + fedsim.md_table(header, table))
+    print()
+    print(text)
+    fedsim.write_summary(args.out, "grid", rows, text)
+
+    if not args.no_plots:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        import simplots
+
+        rlabels = [f"delay {d}" for d in delays]
+        figs = [
+            simplots.heatmap(acc, rlabels, pcols, args.out / "sparsity_grid_accuracy.png",
+                             f"final test accuracy, {iterations} iterations", "gradient sparsity (SBC p)",
+                             "temporal sparsity (delay)"),
+            simplots.heatmap(np.log10(comp), rlabels, pcols, args.out / "sparsity_grid_compression.png",
+                             "log10 uplink compression (wire bytes)", "gradient sparsity (SBC p)",
+                             "temporal sparsity (delay)", fmt="{:.2f}", cmap="magma"),
+        ]
+        # accuracy against total sparsity (the paper's Fig. 4): colour = share of temporal sparsity
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for row in rows:
+            t = math.log10(row["delay"]) / max(1e-9, math.log10(row["delay"]) - math.log10(row["p"]))
+            ax.scatter(row["total_sparsity"], row["final_acc"], color=plt.cm.plasma(0.15 + 0.7 * t), s=40)
+            ax.annotate(f"d{row['delay']}/p{100 * row['p']:g}%", (row["total_sparsity"], row["final_acc"]),
+                        fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.set_xscale("log")
+        ax.set_xlabel("total sparsity p / delay (log)")
+        ax.set_ylabel("final test accuracy")
+        ax.grid(alpha=0.3, which="both")
+        ax.set_title("accuracy vs total sparsity (purple: gradient only, yellow: temporal only)")
+        fig.tight_layout()
+        path = args.out / "sparsity_grid_total_sparsity.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        figs.append(path)
+        if args.figures_to:
+            args.figures_to.mkdir(parents=True, exist_ok=True)
+            for f in figs:
+                shutil.copy(f, args.figures_to / f.name)
+        print("\nplots: " + ", ".join(str(f) for f in figs))
+    print(f"results: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,247 @@
+"""Bandwidth-aware uplink: each client picks its SBC ``p`` (and, where allowed, its local
+iterations) so that its upload fits the round's budget.
+
+The server states the budget (run config, sent in the downlink record as JSON): a per-round
+deadline ``round-deadline-s`` and/or a byte budget ``uplink-budget-bytes`` per client, bounds
+``sbc-p-min``/``sbc-p-max`` and ``local-iters-min``/``local-iters-max``, and whether local
+iterations may change (``adapt-local-iters``). Each client knows its link
+(:mod:`fedcomp.links`: node config, or the run's ``link-profiles`` cycled over partitions) and,
+from its own last round, its seconds per local iteration. A :class:`BandwidthPolicy` turns both
+into a :class:`Choice`; the client mod applies it (``local-iters`` before training, ``p`` when it
+compresses) and reports it in the uplink record, so ``results.json`` shows it per client per
+round.
+
+The default, :class:`ConstantTotalSparsity`, follows SBC's finding that temporal sparsity
+(local iterations n: one upload per n steps) and gradient sparsity (fraction p kept) trade at
+constant *total* sparsity ``p / n``: the scheduled ``(p0, n0)`` fix the target ``tau = p0 / n0``;
+the client takes the largest ``p`` in ``[sbc-p-min, sbc-p-max]`` whose upload fits, and with
+``adapt-local-iters`` trains ``n = round(p / tau)`` steps (clamped to the bounds), so a slow link
+uploads fewer entries after fewer steps and a fast one more entries after more steps, all at the
+same entries-per-step. Its time budget for a deadline ``D``::
+
+    upload time  <=  D - 2 * latency - downlink bytes / downlink rate - n * seconds per iteration
+
+(seconds per iteration: ``seconds-per-iter`` when set, for reproducible emulation; else the
+fastest the client has measured itself, wall time of its train handler over its iterations)
+and a byte budget ``B`` caps the upload at ``B`` directly (both: the smaller). Bytes for a ``p``
+come from :func:`estimate_sbc_bytes` (Golomb's expected code length per kept position, one float
+per tensor, protobuf framing), which is within a few percent of the real payload for LeNet5.
+When even ``sbc-p-min`` does not fit, the client sends at ``sbc-p-min`` and reports
+``fits = false``.
+
+Other policies: implement the protocol and :func:`register_policy` it under a name, then set
+``bandwidth-policy`` to that name (the ClientApp must import the module that registers it).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from fedcomp.codecs.golomb import expected_bits_per_position, golomb_b
+from fedcomp.errors import ConfigError
+from fedcomp.links import LinkProfile
+
+__all__ = [
+    "BandwidthBudget",
+    "BandwidthPolicy",
+    "Choice",
+    "ClientSituation",
+    "ConstantTotalSparsity",
+    "estimate_sbc_bytes",
+    "get_policy",
+    "register_policy",
+]
+
+#: Protobuf framing per tensor beyond its name (shape, dtype, codec id, field tags), in bytes;
+#: measured on LeNet5's tensors (34 to 44 bytes in all with the name).
+TENSOR_OVERHEAD_BYTES = 24
+#: Framing of the update message itself (format version, base model version).
+UPDATE_OVERHEAD_BYTES = 8
+
+
+def estimate_sbc_bytes(tensors: Sequence[tuple[str, int]], p: float, min_numel: int) -> int:
+    """Expected bytes of an SBC update of tensors ``(name, numel)`` at fraction ``p``.
+
+    Tensors with fewer than ``min_numel`` elements go dense fp32 (4 bytes each). Each SBC tensor
+    keeps ``k = max(1, round(p n))`` positions coded at Golomb's expected bits per position for
+    density ``k / n`` (with the paper's optimal ``b``), plus 32 bits for its mean.
+    """
+    total = UPDATE_OVERHEAD_BYTES
+    for name, n in tensors:
+        framing = TENSOR_OVERHEAD_BYTES + len(name.encode())
+        if n < min_numel:
+            total += 4 * n + framing
+            continue
+        if n == 0:
+            total += framing
+            continue
+        k = max(1, round(p * n))
+        q = min(1.0, k / n)
+        bits = k * expected_bits_per_position(q, golomb_b(q)) + 32
+        total += math.ceil(bits / 8) + framing
+    return total
+
+
+@dataclass(frozen=True)
+class BandwidthBudget:
+    """What the server allows this round (the downlink record's ``bandwidth`` JSON)."""
+
+    round_deadline_s: float = 0.0  # 0 = no deadline
+    uplink_budget_bytes: int = 0  # 0 = no byte budget
+    p_min: float = 0.001
+    p_max: float = 0.1
+    local_iters_min: int = 1
+    local_iters_max: int = 100
+    adapt_local_iters: bool = False
+    policy: str = "constant-total-sparsity"
+    #: The run's link profiles ("UP,DOWN,LAT;...") for clients whose node config names none.
+    link_profiles: str = ""
+    #: Compute seconds per local iteration the deadline assumes; 0 = each client's own
+    #: measurement (the fastest seconds per iteration it has seen, 0 before its first round).
+    seconds_per_iter: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.p_min <= self.p_max <= 0.5:
+            raise ConfigError(f"sbc-p-min/sbc-p-max: need 0 < min <= max <= 0.5 (got {self.p_min}, {self.p_max})")
+        if not 1 <= self.local_iters_min <= self.local_iters_max:
+            raise ConfigError(
+                f"local-iters-min/local-iters-max: need 1 <= min <= max (got {self.local_iters_min}, {self.local_iters_max})"
+            )
+        if self.round_deadline_s < 0 or self.uplink_budget_bytes < 0 or self.seconds_per_iter < 0:
+            raise ConfigError("round-deadline-s/uplink-budget-bytes/seconds-per-iter: must be >= 0 (0 = off)")
+
+    @property
+    def active(self) -> bool:
+        return self.round_deadline_s > 0 or self.uplink_budget_bytes > 0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> BandwidthBudget:
+        try:
+            data = json.loads(text)
+            return cls(**data)
+        except (TypeError, ValueError) as err:
+            raise ConfigError(f"bandwidth: not a valid budget record ({err})") from None
+
+
+@dataclass(frozen=True)
+class ClientSituation:
+    """What the client knows when it decides."""
+
+    link: LinkProfile | None
+    tensors: tuple[tuple[str, int], ...]  # (name, numel) of the model
+    min_numel: int
+    p: float  # this round's scheduled p
+    local_iters: int  # this round's scheduled local iterations
+    downlink_bytes: int = 0  # the downlink payload it received this round
+    seconds_per_iter: float = 0.0  # its compute per local iteration (last round); 0 = unknown
+
+
+@dataclass(frozen=True)
+class Choice:
+    p: float
+    local_iters: int
+    budget_bytes: int | None  # None: no budget applied
+    estimated_bytes: int
+    fits: bool
+    reason: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class BandwidthPolicy(Protocol):
+    """Picks this client's ``p`` and local iterations for one round."""
+
+    def choose(self, budget: BandwidthBudget, situation: ClientSituation) -> Choice: ...
+
+
+class ConstantTotalSparsity:
+    """The default policy (see the module docstring).
+
+    ``margin``: the estimate must fit within ``(1 - margin)`` of the budget (the fast SBC mode
+    keeps a few percent more or fewer entries than ``k``).
+    """
+
+    def __init__(self, margin: float = 0.05, search_steps: int = 48) -> None:
+        self.margin = margin
+        self.search_steps = search_steps
+
+    def _iters(self, p: float, tau: float, b: BandwidthBudget, s: ClientSituation) -> int:
+        if not b.adapt_local_iters:
+            return s.local_iters
+        return int(min(b.local_iters_max, max(b.local_iters_min, round(p / tau))))
+
+    def _byte_budget(self, iters: int, b: BandwidthBudget, s: ClientSituation) -> float | None:
+        """Bytes the upload may take with ``iters`` local iterations; None = unbounded."""
+        limits = []
+        if b.uplink_budget_bytes > 0:
+            limits.append(float(b.uplink_budget_bytes))
+        if b.round_deadline_s > 0 and s.link is not None:
+            spare = (
+                b.round_deadline_s
+                - 2 * s.link.latency_ms / 1000.0
+                - s.link.downlink_seconds(s.downlink_bytes)
+                - iters * s.seconds_per_iter
+            )
+            limits.append(s.link.uplink_bytes_in(spare))
+        return min(limits) if limits else None
+
+    def choose(self, budget: BandwidthBudget, situation: ClientSituation) -> Choice:
+        s, b = situation, budget
+        tau = s.p / max(1, s.local_iters)
+
+        def est(p: float) -> int:
+            return estimate_sbc_bytes(s.tensors, p, s.min_numel)
+
+        no_budget = not b.active or (b.uplink_budget_bytes <= 0 and s.link is None)
+        if no_budget:
+            reason = "no budget" if not b.active else "deadline but no link profile for this client"
+            return Choice(s.p, s.local_iters, None, est(s.p), True, reason)
+
+        def fits(p: float) -> tuple[bool, int, float]:
+            n = self._iters(p, tau, b, s)
+            cap = self._byte_budget(n, b, s)
+            assert cap is not None
+            return est(p) <= (1.0 - self.margin) * cap, n, cap
+
+        ok, n, cap = fits(b.p_max)
+        if ok:
+            return Choice(b.p_max, n, int(cap), est(b.p_max), True, "p-max fits")
+        ok, n, cap = fits(b.p_min)
+        if not ok:
+            return Choice(b.p_min, n, max(0, int(cap)), est(b.p_min), False, "even p-min exceeds the budget")
+        lo, hi = math.log(b.p_min), math.log(b.p_max)  # fits(lo), not fits(hi)
+        for _ in range(self.search_steps):
+            mid = (lo + hi) / 2
+            if fits(math.exp(mid))[0]:
+                lo = mid
+            else:
+                hi = mid
+        p = math.exp(lo)
+        ok, n, cap = fits(p)
+        return Choice(p, n, int(cap), est(p), ok, "largest p that fits")
+
+
+_POLICIES: dict[str, Callable[[], BandwidthPolicy]] = {"constant-total-sparsity": ConstantTotalSparsity}
+
+
+def register_policy(name: str, factory: Callable[[], BandwidthPolicy]) -> None:
+    """Make ``bandwidth-policy = name`` build ``factory()`` on the clients."""
+    _POLICIES[name] = factory
+
+
+def get_policy(name: str) -> BandwidthPolicy:
+    try:
+        return _POLICIES[name]()
+    except KeyError:
+        raise ConfigError(f"bandwidth-policy: unknown policy {name!r} (known: {sorted(_POLICIES)})") from None
+
+
+def policy_names() -> list[str]:
+    return sorted(_POLICIES)

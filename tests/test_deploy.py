@@ -1,0 +1,233 @@
+"""The Deployment Engine path (`python -m fedcomp.deploy`): node-config validation (fast), and real
+SuperLink + SuperNodes on 127.0.0.1 (flower-marked): a compressed run, a SuperNode killed mid-run,
+an unreachable SuperLink."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fedcomp.deploy import DeployError, LocalDeployment, deploy_local, main, node_specs, run_app
+from fedcomp.deploy import _free_ports as free_ports
+from fedcomp.errors import ConfigError
+from fedcomp.links import LinkProfile, parse_link_profiles
+from fedcomp.testing.flower import alive_pids, find_marked_pids
+
+REPO = Path(__file__).resolve().parents[1]
+LENET5_FP32_BYTES = 431_080 * 4
+
+
+# --- node configs (no processes) ---------------------------------------------------------------
+
+
+def test_links_cycle_over_nodes_and_partitions_default_to_the_index() -> None:
+    specs = node_specs(3, "10,20,30;100,100")
+    assert [s.config["partition-id"] for s in specs] == [0, 1, 2]
+    assert {s.config["num-partitions"] for s in specs} == {3}
+    assert [s.link for s in specs] == [LinkProfile(10, 20, 30), LinkProfile(100, 100, 0), LinkProfile(10, 20, 30)]
+    assert specs[0].node_config_arg() == (
+        "partition-id=0 num-partitions=3 uplink-mbps=10.0 downlink-mbps=20.0 latency-ms=30.0"
+    )
+    assert node_specs(1)[0].link == LinkProfile(100, 100, 10)  # DEFAULT_LINKS
+
+
+def test_node_config_file_overrides_links(tmp_path: Path) -> None:
+    f = tmp_path / "nodes.toml"
+    f.write_text(
+        '[default]\nlatency-ms = 50.0\nregion = "eu"\n'
+        "[[node]]\nuplink-mbps = 1.5\ndownlink-mbps = 8\n"
+        "[[node]]\npartition-id = 0\nnum-partitions = 1\n"  # a partition from another split
+    )
+    with pytest.raises(ConfigError, match="partition-id: 0 is already node 0's"):
+        node_specs(None, "10,10,5", f)
+    f.write_text(f.read_text().replace("partition-id = 0\nnum-partitions = 1", "partition-id = 7\nnum-partitions = 8"))
+    a, b = node_specs(None, "10,10,5", f)
+    assert a.link == LinkProfile(1.5, 8, 50) and a.config["region"] == "eu"
+    assert b.link == LinkProfile(10, 10, 50) and (b.config["partition-id"], b.config["num-partitions"]) == (7, 8)
+    assert 'region="eu"' in a.node_config_arg()
+
+
+@pytest.mark.parametrize(
+    ("nodes", "file", "message"),
+    [
+        (2, {"node": [{"uplink-mbps": 10.0}, {}], "_links": None}, r"node 0 \(partition-id 0\): downlink-mbps: missing"),
+        (2, {"node": [{"uplink-mbps": 1.0, "downlink-mbps": 1.0}, {}], "_links": None}, r"node 1 .*uplink-mbps: missing"),
+        (2, {"node": [{}, {"uplink-mbps": -5.0}]}, r"node 1 \(partition-id 1\): uplink-mbps: must be > 0 \(got -5.0\)"),
+        (1, {"default": {"downlink-mbps": math.nan}}, r"node 0 .*downlink-mbps: must be finite"),
+        (1, {"default": {"latency-ms": "20"}}, r"node 0 .*latency-ms: must be a number \(got '20'\)"),
+        (1, {"default": {"uplink-mbps": 1e9}}, r"uplink-mbps: must be <= 1e\+06"),
+        (1, {"default": {"latency-ms": -1}}, r"latency-ms: must be >= 0"),
+        (1, {"default": {"uplink-mbps": True}}, r"uplink-mbps: must be a number"),
+        (2, {"node": [{}, {"partition-id": 2}]}, r"node 1 \(partition-id 2\): partition-id: must be in \[0, num-partitions = 2\)"),
+        (3, {"node": [{}, {}]}, r"--nodes 3 but --node-config-file has 2"),
+        (0, {}, r"--nodes: must be an integer >= 1"),
+        (1, {"nodes": []}, r"unknown table"),
+    ],
+)
+def test_bad_node_configs_name_the_node_and_the_key(nodes: int, file: dict, message: str) -> None:
+    links = file.pop("_links", "10,10,5")
+    with pytest.raises(ConfigError, match=message):
+        node_specs(nodes, links, file)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [("10;20,20", "profile 0 '10'"), ("10,x,5", "not numbers"), ("0,10", "uplink-mbps: must be > 0"), ("10,10,inf", "must be finite")],
+)
+def test_bad_link_profiles(text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_link_profiles(text)
+
+
+def test_cli_rejects_a_bad_node_config_before_starting_anything(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    f = tmp_path / "nodes.toml"
+    f.write_text("[[node]]\nuplink-mbps = 10.0\ndownlink-mbps = 10.0\n[[node]]\nuplink-mbps = 0.0\ndownlink-mbps = 10.0\n")
+    t0 = time.monotonic()
+    code = main(["local", "--node-config-file", str(f), "--work-dir", str(tmp_path / "work"), "--results-dir", str(tmp_path)])
+    assert code == 2
+    assert "node 1 (partition-id 1): uplink-mbps: must be > 0" in capsys.readouterr().err
+    assert time.monotonic() - t0 < 5
+    assert not (tmp_path / "work").exists()  # nothing was started
+
+
+def test_insecure_is_refused_for_a_remote_superlink(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["supernode", "--superlink", "10.1.2.3:9092", "--insecure", "--partition-id", "0",
+                 "--num-partitions", "1", "--uplink-mbps", "10", "--downlink-mbps", "10"])  # fmt: skip
+    assert code == 2 and "--insecure: only for a SuperLink on loopback" in capsys.readouterr().err
+
+
+# --- real deployments ---------------------------------------------------------------------------
+
+
+def _check_clean(data: dict) -> None:
+    pids = data["_deploy"]["pids"]
+    assert len(pids) >= 4  # SuperLink, its SuperExec, SuperNodes, flwr run, ...
+    assert alive_pids(pids) == []
+    assert find_marked_pids(data["_deploy"]["token"]) == []
+
+
+@pytest.mark.flower
+def test_local_deployment_learns_records_bytes_and_stops_everything(tmp_path: Path) -> None:
+    # Node 0 uploads at 0.2 Mbit/s, node 1 at 100 Mbit/s (their --node-config); with a 0.5 s
+    # deadline each node's bandwidth policy picks its own p.
+    nodes = node_specs(2, "0.2,100,20;100,100,5")  # 3 fit too, but take ~1.5x as long on 2 cores
+    run_config = {"dataset": "digits", "local-iters": 10, "sbc-p": 0.01, "run-name": "dep",
+                  "round-deadline-s": 0.5, "seconds-per-iter": 0.001}  # fmt: skip
+    t0 = time.monotonic()
+    data = deploy_local(
+        REPO, nodes, run_config,
+        rounds=2, timeout_s=240, results_dir=tmp_path / "results", work_dir=tmp_path / "work",
+    )  # fmt: skip
+    assert data["status"] == "completed"
+    rounds = data["rounds"]
+    assert [r["round"] for r in rounds] == [0, 1, 2]
+    acc = [r["accuracy"] for r in rounds]
+    assert acc[2] > acc[1] > acc[0] and acc[2] > 0.5, acc
+    for r in rounds[1:]:
+        assert r["num_clients"] == 2
+        assert all(b > 0 for b in r["clients"]["uplink_bytes"]), r["clients"]
+        assert r["uplink_bytes"] == r["payload_uplink_bytes"] > 0
+        assert r["dense_uplink_bytes"] == 2 * LENET5_FP32_BYTES
+        assert r["uplink_compression"] > 30
+        links = r["client_links"]  # node id -> [up, down, latency], as each node's config said
+        assert sorted(links.values()) == [[0.2, 100.0, 20.0], [100.0, 100.0, 5.0]]
+        slow = next(n for n, v in links.items() if v[0] == 0.2)
+        fast = next(n for n, v in links.items() if v[0] == 100.0)
+        assert r["client_sbc_p"][fast] == 0.1 and r["client_sbc_p"][slow] < 0.02  # p-max fits on 100 Mbit/s
+        assert r["client_fits"] == {slow: True, fast: True}
+        sent = dict(zip(r["clients"]["ids"], r["clients"]["uplink_bytes"], strict=True))
+        assert sent[slow] <= 1.05 * r["client_budget_bytes"][slow]
+    assert rounds[2]["downlink_compression"] > 10
+    assert (tmp_path / "results" / "dep" / "final_model.pt").is_file()
+    _check_clean(data)
+    print(f"deployment: 2 SuperNodes, 2 rounds in {time.monotonic() - t0:.1f}s, accuracy {acc}")
+
+
+@pytest.mark.flower
+def test_a_supernode_killed_mid_run_the_run_goes_on(tmp_path: Path) -> None:
+    """SIGKILL one of three SuperNodes once round 1 is recorded: round 2 waits at most
+    ``round-timeout`` (or until the SuperLink marks it offline: no heartbeat for 2 x 30 s) for it
+    and aggregates the two others; the run completes."""
+    nodes = node_specs(3)
+    killed: list[int] = []
+
+    def kill_after_round_1(dep: LocalDeployment, entry: dict) -> None:
+        if entry["round"] == 1:
+            dep.kill_node(2)
+            killed.append(dep.node_procs[2].pid)
+
+    t0 = time.monotonic()
+    data = deploy_local(
+        REPO, nodes, {"dataset": "digits", "round-timeout": 60, "run-name": "kill"},
+        rounds=2, timeout_s=240, results_dir=tmp_path / "results", work_dir=tmp_path / "work",
+        on_round=kill_after_round_1,
+    )  # fmt: skip
+    elapsed = time.monotonic() - t0
+    assert killed and data["status"] == "completed"
+    r1, r2 = data["rounds"][1], data["rounds"][2]
+    assert sum(b > 0 for b in r1["clients"]["uplink_bytes"]) == 3
+    assert sum(b > 0 for b in r2["clients"]["uplink_bytes"]) == 2, r2["clients"]  # the dead node sent nothing
+    assert r2["num_examples"] == 2 * 500  # the survivors' data (1500 digits / 3)
+    assert r2["accuracy"] > data["rounds"][0]["accuracy"] + 0.2
+    _check_clean(data)
+    print(f"killed-node run: {elapsed:.1f}s, round 2 took {r2['round_time_s']:.1f}s")
+
+
+@pytest.mark.flower
+def test_unreachable_superlink_fails_fast(tmp_path: Path) -> None:
+    (port,) = free_ports(1)  # nothing listens there
+    t0 = time.monotonic()
+    with pytest.raises(DeployError, match="could not be reached"):
+        run_app(REPO, f"127.0.0.1:{port}", {}, flwr_home=tmp_path / "home", timeout_s=60, insecure=True)
+    assert time.monotonic() - t0 < 30
+
+    t0 = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, "-m", "fedcomp.deploy", "supernode", "--superlink", f"127.0.0.1:{port}", "--insecure",
+         "--max-wait-time", "3", "--partition-id", "0", "--num-partitions", "1",
+         "--uplink-mbps", "10", "--downlink-mbps", "10", "--port", str(free_ports(1)[0])],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path, env={**__import__("os").environ, "FLWR_HOME": str(tmp_path / "h2")},
+    )  # fmt: skip
+    assert out.returncode == 3, out.stderr[-2000:]
+    assert f"could not reach the SuperLink at 127.0.0.1:{port} within 3s" in out.stderr
+    assert time.monotonic() - t0 < 30
+
+
+@pytest.mark.flower
+def test_real_shaped_links_in_network_namespaces(tmp_path: Path) -> None:
+    """Part D: SuperLink and SuperNodes in namespaces of their own, veth pairs shaped with tc.
+    Node 0's 1 Mbit/s link must carry round 1's full model (1.72 MB: >= 13.8 s down) and only a
+    3LC delta in round 2."""
+    from fedcomp.netns import NetnsLab, NetnsUnavailable
+
+    probe = NetnsLab([LinkProfile(1, 1)])
+    try:
+        probe.setup()
+    except NetnsUnavailable as err:
+        pytest.skip(f"network namespaces not permitted here: {err}")
+    finally:
+        probe.teardown()
+    nodes = node_specs(2, "1,1,20;100,100,5")
+    data = deploy_local(
+        REPO, nodes, {"dataset": "digits", "run-name": "netns"}, rounds=2, timeout_s=300,
+        results_dir=tmp_path / "results", work_dir=tmp_path / "work", netns=True,
+    )  # fmt: skip
+    assert data["status"] == "completed"
+    r1, r2 = data["rounds"][1], data["rounds"][2]
+    sent = data["_deploy"]["netns"]["sent_bytes"]  # what node 0's shaped veth pair carried
+    slow = next(n for n, v in r1["client_links"].items() if v[0] == 1.0)
+    k = r1["clients"]["ids"].index(slow)
+    assert sent[0]["down"] >= r1["clients"]["downlink_bytes"][k] + r2["clients"]["downlink_bytes"][k]
+    assert sent[0]["up"] >= sum(r["clients"]["uplink_bytes"][k] for r in (r1, r2))
+    assert r1["round_time_s"] >= 1_724_320 * 8 / 1e6  # the full model through 1 Mbit/s
+    assert r1["round_time_s"] - r2["round_time_s"] >= 10, (r1["round_time_s"], r2["round_time_s"])
+    _check_clean(data)
+    import subprocess as sp
+
+    names = sp.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert data["_deploy"]["netns"]["name"] not in names
