@@ -6,7 +6,8 @@
     python -m fedcomp.deploy run --superlink HOST:9092 --root-certificates ca.pem [--rounds R]
 
 ``local`` starts one ``flower-superlink --insecure`` and N ``flower-supernode --insecure`` on
-127.0.0.1 (free ports; each SuperNode with its own ``FLWR_HOME`` and ``--node-config`` holding
+127.0.0.1 (free ports; with ``--netns`` each in a network namespace of its own behind a
+``tc``-shaped veth pair instead, see :mod:`fedcomp.netns`; each SuperNode with its own ``FLWR_HOME`` and ``--node-config`` holding
 ``partition-id``, ``num-partitions`` and its link ``uplink-mbps``, ``downlink-mbps``,
 ``latency-ms``), waits until the SuperLink lists all N nodes online, runs the app with
 ``flwr run <app> <connection> --stream`` (a connection entry in ``$FLWR_HOME/config.toml``:
@@ -104,7 +105,8 @@ class NodeSpec:
     @property
     def link(self) -> LinkProfile:
         link = LinkProfile.from_node_config(self.config, self.name)
-        assert link is not None  # node_specs() checked it
+        if link is None:
+            raise ConfigError(f"{self.name}: uplink-mbps: missing")
         return link
 
     @property

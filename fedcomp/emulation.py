@@ -47,12 +47,16 @@ def emulate_run(
     link: LinkProfile | None = None,
     *,
     seconds_per_iter: float | None = None,
+    initial_model_free: bool = False,
 ) -> list[EmulatedRound]:
     """Emulated round durations of a parsed ``results.json`` (round 0 takes no time).
 
     ``link``: every client's link; None = each client's recorded ``client_links`` (a client
     without one is an error). ``seconds_per_iter``: the compute model; None = the recorded
-    ``client_train_seconds`` (0 for a client without one).
+    ``client_train_seconds`` (0 for a client without one). ``initial_model_free``: round 1's
+    downlink costs nothing (the initial model is pre-distributed, as when every worker builds
+    it from the same seed); otherwise it is the full fp32 model, for both the dense and the
+    compressed run.
     """
     config = results.get("config", {})
     default_iters = int(config.get("local-iters", 1)) if str(config.get("local-iters", "1")).isdigit() else 1
@@ -72,7 +76,9 @@ def emulate_run(
         worst: tuple[float, str | None, float, float] = (0.0, None, 0.0, 0.0)
         for i, node in enumerate(ids):
             down, up = int(clients["downlink_bytes"][i]), int(clients["uplink_bytes"][i])
-            if down > 0 and up == 0:  # sent work, never answered: the round waits it out
+            if initial_model_free and r == 1:
+                down = 0
+            if int(clients["downlink_bytes"][i]) > 0 and up == 0:  # sent work, never answered
                 cand = (timeout, node, 0.0, timeout)
             else:
                 lk = link if link is not None else links.get(node)

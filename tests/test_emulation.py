@@ -64,3 +64,13 @@ def test_time_to_accuracy_and_speedup() -> None:
     expected_comp = (1_724_673 + 9_000 + 3 * (20_000 + 9_000)) * 8 / 10e6
     assert row["compressed_time_s"] == pytest.approx(expected_comp)
     assert row["speedup"] == pytest.approx(3 * 2 * 1.379456 / expected_comp)
+
+
+def test_initial_model_free_drops_round_1_downlink_only() -> None:
+    res = _results([(0.1, [], []), (0.5, [800_000], [0]), (0.6, [800_000], [100_000])])
+    res["rounds"][1]["clients"]["uplink_bytes"] = [100_000]
+    link = LinkProfile(8.0, 8.0)  # 1 MB/s both ways
+    full = emulate_run(res, link, seconds_per_iter=0.0)
+    free = emulate_run(res, link, seconds_per_iter=0.0, initial_model_free=True)
+    assert [r.round_s for r in full] == pytest.approx([0, 0.9, 0.9])
+    assert [r.round_s for r in free] == pytest.approx([0, 0.1, 0.9])

@@ -22,7 +22,7 @@ def test_digits_simulation_learns_and_records(tmp_path: Path) -> None:
     clients = 3
     results = run_simulation(
         REPO,
-        {"num-server-rounds": 3, "local-iters": 10, "dataset": "digits",
+        {"num-server-rounds": 3, "local-iters": 10, "dataset": "digits", "compress": False,
          "results-dir": str(tmp_path / "results"), "run-name": "baseline"},
         num_supernodes=clients,
         timeout_s=300,

@@ -9,7 +9,8 @@ else Gaussian images with random labels), and the update is weights after minus 
 ``--values student-t`` instead draws each tensor from a Student-t (df 3) scaled by 1/sqrt(fan-in).
 
 For each codec and op it reports the median wall time over ``--repeat`` runs, the median time of
-``clone()`` of the same tensors measured in the same run, and their ratio: ratios travel between
+``clone()`` of the same tensors (timed right before each run), and the median of the per-run
+ratios: ratios travel between
 machines better than seconds. ``encode`` is tensors -> wire bytes (protobuf serialized), ``decode``
 is wire bytes -> tensors on the device; tensors below 1000 elements go dense, as in 3LC.
 """
@@ -78,18 +79,34 @@ def _images(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.randn(n, 3, 64, 64, generator=gen), torch.randint(0, 1000, (n,), generator=gen)
 
 
-def _timed(fn: Callable[[], object], device: torch.device, repeat: int) -> tuple[float, object]:
-    times, result = [], None
-    fn()  # warm-up (allocator, caches, lazy init)
+def _clock(fn: Callable[[], object], device: torch.device) -> tuple[float, object]:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0, out
+
+
+def _paired(
+    fn: Callable[[], object], clone: Callable[[], object], device: torch.device, repeat: int
+) -> tuple[float, float, float, object]:
+    """Median op time, median clone time and median of the per-pair ratios.
+
+    Each repetition times a clone right before the op, so both see the same machine load; the
+    median of those pairwise ratios is what the targets are checked against (robust to a noisy,
+    shared machine).
+    """
+    fn(), clone()  # warm-up (allocator, caches, lazy init)
+    ops, clones, ratios, out = [], [], [], None
     for _ in range(repeat):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        result = fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), result
+        c, _ = _clock(clone, device)
+        t, out = _clock(fn, device)
+        ops.append(t)
+        clones.append(c)
+        ratios.append(t / c)
+    return statistics.median(ops), statistics.median(clones), statistics.median(ratios), out
 
 
 def bench_codecs(device: torch.device, repeat: int, values: str, sgd_steps: int, seed: int) -> list[dict]:
@@ -112,12 +129,9 @@ def bench_codecs(device: torch.device, repeat: int, values: str, sgd_steps: int,
             return [t.clone() for t in update.values()]
 
         for op, fn in (("encode", encode), ("decode", decode)):
-            clone_s, _ = _timed(clone, device, repeat)
-            med, out = _timed(fn, device, repeat)
+            med, clone_med, ratio, out = _paired(fn, clone, device, repeat)
             if op == "encode":
                 data = out  # type: ignore[assignment]
-            clone_s2, _ = _timed(clone, device, repeat)
-            clone_med = statistics.median([clone_s, clone_s2])
             tgt = None if target is None else target[0 if device.type == "cpu" else 1]
             rows.append(
                 {
@@ -128,7 +142,7 @@ def bench_codecs(device: torch.device, repeat: int, values: str, sgd_steps: int,
                     "numel": numel,
                     "median_s": med,
                     "clone_median_s": clone_med,
-                    "ratio": med / clone_med,
+                    "ratio": ratio,
                     "target_ratio": tgt,
                     "bytes": len(data),
                     "bits_per_value": 8 * len(data) / numel,
