@@ -71,7 +71,8 @@ from fedcomp.data import load_dataset, load_partition
 from fedcomp.models import LeNet5Caffe, evaluate
 from fedcomp.update import UpdateEncoder, decode_update, specs_of
 
-#: Part of every config hash: bump it when a change to this file changes results.
+#: Part of every config hash: bump it when a change to this file changes the results of existing
+#: configs (recording something new, like the replica's accuracy in 3LC mode, does not).
 SIM_VERSION = 1
 
 #: Where runs go unless --out says otherwise (gitignored).
@@ -319,6 +320,12 @@ def simulate(cfg: SimConfig, progress: Progress | None = _stderr) -> dict[str, A
         t0 = time.perf_counter()
         global_model.load_state_dict(W)
         loss, acc = evaluate(global_model, test_x, test_y)
+        extra = {}
+        if replica is not None:  # the model the clients hold and train from
+            global_model.load_state_dict(replica.tensors)
+            r_loss, r_acc = evaluate(global_model, test_x, test_y)
+            extra = {"replica_acc": r_acc, "replica_loss": r_loss,
+                     "replica_gap_l2": math.sqrt(sum(float(((W[k] - replica.tensors[k]) ** 2).sum()) for k in names))}
         t_eval += time.perf_counter() - t0
         history.append(
             {
@@ -326,6 +333,7 @@ def simulate(cfg: SimConfig, progress: Progress | None = _stderr) -> dict[str, A
                 "iteration": rnd * cfg.delay,
                 "test_acc": acc,
                 "test_loss": loss,
+                **extra,
                 "train_loss": sum(losses) / len(losses) if losses else None,
                 "uplink_bytes": up_bytes,  # all clients together, cumulative
                 "uplink_payload_bits": up_bits,
@@ -372,9 +380,10 @@ def simulate(cfg: SimConfig, progress: Progress | None = _stderr) -> dict[str, A
                 done = rnd / cfg.rounds
                 elapsed = time.perf_counter() - t_start
                 dense = rnd * cfg.delay * cfg.num_clients * numel * 32
+                rep = f"replica acc {h['replica_acc']:.4f} " if "replica_acc" in h else ""
                 progress(
                     f"[{cfg.label}] it {rnd * cfg.delay}/{cfg.iterations} (round {rnd}/{cfg.rounds}) "
-                    f"acc {h['test_acc']:.4f} loss {h['test_loss']:.4f} "
+                    f"acc {h['test_acc']:.4f} loss {h['test_loss']:.4f} {rep}"
                     f"up x{dense / (8 * up_bytes):.0f} | {_fmt_s(elapsed)} elapsed, "
                     f"ETA {_fmt_s(elapsed * (1 - done) / done)}"
                 )

@@ -63,7 +63,7 @@ def test_sbc_table2_then_threelc_table2_reusing_its_runs(run_example, tmp_path: 
     # 3LC Table 2 takes the two source runs from the first folder; only the in-loop runs are new
     t3 = tmp_path / "t3"
     out3 = run_example("threelc_table2", "--out", str(t3), "--reuse", str(t2))
-    assert out3.count("running:") == 2 and "s = 1.90" in out3
+    assert out3.count("running:") == 3 and "s = 1.90" in out3  # the three runs with 3LC in the loop
     rows3 = json.loads((t3 / "table2.json").read_text())
     nozre = next(r for r in rows3 if r.get("key") == "3lc-s1-nozre")
     assert nozre["Uncompressed"]["bits_per_value_payload"] == pytest.approx(1.6, abs=0.01)
