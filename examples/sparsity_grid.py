@@ -8,6 +8,10 @@ means dense fp32 deltas, i.e. Federated Averaging). The paper's Fig. 3 is ResNet
 60,000 iterations; this grid is sized for about 15 minutes on one core: 200 iterations per cell by
 default (``--iterations`` for more). SBC's observation to check: accuracy stays roughly constant
 along the off-diagonals, where the total sparsity p / delay is the same.
+
+``--long`` runs the 3 x 3 grid delay {1, 10, 100} x p {dense, 1 %, 0.1 %} at the paper's length
+(2,000 iterations) with exactly the configurations of ``sbc_table2.py``, so the six cells Table II
+already has come from its cache (``results/examples/sbc_table2``) and three runs are new.
 """
 
 from __future__ import annotations
@@ -50,10 +54,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--delays", type=int, nargs="+", default=list(DELAYS))
     ap.add_argument("--ps", type=float, nargs="+", default=list(PS), help="SBC p per cell; 1 = dense")
     ap.add_argument("--figures-to", type=Path, default=None, help="also copy the plots here (e.g. docs/figures)")
+    ap.add_argument("--long", action="store_true",
+                    help="delays 1, 10, 100 x p dense, 1 %%, 0.1 %% at 2,000 iterations, reusing sbc_table2.py's runs")
+    ap.add_argument("--reuse", type=Path, action="append", default=None,
+                    help=f"run folders whose cached runs may be reused (--long default: {fedsim.DEFAULT_RESULTS / 'sbc_table2'})")
     args = ap.parse_args(argv)
     fedsim.check_data("mnist")
+    name = "sparsity_grid"
+    reuse = args.reuse or []
+    if args.long:
+        import sbc_table2
 
-    iterations = args.iterations or ITERATIONS
+        name = "sparsity_grid_long"
+        if args.out == fedsim.DEFAULT_RESULTS / "sparsity_grid":
+            args.out = fedsim.DEFAULT_RESULTS / name
+        if args.reuse is None:
+            reuse = [fedsim.DEFAULT_RESULTS / "sbc_table2"]
+        args.delays, args.ps = [1, 10, 100], [1.0, 0.01, 0.001]
+
+    iterations = args.iterations or (sbc_table2.BASE.iterations if args.long else ITERATIONS)
     delays = sorted(set(args.delays))
     if args.smoke:
         iterations = args.iterations or 2
@@ -61,11 +80,15 @@ def main(argv: list[str] | None = None) -> int:
     bad = [d for d in delays if iterations % d]
     if bad:
         sys.exit(f"error: iterations {iterations} is not a multiple of delay(s) {bad}")
-    grid = [(d, p, cell(d, p, iterations)) for d in delays for p in args.ps]
+    if args.long:  # the Table II configurations (same hashes), at any --iterations
+        grid = [(d, p, replace(cell(d, p, iterations), eval_every=sbc_table2.BASE.eval_every,
+                               observers=sbc_table2.BASE.observers)) for d in delays for p in args.ps]
+    else:
+        grid = [(d, p, cell(d, p, iterations)) for d in delays for p in args.ps]
     configs = [c for _, _, c in grid]
     if args.smoke:
         configs = [replace(c, batch_size=16, test_limit=200, eval_every=1) for c in configs]
-    results = fedsim.run_all(configs, args.out, force=args.force, jobs=args.jobs)
+    results = fedsim.run_all(configs, args.out, also=reuse, force=args.force, jobs=args.jobs)
 
     acc = np.full((len(delays), len(args.ps)), np.nan)
     comp = np.full_like(acc, np.nan)
@@ -97,27 +120,31 @@ def main(argv: list[str] | None = None) -> int:
 
         rlabels = [f"delay {d}" for d in delays]
         figs = [
-            simplots.heatmap(acc, rlabels, pcols, args.out / "sparsity_grid_accuracy.png",
+            simplots.heatmap(acc, rlabels, pcols, args.out / f"{name}_accuracy.png",
                              f"final test accuracy, {iterations} iterations", "gradient sparsity (SBC p)",
                              "temporal sparsity (delay)"),
-            simplots.heatmap(np.log10(comp), rlabels, pcols, args.out / "sparsity_grid_compression.png",
+            simplots.heatmap(np.log10(comp), rlabels, pcols, args.out / f"{name}_compression.png",
                              "log10 uplink compression (wire bytes)", "gradient sparsity (SBC p)",
                              "temporal sparsity (delay)", fmt="{:.2f}", cmap="magma"),
         ]
         # accuracy against total sparsity (the paper's Fig. 4): colour = share of temporal sparsity
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for row in rows:
-            t = math.log10(row["delay"]) / max(1e-9, math.log10(row["delay"]) - math.log10(row["p"]))
-            ax.scatter(row["total_sparsity"], row["final_acc"], color=plt.cm.plasma(0.15 + 0.7 * t), s=40)
+            logs = math.log10(row["delay"]) - math.log10(row["p"])
+            if logs == 0:  # no sparsity at all: uncompressed
+                color = "grey"
+            else:  # share of the sparsity that is temporal: 0 purple ... 1 yellow
+                color = plt.cm.plasma(0.15 + 0.7 * math.log10(row["delay"]) / logs)
+            ax.scatter(row["total_sparsity"], row["final_acc"], color=color, s=40)
             ax.annotate(f"d{row['delay']}/p{100 * row['p']:g}%", (row["total_sparsity"], row["final_acc"]),
                         fontsize=7, xytext=(3, 3), textcoords="offset points")
         ax.set_xscale("log")
         ax.set_xlabel("total sparsity p / delay (log)")
         ax.set_ylabel("final test accuracy")
         ax.grid(alpha=0.3, which="both")
-        ax.set_title("accuracy vs total sparsity (purple: gradient only, yellow: temporal only)")
+        ax.set_title(f"accuracy vs total sparsity, {iterations} iterations\n(purple: gradient only, yellow: temporal only, grey: none)")
         fig.tight_layout()
-        path = args.out / "sparsity_grid_total_sparsity.png"
+        path = args.out / f"{name}_total_sparsity.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
         figs.append(path)
