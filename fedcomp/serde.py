@@ -11,11 +11,17 @@ from google.protobuf.message import DecodeError as _PbDecodeError
 
 from fedcomp.codecs.payloads import (
     FORMAT_VERSION,
+    DeftAllocation,
+    DeftPartition,
     DensePayload,
     EncodedTensor,
     EncodedUpdate,
+    GradiVeQBasis,
+    GradiVeQCompressor,
+    GradiVeQPayload,
     Payload,
     SBCPayload,
+    SparsePayload,
     ThreeLCPayload,
 )
 from fedcomp.errors import PayloadError
@@ -57,6 +63,25 @@ def tensor_to_proto(t: EncodedTensor) -> pb.CompressedTensor:
         )
     elif isinstance(p, DensePayload):
         msg.dense.CopyFrom(pb.DensePayload(encoding=_DTYPE_TO_PB[p.encoding], data=p.data))
+    elif isinstance(p, SparsePayload):
+        msg.sparse.CopyFrom(
+            pb.SparsePayload(
+                golomb_b=p.golomb_b,
+                nnz=p.nnz,
+                bits=p.bits,
+                value_encoding=_DTYPE_TO_PB[p.value_encoding],
+                values=p.values,
+            )
+        )
+    elif isinstance(p, GradiVeQPayload):
+        msg.gradiveq.CopyFrom(
+            pb.GradiVeQPayload(
+                compressor_version=p.compressor_version,
+                slice_size=p.slice_size,
+                dim=p.dim,
+                coefficients=p.coefficients,
+            )
+        )
     else:  # pragma: no cover - the Payload union is closed
         raise TypeError(f"unknown payload type {type(p).__name__}")
     return msg
@@ -76,6 +101,20 @@ def tensor_from_proto(msg: pb.CompressedTensor) -> EncodedTensor:
         payload = ThreeLCPayload(scale=s3.scale, numel=s3.numel, zero_run=s3.zero_run, data=s3.data)
     elif kind == "dense":
         payload = DensePayload(_dtype_from_pb(msg.dense.encoding, name, "dense encoding"), msg.dense.data)
+    elif kind == "sparse":
+        sp = msg.sparse
+        payload = SparsePayload(
+            golomb_b=sp.golomb_b,
+            nnz=sp.nnz,
+            bits=sp.bits,
+            value_encoding=_dtype_from_pb(sp.value_encoding, name, "value encoding"),
+            values=sp.values,
+        )
+    elif kind == "gradiveq":
+        g = msg.gradiveq
+        payload = GradiVeQPayload(
+            compressor_version=g.compressor_version, slice_size=g.slice_size, dim=g.dim, coefficients=g.coefficients
+        )
     else:
         raise PayloadError(name, "no payload")
     return EncodedTensor(
@@ -122,4 +161,52 @@ def update_from_bytes(data: bytes) -> EncodedUpdate:
         base_model_version=msg.base_model_version,
         tensors=tuple(tensor_from_proto(t) for t in msg.tensors),
         format_version=msg.format_version,
+    )
+
+
+# --- messages that are not updates: DEFT allocations, GradiVeQ compressors -------------------
+
+
+def _parse(msg, data: bytes, what: str):  # type: ignore[no-untyped-def]
+    try:
+        msg.ParseFromString(data)
+    except _PbDecodeError as exc:
+        raise PayloadError("", f"not a {what} message ({exc})") from None
+    return msg
+
+
+def allocation_to_bytes(a: DeftAllocation) -> bytes:
+    msg = pb.DeftAllocation(
+        round=a.round,
+        partitions=[pb.DeftPartition(tensor=p.tensor, start=p.start, stop=p.stop, k=p.k) for p in a.partitions],
+    )
+    return msg.SerializeToString(deterministic=True)
+
+
+def allocation_from_bytes(data: bytes) -> DeftAllocation:
+    """Parse only; the receiver checks the partitions against its model (``fedcomp.deft``)."""
+    msg = _parse(pb.DeftAllocation(), data, "DeftAllocation")
+    return DeftAllocation(
+        round=msg.round,
+        partitions=tuple(DeftPartition(p.tensor, p.start, p.stop, p.k) for p in msg.partitions),
+    )
+
+
+def compressor_to_bytes(c: GradiVeQCompressor) -> bytes:
+    msg = pb.GradiVeQCompressor(
+        version=c.version,
+        tensors=[
+            pb.GradiVeQBasis(name=b.name, slice_size=b.slice_size, dim=b.dim, basis=b.basis, whitening=b.whitening)
+            for b in c.tensors
+        ],
+    )
+    return msg.SerializeToString(deterministic=True)
+
+
+def compressor_from_bytes(data: bytes) -> GradiVeQCompressor:
+    """Parse only; the receiver checks sizes against its model (``fedcomp.gradiveq``)."""
+    msg = _parse(pb.GradiVeQCompressor(), data, "GradiVeQCompressor")
+    return GradiVeQCompressor(
+        version=msg.version,
+        tensors=tuple(GradiVeQBasis(b.name, b.slice_size, b.dim, b.basis, b.whitening) for b in msg.tensors),
     )

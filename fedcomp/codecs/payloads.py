@@ -49,7 +49,67 @@ class DensePayload:
     data: bytes
 
 
-Payload = SBCPayload | ThreeLCPayload | DensePayload
+@dataclass(frozen=True)
+class SparsePayload:
+    """Golomb-coded positions (``SBCPayload.bits`` layout) and their values in ``value_encoding``."""
+
+    golomb_b: int
+    nnz: int
+    bits: bytes
+    value_encoding: str
+    values: bytes
+
+
+@dataclass(frozen=True)
+class GradiVeQPayload:
+    """Slice-major float32 coefficients under compressor version ``compressor_version``."""
+
+    compressor_version: int
+    slice_size: int
+    dim: int
+    coefficients: bytes
+
+
+Payload = SBCPayload | ThreeLCPayload | DensePayload | SparsePayload | GradiVeQPayload
+
+
+@dataclass(frozen=True)
+class GradiVeQBasis:
+    """One tensor's compressor: ``basis`` is U (d x k float32 LE, row-major), ``whitening`` mu
+    (d float32 LE). ``dim == 0`` means the tensor is not compressed."""
+
+    name: str
+    slice_size: int
+    dim: int
+    basis: bytes
+    whitening: bytes
+
+
+@dataclass(frozen=True)
+class GradiVeQCompressor:
+    """What the server broadcasts on each refresh: a version and one basis per tensor."""
+
+    version: int
+    tensors: tuple[GradiVeQBasis, ...] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True)
+class DeftPartition:
+    """Entries ``[start, stop)`` of the flattened tensor number ``tensor`` (model order); the
+    client selects ``k`` of them."""
+
+    tensor: int
+    start: int
+    stop: int
+    k: int
+
+
+@dataclass(frozen=True)
+class DeftAllocation:
+    """One client's partitions for one round."""
+
+    round: int
+    partitions: tuple[DeftPartition, ...] = field(default_factory=tuple)
 
 
 @dataclass(frozen=True)

@@ -52,8 +52,34 @@ class DensePayload(_message.Message):
     data: bytes
     def __init__(self, encoding: _Optional[_Union[DType, str]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
+class SparsePayload(_message.Message):
+    __slots__ = ("golomb_b", "nnz", "bits", "value_encoding", "values")
+    GOLOMB_B_FIELD_NUMBER: _ClassVar[int]
+    NNZ_FIELD_NUMBER: _ClassVar[int]
+    BITS_FIELD_NUMBER: _ClassVar[int]
+    VALUE_ENCODING_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    golomb_b: int
+    nnz: int
+    bits: bytes
+    value_encoding: DType
+    values: bytes
+    def __init__(self, golomb_b: _Optional[int] = ..., nnz: _Optional[int] = ..., bits: _Optional[bytes] = ..., value_encoding: _Optional[_Union[DType, str]] = ..., values: _Optional[bytes] = ...) -> None: ...
+
+class GradiVeQPayload(_message.Message):
+    __slots__ = ("compressor_version", "slice_size", "dim", "coefficients")
+    COMPRESSOR_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SLICE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    COEFFICIENTS_FIELD_NUMBER: _ClassVar[int]
+    compressor_version: int
+    slice_size: int
+    dim: int
+    coefficients: bytes
+    def __init__(self, compressor_version: _Optional[int] = ..., slice_size: _Optional[int] = ..., dim: _Optional[int] = ..., coefficients: _Optional[bytes] = ...) -> None: ...
+
 class CompressedTensor(_message.Message):
-    __slots__ = ("name", "shape", "dtype", "codec_id", "codec_version", "sbc", "three_lc", "dense")
+    __slots__ = ("name", "shape", "dtype", "codec_id", "codec_version", "sbc", "three_lc", "dense", "sparse", "gradiveq")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +88,8 @@ class CompressedTensor(_message.Message):
     SBC_FIELD_NUMBER: _ClassVar[int]
     THREE_LC_FIELD_NUMBER: _ClassVar[int]
     DENSE_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_FIELD_NUMBER: _ClassVar[int]
+    GRADIVEQ_FIELD_NUMBER: _ClassVar[int]
     name: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: DType
@@ -70,7 +98,9 @@ class CompressedTensor(_message.Message):
     sbc: SBCPayload
     three_lc: ThreeLCPayload
     dense: DensePayload
-    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec_id: _Optional[str] = ..., codec_version: _Optional[int] = ..., sbc: _Optional[_Union[SBCPayload, _Mapping]] = ..., three_lc: _Optional[_Union[ThreeLCPayload, _Mapping]] = ..., dense: _Optional[_Union[DensePayload, _Mapping]] = ...) -> None: ...
+    sparse: SparsePayload
+    gradiveq: GradiVeQPayload
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec_id: _Optional[str] = ..., codec_version: _Optional[int] = ..., sbc: _Optional[_Union[SBCPayload, _Mapping]] = ..., three_lc: _Optional[_Union[ThreeLCPayload, _Mapping]] = ..., dense: _Optional[_Union[DensePayload, _Mapping]] = ..., sparse: _Optional[_Union[SparsePayload, _Mapping]] = ..., gradiveq: _Optional[_Union[GradiVeQPayload, _Mapping]] = ...) -> None: ...
 
 class CompressedUpdate(_message.Message):
     __slots__ = ("format_version", "base_model_version", "tensors")
@@ -81,3 +111,45 @@ class CompressedUpdate(_message.Message):
     base_model_version: int
     tensors: _containers.RepeatedCompositeFieldContainer[CompressedTensor]
     def __init__(self, format_version: _Optional[int] = ..., base_model_version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[CompressedTensor, _Mapping]]] = ...) -> None: ...
+
+class GradiVeQBasis(_message.Message):
+    __slots__ = ("name", "slice_size", "dim", "basis", "whitening")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SLICE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    BASIS_FIELD_NUMBER: _ClassVar[int]
+    WHITENING_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    slice_size: int
+    dim: int
+    basis: bytes
+    whitening: bytes
+    def __init__(self, name: _Optional[str] = ..., slice_size: _Optional[int] = ..., dim: _Optional[int] = ..., basis: _Optional[bytes] = ..., whitening: _Optional[bytes] = ...) -> None: ...
+
+class GradiVeQCompressor(_message.Message):
+    __slots__ = ("version", "tensors")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    tensors: _containers.RepeatedCompositeFieldContainer[GradiVeQBasis]
+    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[GradiVeQBasis, _Mapping]]] = ...) -> None: ...
+
+class DeftPartition(_message.Message):
+    __slots__ = ("tensor", "start", "stop", "k")
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    tensor: int
+    start: int
+    stop: int
+    k: int
+    def __init__(self, tensor: _Optional[int] = ..., start: _Optional[int] = ..., stop: _Optional[int] = ..., k: _Optional[int] = ...) -> None: ...
+
+class DeftAllocation(_message.Message):
+    __slots__ = ("round", "partitions")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    PARTITIONS_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    partitions: _containers.RepeatedCompositeFieldContainer[DeftPartition]
+    def __init__(self, round: _Optional[int] = ..., partitions: _Optional[_Iterable[_Union[DeftPartition, _Mapping]]] = ...) -> None: ...
