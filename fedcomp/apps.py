@@ -92,7 +92,15 @@ def server_main(
                 client_fits=_by_node(t.fits),
                 client_train_seconds=_by_node(t.train_seconds),
                 client_links=_by_node(t.links),
+                client_encode_seconds=_by_node(t.client_encode_seconds),
             )
+            if t.sparse_numel:
+                recorder.add_metrics(uplink_union_density=t.union_nnz / t.sparse_numel)
+            if wrapper.gradiveq is not None:
+                recorder.add_metrics(
+                    gradiveq_version=wrapper.gradiveq.version,
+                    gradiveq_compressed=wrapper.gradiveq.compressed(server_round),
+                )
         return evaluate(server_round, arrays)
 
     try:

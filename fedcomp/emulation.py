@@ -4,13 +4,15 @@ A synchronous round lasts as long as its slowest client::
 
     round time = max over the round's clients of
                  compute + downlink bytes / downlink rate + uplink bytes / uplink rate + 2 x latency
+                 (+ overhead: fixed per-round work outside the clients' training, e.g. codecs)
 
 (latency one-way, paid once down and once up). Bytes are the ones ``results.json`` recorded per
 client (``clients.downlink_bytes`` / ``clients.uplink_bytes``: what crossed the wire, payloads
 only). Links: one :class:`~fedcomp.links.LinkProfile` for every client, or each client's own as
 its bandwidth report recorded (``client_links``). Compute: ``seconds_per_iter`` x the client's
 local iterations (``client_local_iters``, else the run config's ``local-iters``), or the client's
-recorded ``client_train_seconds``. A client that was sent work but never replied (dead, or
+recorded ``client_train_seconds``. ``overhead_s`` is added to every round that had clients (the
+server's and a client's compression and decompression, measured by the caller). A client that was sent work but never replied (dead, or
 rejected) holds the round for ``round-timeout``.
 
 :func:`time_to_accuracy` then gives the emulated time at which a run first reaches an accuracy.
@@ -36,6 +38,7 @@ class EmulatedRound:
     slowest: str | None  # the client that set the round's duration
     compute_s: float  # the slowest client's compute part
     transfer_s: float  # the slowest client's transfer + latency part
+    overhead_s: float = 0.0  # fixed per-round work outside training (codecs), in round_s
 
 
 def _client_links(entry: Mapping[str, Any]) -> dict[str, LinkProfile]:
@@ -48,6 +51,7 @@ def emulate_run(
     *,
     seconds_per_iter: float | None = None,
     initial_model_free: bool = False,
+    overhead_s: float = 0.0,
 ) -> list[EmulatedRound]:
     """Emulated round durations of a parsed ``results.json`` (round 0 takes no time).
 
@@ -56,8 +60,10 @@ def emulate_run(
     ``client_train_seconds`` (0 for a client without one). ``initial_model_free``: round 1's
     downlink costs nothing (the initial model is pre-distributed, as when every worker builds
     it from the same seed); otherwise it is the full fp32 model, for both the dense and the
-    compressed run.
+    compressed run. ``overhead_s``: seconds added to each round with clients (codec time).
     """
+    if not overhead_s >= 0:
+        raise ValueError(f"overhead_s: must be >= 0 (got {overhead_s})")
     config = results.get("config", {})
     default_iters = int(config.get("local-iters", 1)) if str(config.get("local-iters", "1")).isdigit() else 1
     timeout = float(config.get("round-timeout", 3600.0))
@@ -92,8 +98,9 @@ def emulate_run(
                 cand = (compute + transfer, node, compute, transfer)
             if cand[0] > worst[0]:
                 worst = cand
-        now += worst[0]
-        out.append(EmulatedRound(r, float(entry["accuracy"]), worst[0], now, worst[1], worst[2], worst[3]))
+        round_s = worst[0] + overhead_s
+        now += round_s
+        out.append(EmulatedRound(r, float(entry["accuracy"]), round_s, now, worst[1], worst[2], worst[3], overhead_s))
     return out
 
 

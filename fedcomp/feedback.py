@@ -28,7 +28,11 @@ class ErrorFeedback:
         self.codec = codec
         self._residuals: dict[str, torch.Tensor] = {}
 
-    def encode(self, tensor: torch.Tensor, name: str) -> EncodedTensor:
+    def encode(self, tensor: torch.Tensor, name: str, codec: Codec | None = None) -> EncodedTensor:
+        """Compress ``tensor`` plus its residual with ``codec`` (default: ``self.codec``); the
+        residual becomes what the message lacked. A per-call ``codec`` (e.g. DEFT's ranges for
+        this round) shares the same residual: entries it does not send stay in it."""
+        codec = self.codec if codec is None else codec
         acc = tensor.detach().to(torch.float32)
         residual = self._residuals.get(name)
         if residual is not None:
@@ -37,7 +41,7 @@ class ErrorFeedback:
                     f"residual for {name!r} has shape {list(residual.shape)}, tensor has {list(acc.shape)}"
                 )
             acc = acc + residual.to(acc.device)
-        enc, recon = self.codec.encode_with_reconstruction(acc, name)
+        enc, recon = codec.encode_with_reconstruction(acc, name)
         self._residuals[name] = acc - recon.to(torch.float32)
         return enc
 

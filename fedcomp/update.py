@@ -63,10 +63,28 @@ class UpdateEncoder:
     def codec_for(self, numel: int) -> Codec:
         return self.small_codec if numel < self.min_numel else self._codec
 
-    def encode(self, tensors: Mapping[str, torch.Tensor], base_model_version: int = 0) -> EncodedUpdate:
+    def encode(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        base_model_version: int = 0,
+        codecs: Mapping[str, Codec] | None = None,
+    ) -> EncodedUpdate:
+        """Encode ``tensors`` in order. A tensor named in ``codecs`` uses that codec instead of
+        the default, whatever its size, and goes through the error feedback when it is on (DEFT
+        gives each client per-tensor ranges every round: :mod:`fedcomp.deft`)."""
+        codecs = codecs or {}
+        unknown = set(codecs) - set(tensors)
+        if unknown:
+            raise ValueError(f"codecs: no tensor named {sorted(unknown)!r} in the update")
         out = []
         for name, t in tensors.items():
-            if t.numel() < self.min_numel:
+            override = codecs.get(name)
+            if override is not None:
+                if self.feedback is not None:
+                    out.append(self.feedback.encode(t, name, override))
+                else:
+                    out.append(override.encode(t, name))
+            elif t.numel() < self.min_numel:
                 out.append(self.small_codec.encode(t, name))
             elif self.feedback is not None:
                 out.append(self.feedback.encode(t, name))
@@ -87,10 +105,13 @@ def decode_update(
     specs: Sequence[TensorSpec],
     codecs: Iterable[Codec],
     device: torch.device | str | None = None,
+    per_tensor: Mapping[str, Codec] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Decode an untrusted update into exactly the tensors ``specs`` describes.
 
-    ``codecs`` are the codecs the receiver accepts (matched by ``codec_id``). Raises
+    ``codecs`` are the codecs the receiver accepts (matched by ``codec_id``); a tensor named in
+    ``per_tensor`` is decoded by that codec instead (e.g. ``TopK(ranges=...)``, which also checks
+    that a DEFT client kept to its allocation). Raises
     :class:`PayloadError` when a tensor is missing, repeated, unexpected, or uses a codec not
     accepted, or when any payload is malformed. Nothing is allocated beyond the specs' sizes.
     """
@@ -101,7 +122,7 @@ def decode_update(
     for spec, enc in zip(specs, update.tensors, strict=True):
         if enc.name != spec.name:
             raise PayloadError(spec.name, f"found tensor {enc.name!r} in its place")
-        codec = accepted.get(enc.codec_id)
+        codec = (per_tensor or {}).get(spec.name) or accepted.get(enc.codec_id)
         if codec is None:
             raise PayloadError(spec.name, f"codec {enc.codec_id!r} is not accepted here ({sorted(accepted)})")
         out[spec.name] = codec.decode(enc, spec, device)

@@ -74,3 +74,73 @@ def test_initial_model_free_drops_round_1_downlink_only() -> None:
     free = emulate_run(res, link, seconds_per_iter=0.0, initial_model_free=True)
     assert [r.round_s for r in full] == pytest.approx([0, 0.9, 0.9])
     assert [r.round_s for r in free] == pytest.approx([0, 0.1, 0.9])
+
+
+def test_overhead_is_added_to_every_round_with_clients() -> None:
+    res = _results([(0.1, [], []), (0.5, [1_000_000], [1_000_000]), (0.6, [1_000_000], [1_000_000])])
+    link = LinkProfile(8.0, 8.0)  # 1 MB/s both ways
+    rounds = emulate_run(res, link, seconds_per_iter=0.001, overhead_s=0.25)
+    assert [r.round_s for r in rounds] == pytest.approx([0, 0.01 + 2 + 0.25, 0.01 + 2 + 0.25])
+    assert rounds[1].overhead_s == 0.25 and rounds[1].compute_s == pytest.approx(0.01)
+    assert rounds[1].transfer_s == pytest.approx(2.0) and rounds[0].overhead_s == 0
+    with pytest.raises(ValueError, match="overhead_s"):
+        emulate_run(res, link, overhead_s=-1.0)
+
+
+def test_compare_charges_each_run_its_codec_time_and_splits_the_time() -> None:
+    dense = _results([(0.1, [], [])] + [(a, [1_000_000] * 2, [1_000_000] * 2) for a in (0.5, 0.9)])
+    comp = _results([(0.1, [], [])] + [(a, [10_000] * 2, [5_000] * 2) for a in (0.3, 0.6, 0.95)])
+    (row,) = compare(dense, comp, [8.0], 0.0, 0.001, True, {"dense": 0.01, "compressed": 0.2})
+    # dense: round 1 uploads only (initial model free), round 2 both ways; 10 local iterations
+    assert row["dense_rounds"] == 2 and row["dense_time_s"] == pytest.approx((0.01 + 1 + 0.01) + (0.01 + 2 + 0.01))
+    # compressed reaches 0.9 in round 3: round 1 uploads only
+    t_comp = 3 * (0.01 + 0.2) + 0.005 + 2 * 0.015
+    assert row["compressed_rounds"] == 3 and row["compressed_time_s"] == pytest.approx(t_comp)
+    assert row["speedup"] == pytest.approx(row["dense_time_s"] / t_comp)
+    split = row["compressed_split"]
+    assert split["rounds"] == 3 and split["codec_s"] == pytest.approx(0.6) and split["compute_s"] == pytest.approx(0.03)
+    assert split["transfer_s"] == pytest.approx(0.035)
+    assert row["dense_split"]["codec_s"] == pytest.approx(0.02)
+    (no_codec,) = compare(dense, comp, [8.0], 0.0, 0.001, True)
+    assert no_codec["compressed_time_s"] == pytest.approx(t_comp - 0.6)
+
+
+def _write(path, res) -> str:  # type: ignore[no-untyped-def]
+    import json
+
+    path.write_text(json.dumps(res))
+    return str(path)
+
+
+def test_links_cli_re_emulates_saved_runs(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from fedcomp.bench.links import main
+
+    dense = _results([(0.1, [], [])] + [(a, [1_000_000] * 2, [1_000_000] * 2) for a in (0.5, 0.9)])
+    comp = _results([(0.1, [], [])] + [(a, [10_000] * 2, [5_000] * 2) for a in (0.3, 0.6, 0.95)])
+    for r in (*dense["rounds"], *comp["rounds"]):
+        r.update(num_clients=2, downlink_bytes=sum(r["clients"]["downlink_bytes"]), uplink_bytes=sum(r["clients"]["uplink_bytes"]))
+    argv = ["--dense", _write(tmp_path / "d.json", dense), "--compressed", _write(tmp_path / "c.json", comp),
+            "--links", "8", "--seconds-per-iter", "0.001", "--codec-seconds", "0.2", "--json", str(tmp_path / "rows.json")]  # fmt: skip
+    assert main([*argv, "--target-speedup", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "not charged to either run" in out and "8 Mb/s" in out
+    import json
+
+    (row,) = json.loads((tmp_path / "rows.json").read_text())["rows"]
+    assert row["compressed_rounds"] == 3 and row["compressed_split"]["codec_s"] == pytest.approx(0.6)
+    assert row["dense_split"]["codec_s"] == 0  # a number for --codec-seconds is the compressed run's only
+    assert main([*argv, "--target-speedup", "1000"]) == 1  # below target: exit 1
+    assert main([*argv, "--no-initial-model-free", "--target-speedup", "1"]) == 0
+    (charged,) = json.loads((tmp_path / "rows.json").read_text())["rows"]
+    assert charged["dense_time_s"] == pytest.approx(row["dense_time_s"] + 1.0)  # 1 MB at 1 MB/s
+    assert charged["compressed_time_s"] == pytest.approx(row["compressed_time_s"] + 0.01)
+
+
+def test_measured_codec_time_is_positive_and_larger_compressed() -> None:
+    from fedcomp.bench.links import measure_codec_seconds
+
+    t = measure_codec_seconds("digits", 3, 0.1, 1.0, repeat=1)
+    assert set(t) == {"dense", "compressed", "dense_server", "dense_client", "compressed_server", "compressed_client"}
+    assert all(v > 0 for v in t.values())
+    assert t["compressed"] == pytest.approx(t["compressed_server"] + t["compressed_client"])
+    assert t["compressed"] > t["dense"]  # SBC decodes + 3LC + digests vs fp32 (de)serialization (~7x)

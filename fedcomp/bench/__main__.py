@@ -170,9 +170,24 @@ def main(argv: list[str] | None = None) -> int:
         from fedcomp.bench.links import main as links_main
 
         return links_main(argv[1:])
+    if argv[:1] == ["netns"]:  # its own options: fedcomp/bench/netns.py
+        from fedcomp.bench.netns import main as netns_main
+
+        return netns_main(argv[1:])
+    if argv[:1] == ["gradiveq"]:  # its own options: fedcomp/bench/gradiveq.py
+        from fedcomp.bench.gradiveq import main as gradiveq_main
+
+        return gradiveq_main(argv[1:])
+    if argv[:1] == ["deft"]:  # its own options: fedcomp/bench/deft.py
+        from fedcomp.bench.deft import main as deft_main
+
+        return deft_main(argv[1:])
     ap = argparse.ArgumentParser(prog="python -m fedcomp.bench", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("links", help="dense FedAvg vs SBC+3LC on emulated 10M/100M/1G links (see --help after it)")
+    sub.add_parser("netns", help="dense FedAvg vs SBC+3LC over real tc-shaped links in network namespaces (root)")
+    sub.add_parser("deft", help="DEFT vs per-client top-k: aggregate density and selection time (see --help after it)")
+    sub.add_parser("gradiveq", help="GradiVeQ on real LeNet5-Caffe updates: d, k, ratio, held-out loss, timings")
     c = sub.add_parser("codecs", help="encode/decode time vs clone() over a ResNet-50-shaped update")
     c.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     c.add_argument("--json", type=Path, help="write the rows as a JSON list to this path")

@@ -1,15 +1,24 @@
 """Dense FedAvg vs SBC + 3LC on emulated links: time to accuracy and speedups (3LC's Table 1).
 
-    python -m fedcomp.bench links [--clients 10] [--rounds 20] [--compressed-rounds 30]
-        [--links 10,100,1000] [--latency-ms 0] [--seconds-per-iter auto] [--json PATH]
+    python -m fedcomp.bench links [--clients 10] [--rounds 60] [--compressed-rounds 120]
+        [--local-iters 1] [--dataset digits] [--sbc-p 0.1] [--3lc-s 1.0] [--lr 0.001]
+        [--links 10,100,1000] [--latency-ms 0] [--seconds-per-iter auto] [--codec-seconds auto]
+        [--target ACC] [--no-initial-model-free] [--json PATH]
     python -m fedcomp.bench links --dense A/results.json --compressed B/results.json  # re-emulate
 
 Runs two real Flower simulations of the reference app with the same seed and data: plain FedAvg
 (``compress = false``, the fp32 model both ways every round) and the compressed app (SBC uplink,
 3LC downlink). Their recorded per-client bytes are then replayed on symmetric links of each
 rate (:mod:`fedcomp.emulation`): a round lasts as long as its slowest client's compute +
-downlink + uplink + 2 x latency. Compute is the same model for both runs: local iterations x
-seconds per iteration, measured here on one thread (LeNet5, the run's batch size) unless given.
+downlink + uplink + 2 x latency, plus the round's codec time. Everything that is not the link is
+measured here, on one CPU thread: compute = local iterations x seconds per iteration (LeNet5,
+the run's batch size); codec time = what one round of each run costs in (de)serialization and
+compression outside training, server and one client together (:func:`measure_codec_seconds`).
+
+The default setting is 3LC's Table 1 setting, data-parallel training in which every step is
+communicated: one local iteration per round, for both runs. The initial model is not charged to
+either run (``--no-initial-model-free`` charges it): every worker builds it from the same seed,
+so it never needs to cross the link, for the dense run as much as for the compressed one.
 
 The target accuracy is the dense run's final accuracy; each run's time to accuracy is the
 emulated time at which it first reaches it, and the speedup is dense time / compressed time.
@@ -20,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -39,8 +49,9 @@ def _app_dir() -> Path:
     return repo if (repo / "pyproject.toml").is_file() else Path(".")
 
 
-def measure_seconds_per_iter(batch_size: int, dataset: str, iters: int = 60, seed: int = 0) -> float:
-    """One client's compute per local iteration on this CPU, one thread, after a warm-up."""
+def measure_seconds_per_iter(batch_size: int, dataset: str, iters: int = 60, seed: int = 0, repeat: int = 3) -> float:
+    """One client's compute per local iteration on this CPU, one thread, after a warm-up
+    (median of ``repeat`` timings of ``iters`` iterations: robust to a shared machine)."""
     import torch
 
     from fedcomp.data import load_partition
@@ -53,11 +64,130 @@ def measure_seconds_per_iter(batch_size: int, dataset: str, iters: int = 60, see
         model = LeNet5Caffe()
         gen = torch.Generator().manual_seed(seed)
         train_local(model, (data.x, data.y), iterations=5, lr=1e-3, batch_size=batch_size, generator=gen)
-        t0 = time.perf_counter()
-        train_local(model, (data.x, data.y), iterations=iters, lr=1e-3, batch_size=batch_size, generator=gen)
-        return (time.perf_counter() - t0) / iters
+        times = []
+        for _ in range(max(1, repeat)):
+            t0 = time.perf_counter()
+            train_local(model, (data.x, data.y), iterations=iters, lr=1e-3, batch_size=batch_size, generator=gen)
+            times.append((time.perf_counter() - t0) / iters)
+        return statistics.median(times)
     finally:
         torch.set_num_threads(threads)
+
+
+def _median_seconds(fn: Any, repeat: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(max(1, repeat)):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_codec_seconds(
+    dataset: str,
+    clients: int,
+    sbc_p: float,
+    threelc_s: float,
+    *,
+    local_iters: int = 1,
+    batch_size: int = 32,
+    lr: float = 1e-3,
+    seed: int = 0,
+    repeat: int = 7,
+) -> dict[str, float]:
+    """Per-round time spent outside training, on this CPU, one thread, for each run.
+
+    Compressed (the app's own code paths): the server decodes ``clients`` SBC updates and makes
+    the round's 3LC downlink (``ServerReplica.advance``: encode, apply, digest); a client applies
+    that downlink, digests its replica (twice, as the client mod does), takes its delta and
+    encodes it with SBC and error feedback. Dense: the server serializes the model once and parses
+    ``clients`` fp32 updates, a client parses the model and serializes its own (fp32 protobuf,
+    what the dense ArrayRecords cost). Server and client work are added: the server's decoding
+    waits for the last upload and the next downlink for the server. Returns seconds per round
+    under ``"dense"`` and ``"compressed"``, and the parts (``*_server``, ``*_client``).
+    """
+    import torch
+
+    from fedcomp.codecs import DenseFP32, get_codec
+    from fedcomp.data import load_partition
+    from fedcomp.flower.records import digest
+    from fedcomp.flower.replica import ServerReplica, apply_delta
+    from fedcomp.models import LeNet5Caffe, train_local
+    from fedcomp.serde import update_from_bytes, update_to_bytes
+    from fedcomp.update import DEFAULT_MIN_NUMEL, UpdateEncoder, decode_update, specs_of
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(seed)
+        model = LeNet5Caffe()
+        start = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        data = load_partition(dataset, 0, max(1, clients), seed=seed)
+        gen = torch.Generator().manual_seed(seed)
+        train_local(model, (data.x, data.y), iterations=local_iters, lr=lr, batch_size=batch_size, generator=gen)
+        trained = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        delta = {k: trained[k] - start[k] for k in start}
+        specs = specs_of(start)
+        sbc = get_codec({"id": "sbc", "p": sbc_p, "mode": "fast"})
+        tlc = get_codec({"id": "3lc", "s": threelc_s})
+        dense = DenseFP32()
+
+        client_enc = UpdateEncoder(sbc, min_numel=DEFAULT_MIN_NUMEL, error_feedback=True)
+        upload = update_to_bytes(client_enc.encode(delta))
+        replica = ServerReplica(start, 8, DEFAULT_MIN_NUMEL)
+        target = {k: start[k] + delta[k] for k in start}
+
+        def comp_server() -> bytes:
+            for _ in range(clients):
+                decode_update(update_from_bytes(upload), specs, [sbc, dense])
+            return replica.advance(target, tlc)
+
+        down = comp_server()
+        down_version = replica.version - 1
+
+        def comp_client() -> None:
+            mine = {k: v.clone() for k, v in start.items()}
+            apply_delta(mine, down, specs, tlc, down_version)
+            digest(mine)
+            d = {k: trained[k] - mine[k] for k in mine}
+            update_to_bytes(client_enc.encode(d, base_model_version=down_version + 1))
+            digest(mine)
+
+        dense_enc = UpdateEncoder(dense, min_numel=0, error_feedback=False)
+        model_bytes = update_to_bytes(dense_enc.encode(trained))
+
+        def dense_server() -> None:
+            update_to_bytes(dense_enc.encode(trained))
+            for _ in range(clients):
+                decode_update(update_from_bytes(model_bytes), specs, [dense])
+
+        def dense_client() -> None:
+            decode_update(update_from_bytes(model_bytes), specs, [dense])
+            update_to_bytes(dense_enc.encode(trained))
+
+        out = {
+            "compressed_server": _median_seconds(comp_server, repeat),
+            "compressed_client": _median_seconds(comp_client, repeat),
+            "dense_server": _median_seconds(dense_server, repeat),
+            "dense_client": _median_seconds(dense_client, repeat),
+        }
+    finally:
+        torch.set_num_threads(threads)
+    out["compressed"] = out["compressed_server"] + out["compressed_client"]
+    out["dense"] = out["dense_server"] + out["dense_client"]
+    return out
+
+
+def _split(rounds: list[Any], upto: int | None) -> dict[str, float]:
+    """Compute, codec and transfer seconds summed over rounds 1..upto (all rounds if None)."""
+    sel = [r for r in rounds if r.round >= 1 and (upto is None or r.round <= upto)]
+    return {
+        "rounds": len(sel),
+        "compute_s": sum(r.compute_s for r in sel),
+        "codec_s": sum(r.overhead_s for r in sel),
+        "transfer_s": sum(r.transfer_s for r in sel),
+    }
 
 
 def compare(
@@ -67,14 +197,26 @@ def compare(
     latency_ms: float,
     seconds_per_iter: float,
     initial_model_free: bool = False,
+    codec_seconds: dict[str, float] | None = None,
+    target: float | None = None,
 ) -> list[dict[str, Any]]:
-    """One row per link rate: times to the dense run's final accuracy and the speedup."""
-    target = float(dense["rounds"][-1]["accuracy"])
+    """One row per link rate: times to ``target`` (default the dense run's final accuracy) and
+    the speedup.
+
+    ``codec_seconds``: ``{"dense": s, "compressed": s}`` added to every round of that run (see
+    :func:`measure_codec_seconds`); None = no codec time. Each row also has, per run, the
+    compute / codec / transfer seconds up to the round it reached the target (``dense_split``,
+    ``compressed_split``; the whole run when it never did).
+    """
+    target = float(dense["rounds"][-1]["accuracy"]) if target is None else float(target)
+    codec = codec_seconds or {}
     rows = []
     for mbps in links_mbps:
         link = LinkProfile(mbps, mbps, latency_ms)
-        d = emulate_run(dense, link, seconds_per_iter=seconds_per_iter, initial_model_free=initial_model_free)
-        c = emulate_run(compressed, link, seconds_per_iter=seconds_per_iter, initial_model_free=initial_model_free)
+        d = emulate_run(dense, link, seconds_per_iter=seconds_per_iter, initial_model_free=initial_model_free,
+                        overhead_s=float(codec.get("dense", 0.0)))  # fmt: skip
+        c = emulate_run(compressed, link, seconds_per_iter=seconds_per_iter, initial_model_free=initial_model_free,
+                        overhead_s=float(codec.get("compressed", 0.0)))  # fmt: skip
         td, tc = time_to_accuracy(d, target), time_to_accuracy(c, target)
         rows.append(
             {
@@ -90,41 +232,77 @@ def compare(
                 "compressed_round_s": c[-1].round_s,
                 "dense_total_s": d[-1].time_s,
                 "compressed_total_s": c[-1].time_s,
+                "dense_split": _split(d, td[1] if td else None),
+                "compressed_split": _split(c, tc[1] if tc else None),
             }
         )
     return rows
 
 
 def _fmt_t(t: float | None) -> str:
-    return "not reached" if t is None else f"{t:10.2f}s"
+    return "not reached" if t is None else f"{t:.2f}s"
+
+
+def _per_round(split: dict[str, float]) -> str:
+    """Mean seconds per round: total = compute + codec + transfer."""
+    n = max(1, int(split["rounds"]))
+    c, k, t = split["compute_s"] / n, split["codec_s"] / n, split["transfer_s"] / n
+    return f"{c + k + t:.3f} = {c:.3f} + {k:.3f} + {t:.3f}"
+
+
+def _seconds_arg(value: str, what: str) -> float | None:
+    """'auto' -> None (measure here), else a number of seconds >= 0."""
+    if value == "auto":
+        return None
+    try:
+        out = float(value)
+    except ValueError:
+        raise SystemExit(f"{what}: expected 'auto' or seconds (got {value!r})") from None
+    if not out >= 0:
+        raise SystemExit(f"{what}: must be >= 0 (got {value!r})")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m fedcomp.bench links", description=__doc__.split("\n\n")[0])
     ap.add_argument("--clients", type=int, default=10)
-    ap.add_argument("--rounds", type=int, default=10, help="dense FedAvg rounds (its final accuracy is the target)")
+    ap.add_argument("--rounds", type=int, default=60, help="dense FedAvg rounds (its final accuracy is the target)")
     ap.add_argument("--compressed-rounds", type=int, default=None, help="compressed rounds (default 2 x --rounds)")
-    ap.add_argument("--local-iters", type=int, default=10)
+    # 1: every step is communicated, as in 3LC's Table 1 (data-parallel training), for both runs.
+    ap.add_argument("--local-iters", type=int, default=1, help="local iterations per round, both runs")
     ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--dataset", default="digits")
-    # p = 0.1: on these links the upload is a few ms either way, and a larger p needs far fewer
-    # rounds than 0.01 (measured: 0.99 after 12 rounds vs 0.96 after 15); s = 1.9 stalls at 0.87.
+    ap.add_argument("--lr", type=float, default=0.001, help="client learning rate (Adam), both runs")
+    ap.add_argument("--dataset", default="digits", help="digits | mnist | fashion-mnist (data from $FEDCOMP_DATA_DIR)")
+    # p = 0.1 with one local iteration: p = 0.01 keeps too little of a single step (0.68 after
+    # 19 rounds where dense had 0.89) and saves only ~10 ms a round at 10 Mbit/s.
     ap.add_argument("--sbc-p", type=float, default=0.1)
     ap.add_argument("--3lc-s", dest="threelc_s", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--links", default=",".join(f"{x:g}" for x in DEFAULT_LINKS_MBPS), help="Mbit/s, comma-separated (symmetric)")
     ap.add_argument("--latency-ms", type=float, default=0.0)
-    ap.add_argument("--initial-model-free", action="store_true",
-                    help="round 1's model download costs nothing in both runs (pre-distributed initial model)")
+    ap.add_argument("--initial-model-free", action=argparse.BooleanOptionalAction, default=True,
+                    help="round 1's model download costs nothing in both runs: every worker builds the "
+                         "initial model from the same seed (default); --no-initial-model-free charges it")  # fmt: skip
     ap.add_argument("--seconds-per-iter", default="auto", help="compute per local iteration; 'auto' = measure here")
+    ap.add_argument("--codec-seconds", default="auto",
+                    help="per-round codec time added to both runs; 'auto' = measure here (dense and compressed "
+                         "separately), a number = the compressed run's (dense gets 0), 0 = none")  # fmt: skip
+    ap.add_argument("--target", type=float, default=None,
+                    help="accuracy both runs must reach (default: the dense run's final accuracy)")
     ap.add_argument("--dense", type=Path, default=None, help="re-emulate this dense results.json (no runs)")
     ap.add_argument("--compressed", type=Path, default=None, help="re-emulate this compressed results.json")
     ap.add_argument("--results-dir", type=Path, default=Path("results/bench-links"))
-    ap.add_argument("--timeout", type=float, default=1800.0, help="per simulation, seconds")
+    ap.add_argument("--timeout", type=float, default=900.0, help="per simulation, seconds")
     ap.add_argument("--json", type=Path, default=None, help="write the rows here")
     ap.add_argument("--target-speedup", type=float, default=20.0, help="exit 1 if the slowest link's speedup is below")
     args = ap.parse_args(argv)
     links = [float(x) for x in args.links.split(",") if x.strip()]
+    if args.local_iters < 1 or args.rounds < 1 or args.clients < 1:
+        ap.error("--local-iters, --rounds and --clients must be >= 1")
+    if not 0 < args.sbc_p <= 0.5:
+        ap.error(f"--sbc-p: must be in (0, 0.5] (got {args.sbc_p})")
+    spi_arg = _seconds_arg(args.seconds_per_iter, "--seconds-per-iter")
+    codec_arg = _seconds_arg(args.codec_seconds, "--codec-seconds")
 
     if (args.dense is None) != (args.compressed is None):
         ap.error("--dense and --compressed go together")
@@ -134,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         from fedcomp.testing.flower import SimulationError, run_simulation
 
         common = {"dataset": args.dataset, "local-iters": args.local_iters, "batch-size": args.batch_size,
-                  "seed": args.seed, "results-dir": str(args.results_dir.resolve())}  # fmt: skip
+                  "lr": args.lr, "seed": args.seed, "results-dir": str(args.results_dir.resolve())}  # fmt: skip
         runs = {
             "dense": {**common, "compress": False, "num-server-rounds": args.rounds, "run-name": "dense"},
             "compressed": {**common, "num-server-rounds": args.compressed_rounds or 2 * args.rounds,
@@ -153,28 +331,47 @@ def main(argv: list[str] | None = None) -> int:
                   f"{out[name]['rounds'][-1]['accuracy']:.4f}", file=sys.stderr, flush=True)  # fmt: skip
         dense, comp = out["dense"], out["compressed"]
 
-    if args.seconds_per_iter == "auto":
-        spi = measure_seconds_per_iter(int(dense["config"].get("batch-size", 32)), str(dense["config"].get("dataset", "digits")))
+    dcfg, ccfg = dense.get("config", {}), comp.get("config", {})
+    dataset = str(dcfg.get("dataset", args.dataset))
+    batch = int(dcfg.get("batch-size", args.batch_size))
+    iters = int(str(dcfg.get("local-iters", args.local_iters)))
+    n_clients = max(1, int(dense["rounds"][-1].get("num_clients") or args.clients))
+    spi = spi_arg if spi_arg is not None else measure_seconds_per_iter(batch, dataset)
+    if codec_arg is None:
+        codec = measure_codec_seconds(
+            dataset, n_clients, float(str(ccfg.get("sbc-p", args.sbc_p))), float(str(ccfg.get("3lc-s", args.threelc_s))),
+            local_iters=iters, batch_size=batch, lr=float(dcfg.get("lr", args.lr)), seed=int(dcfg.get("seed", args.seed)),
+        )  # fmt: skip
     else:
-        spi = float(args.seconds_per_iter)
-    rows = compare(dense, comp, links, args.latency_ms, spi, args.initial_model_free)
+        codec = {"dense": 0.0, "compressed": codec_arg}
+    rows = compare(dense, comp, links, args.latency_ms, spi, args.initial_model_free, codec, args.target)
+
     dr, cr = dense["rounds"][-1], comp["rounds"][-1]
-    print(f"compute model: {spi * 1e3:.2f} ms per local iteration x {dense['config'].get('local-iters')} iterations")
-    print(f"last round bytes per client: dense {dr['downlink_bytes'] // max(1, dr['num_clients'])} down / "
-          f"{dr['uplink_bytes'] // max(1, dr['num_clients'])} up; compressed "
-          f"{cr['downlink_bytes'] // max(1, cr['num_clients'])} down / {cr['uplink_bytes'] // max(1, cr['num_clients'])} up")  # fmt: skip
-    print(f"target: the dense run's final accuracy {rows[0]['target_accuracy']:.4f}"
-          + ("; round 1's model download not counted" if args.initial_model_free else ""))
-    print(f"{'link':>10} {'dense TTA':>12} {'(rounds)':>8} {'SBC+3LC TTA':>12} {'(rounds)':>8} {'speedup':>9}"
-          f" {'dense s/rnd':>11} {'comp s/rnd':>10}")  # fmt: skip
+    print(f"{dataset}, {n_clients} clients, {iters} local iteration(s) per round, batch {batch}; "
+          f"SBC p = {ccfg.get('sbc-p', '?')}, 3LC s = {ccfg.get('3lc-s', '?')}")  # fmt: skip
+    print(f"compute (measured, 1 thread): {spi * 1e3:.2f} ms per local iteration x {iters} = {spi * iters * 1e3:.1f} ms per round")
+    parts = "" if "dense_server" not in codec else (
+        f" (server {codec['dense_server'] * 1e3:.1f} + client {codec['dense_client'] * 1e3:.1f};"
+        f" server {codec['compressed_server'] * 1e3:.1f} + client {codec['compressed_client'] * 1e3:.1f})")  # fmt: skip
+    print(f"codec time per round: dense {codec['dense'] * 1e3:.1f} ms, SBC+3LC {codec['compressed'] * 1e3:.1f} ms{parts}")
+    nd, nc = max(1, dr["num_clients"]), max(1, cr["num_clients"])
+    print(f"last round bytes per client: dense {dr['downlink_bytes'] // nd} down / {dr['uplink_bytes'] // nd} up;"
+          f" SBC+3LC {cr['downlink_bytes'] // nc} down / {cr['uplink_bytes'] // nc} up")  # fmt: skip
+    what = "the dense run's final accuracy" if args.target is None else "given"
+    print(f"target: {what} {rows[0]['target_accuracy']:.4f} (dense ran {len(dense['rounds']) - 1}"
+          f" rounds, SBC+3LC {len(comp['rounds']) - 1}); round 1's model download "
+          + ("not charged to either run (pre-distributed initial model)" if args.initial_model_free else "charged to both runs"))  # fmt: skip
+    print(f"{'link':>10} {'dense TTA':>11} {'rounds':>6} {'SBC+3LC TTA':>12} {'rounds':>6} {'speedup':>8}"
+          f"   {'dense s/round = compute + codec + transfer':<44}{'SBC+3LC s/round = compute + codec + transfer'}")  # fmt: skip
     for r in rows:
         sp = "-" if r["speedup"] is None else f"{r['speedup']:.1f}x"
-        print(f"{r['link_mbps']:>6g} Mb/s {_fmt_t(r['dense_time_s']):>12} {str(r['dense_rounds']):>8} "
-              f"{_fmt_t(r['compressed_time_s']):>12} {str(r['compressed_rounds']):>8} {sp:>9}"
-              f" {r['dense_round_s']:>11.3f} {r['compressed_round_s']:>10.3f}")  # fmt: skip
+        print(f"{r['link_mbps']:>5g} Mb/s {_fmt_t(r['dense_time_s']):>11} {str(r['dense_rounds']):>6} "
+              f"{_fmt_t(r['compressed_time_s']):>12} {str(r['compressed_rounds']):>6} {sp:>8}   "
+              f"{_per_round(r['dense_split']):<44}{_per_round(r['compressed_split'])}")  # fmt: skip
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"seconds_per_iter": spi, "rows": rows}, indent=1) + "\n")
+        args.json.write_text(json.dumps({"seconds_per_iter": spi, "codec_seconds": codec,
+                                         "initial_model_free": args.initial_model_free, "rows": rows}, indent=1) + "\n")  # fmt: skip
     slowest = min(rows, key=lambda r: r["link_mbps"])
     if slowest["speedup"] is None or slowest["speedup"] < args.target_speedup:
         print(f"below target: {slowest['speedup']} < {args.target_speedup} at {slowest['link_mbps']:g} Mbit/s", file=sys.stderr)

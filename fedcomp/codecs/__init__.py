@@ -6,14 +6,16 @@ from typing import Any
 
 from fedcomp.codecs.base import Codec, TensorSpec
 from fedcomp.codecs.dense import DenseFP16, DenseFP32, Identity
+from fedcomp.codecs.gradiveq import GradiVeQ
 from fedcomp.codecs.sbc import SBC
 from fedcomp.codecs.threelc import ThreeLC
+from fedcomp.codecs.topk import TopK
 from fedcomp.errors import ConfigError
 
-__all__ = ["Codec", "TensorSpec", "DenseFP16", "DenseFP32", "Identity", "SBC", "ThreeLC", "CODECS", "get_codec"]
+__all__ = ["Codec", "TensorSpec", "DenseFP16", "DenseFP32", "Identity", "GradiVeQ", "SBC", "ThreeLC", "TopK", "CODECS", "get_codec"]
 
 #: Every codec a config may name, by ``codec_id``.
-CODECS: dict[str, type[Codec]] = {c.codec_id: c for c in (SBC, ThreeLC, DenseFP32, DenseFP16, Identity)}
+CODECS: dict[str, type[Codec]] = {c.codec_id: c for c in (SBC, ThreeLC, TopK, DenseFP32, DenseFP16, Identity, GradiVeQ)}
 
 
 def get_codec(config: dict[str, Any] | str) -> Codec:

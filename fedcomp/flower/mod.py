@@ -21,9 +21,10 @@ from flwr.app.message_type import MessageType  # type: ignore[import-not-found]
 from flwr.clientapp.typing import ClientAppCallable  # type: ignore[import-not-found]
 
 from fedcomp.bandwidth import BandwidthBudget, Choice, ClientSituation, get_policy
-from fedcomp.codecs import DenseFP32, get_codec
+from fedcomp.codecs import Codec, DenseFP32, get_codec
 from fedcomp.errors import ConfigError, PayloadError
 from fedcomp.flower import keys
+from fedcomp.flower import deft_link, gradiveq_link
 from fedcomp.flower.records import digest, record_from_tensors, tensors_from_record
 from fedcomp.flower.replica import apply_delta
 from fedcomp.links import LinkProfile, link_of, parse_link_profiles
@@ -53,6 +54,7 @@ class ClientState:
         state = context.state
         meta = state.config_records.get(keys.STATE_META)
         self.version: int | None = None
+        self._digest: str | None = None
         self.replica: dict[str, torch.Tensor] | None = None
         if meta is not None and keys.STATE_REPLICA in state.array_records:
             replica = tensors_from_record(state.array_records[keys.STATE_REPLICA], device)
@@ -63,6 +65,14 @@ class ClientState:
         res = state.array_records.get(keys.STATE_RESIDUAL)
         self.residual = tensors_from_record(res, device) if res is not None else {}
 
+    def digest(self) -> str:
+        """The replica's digest, computed once per message: hashing the model costs milliseconds
+        per call on a CPU, and the replica does not change after the downlink is applied."""
+        assert self.replica is not None
+        if self._digest is None:
+            self._digest = digest(self.replica)
+        return self._digest
+
     def save(self) -> None:
         state = self.context.state
         if self.replica is None or self.version is None:
@@ -71,7 +81,7 @@ class ClientState:
                     del state[k]
         else:
             state[keys.STATE_REPLICA] = record_from_tensors(self.replica)
-            state[keys.STATE_META] = ConfigRecord({"version": self.version, "digest": digest(self.replica)})
+            state[keys.STATE_META] = ConfigRecord({"version": self.version, "digest": self.digest()})
         state[keys.STATE_RESIDUAL] = record_from_tensors(self.residual)
 
 
@@ -102,7 +112,8 @@ def _apply_downlink(st: ClientState, dl: ConfigRecord) -> None:
         raise PayloadError("", f"unknown downlink mode {mode!r}")
     if st.replica is None:
         raise PayloadError("", "no replica after the downlink")
-    got = digest(st.replica)
+    st._digest = None  # the downlink changed the replica
+    got = st.digest()
     if got != want:
         raise PayloadError("", f"replica digest {got} after the downlink, the server has {want}")
     st.version = target
@@ -139,12 +150,28 @@ def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable
 
     is_train = msg.metadata.message_type == MessageType.TRAIN
     uplink_cfg = json.loads(str(dl["uplink-codec"]))
+    error_feedback = bool(dl["error-feedback"])
+    overrides: dict[str, Codec] | None = None
+    try:
+        # Before training: a bad allocation or compressor must not cost a round of compute.
+        gradiveq_link.store_compressor(context, dl, st.replica)
+        if is_train:
+            overrides, error_feedback = _uplink_overrides(msg, context, dl, st, uplink_cfg, error_feedback)
+    except PayloadError as exc:
+        gradiveq_link.forget_compressor(context)
+        st.save()
+        log.warning("fedcomp: %s", exc)
+        return Message(Error(code=RESYNC_ERROR_CODE, reason=f"fedcomp: {exc}"), reply_to=msg)
     plan = _plan_bandwidth(msg, context, dl, st, uplink_cfg) if is_train else None
     t_train = time.perf_counter()
     reply = call_next(msg, context)
     train_seconds = time.perf_counter() - t_train
 
-    status = {"replica-version": st.version, "replica-digest": digest(st.replica)}
+    status = {
+        "replica-version": st.version,
+        "replica-digest": st.digest(),
+        **gradiveq_link.client_status(context),
+    }
     if reply.has_error():
         st.save()
         return reply
@@ -155,13 +182,14 @@ def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable
         trained = tensors_from_record(trained_rec, device)
         delta = {k: trained[k] - st.replica[k] for k in st.replica}
         encoder = UpdateEncoder(
-            get_codec(uplink_cfg),  # p as the bandwidth policy chose it, if it did
+            # p as the bandwidth policy chose it, if it did; GradiVeQ's codecs are all overrides
+            DenseFP32() if uplink_cfg.get("id") == "gradiveq" else get_codec(uplink_cfg),
             min_numel=int(dl["min-compress-numel"]),  # type: ignore[arg-type]
-            error_feedback=bool(dl["error-feedback"]),
+            error_feedback=error_feedback,
         )
         encoder.load_state_dict(st.residual, device)
         t0 = time.perf_counter()
-        data = update_to_bytes(encoder.encode(delta, base_model_version=st.version))
+        data = update_to_bytes(encoder.encode(delta, base_model_version=st.version, codecs=overrides))
         seconds = time.perf_counter() - t0
         st.residual = encoder.state_dict()
         out = RecordDict({k: v for k, v in reply.content.items() if k != arrays_key})
@@ -174,6 +202,31 @@ def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable
         reply.content[keys.UPLINK] = ConfigRecord(status)
     st.save()
     return reply
+
+
+def _uplink_overrides(
+    msg: Message,
+    context: Context, dl: ConfigRecord, st: ClientState, uplink_cfg: dict, error_feedback: bool
+) -> tuple[dict[str, Codec] | None, bool]:
+    """Per-tensor codecs of the server-coordinated methods (DEFT partitions, GradiVeQ
+    compressors), and whether error feedback applies; raise PayloadError on bad instructions."""
+    assert st.replica is not None
+    min_numel = int(dl["min-compress-numel"])  # type: ignore[arg-type]
+    if deft_link.ALLOCATION_KEY in dl:
+        data = dl[deft_link.ALLOCATION_KEY]
+        if not isinstance(data, bytes):
+            raise PayloadError("", f"{deft_link.ALLOCATION_KEY} is not bytes")
+        config = msg.content.config_records.get(str(dl.get("config-key", "config")))
+        rnd = config.get("server-round") if config is not None else None
+        return (
+            deft_link.client_codecs(data, st.replica, min_numel, None if rnd is None else int(rnd)),  # type: ignore[arg-type]
+            error_feedback,
+        )
+    if uplink_cfg.get("id") == "gradiveq":
+        # No error feedback: GradiVeQ's paper sends projections without residuals, and what the
+        # basis cannot express would pile up in the residual until the next refit.
+        return gradiveq_link.client_codecs(context, uplink_cfg, st.replica, min_numel), False
+    return None, error_feedback
 
 
 # --- bandwidth awareness (fedcomp.bandwidth) ---------------------------------------------------

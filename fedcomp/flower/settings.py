@@ -27,7 +27,10 @@ from fedcomp.schedules import Schedule
 if TYPE_CHECKING:
     from fedcomp.bandwidth import BandwidthBudget
 
-UplinkCodec = Literal["sbc", "dense-fp32", "dense-fp16", "identity"]
+#: "topk": each client's own top-k with values (the baseline DEFT improves on); "deft": top-k
+#: inside the partitions the server allocates (fedcomp.deft); "gradiveq": PCA coefficients
+#: (fedcomp.gradiveq), aggregated by the server without decompressing.
+UplinkCodec = Literal["sbc", "topk", "deft", "gradiveq", "dense-fp32", "dense-fp16", "identity"]
 DownlinkCodec = Literal["3lc", "dense-fp32", "dense-fp16", "identity"]
 
 
@@ -49,6 +52,22 @@ class CompressionConfig(BaseModel):
     min_compress_numel: int = Field(1000, ge=0, alias="min-compress-numel")
     delta_log_size: int = Field(8, ge=0, le=1000, alias="delta-log-size")
     client_device: Literal["auto", "cpu", "cuda"] = Field("auto", alias="client-device")
+    # --- "topk" and "deft" uplinks (fedcomp.deft) ---
+    #: Fraction of the (compressed) model's entries selected per round: per client for "topk";
+    #: over all clients together for "deft" (the allocation splits it among them).
+    topk_density: Schedule = Field(Schedule.parse(0.01), alias="topk-density")
+    # --- "gradiveq" uplink (fedcomp.gradiveq) ---
+    #: Values per slice (d); 0 = each tensor's fan-in (the product of its shape after the first
+    #: dimension: one output unit's weights, the paper's "multiple of the filter size").
+    gradiveq_slice: int = Field(0, ge=0, le=4096, alias="gradiveq-slice")
+    #: Compression loss threshold epsilon that picks each tensor's dimension k.
+    gradiveq_eps: float = Field(0.1, gt=0, lt=1, alias="gradiveq-eps")
+    #: Largest k; 0 = up to d/2 (less would not compress).
+    gradiveq_max_dim: int = Field(0, ge=0, alias="gradiveq-max-dim")
+    #: Uncompressed (dense fp32) rounds whose client updates the compressor is fitted on.
+    gradiveq_dense_rounds: int = Field(2, ge=1, le=100, alias="gradiveq-dense-rounds")
+    #: Compressed rounds between refits (each refit is preceded by its dense rounds); 0 = never.
+    gradiveq_refresh: int = Field(20, ge=0, alias="gradiveq-refresh")
     # --- bandwidth awareness (fedcomp.bandwidth; off while both budgets are 0) ---
     #: Clients' links in a simulation: "UP,DOWN,LATENCY;..." (Mbit/s, Mbit/s, ms) cycled over
     #: partition ids; a node config naming uplink-mbps/downlink-mbps wins (fedcomp.links).
@@ -68,12 +87,12 @@ class CompressionConfig(BaseModel):
     #: Compute seconds per local iteration the deadline assumes; 0 = measured by each client.
     seconds_per_iter: float = Field(0.0, ge=0, alias="seconds-per-iter")
 
-    @field_validator("sbc_p", "threelc_s", "local_iters", mode="before")
+    @field_validator("sbc_p", "threelc_s", "local_iters", "topk_density", mode="before")
     @classmethod
     def _parse_schedule(cls, v: Any) -> Schedule:
         return Schedule.parse(v)
 
-    @field_validator("sbc_p")
+    @field_validator("sbc_p", "topk_density")
     @classmethod
     def _p_range(cls, v: Schedule) -> Schedule:
         v.check_range(0.0, 0.5, lo_open=True)
@@ -154,7 +173,7 @@ class CompressionConfig(BaseModel):
         """Flat kebab-case values (schedules in their string form)."""
         return self.model_dump(by_alias=True)
 
-    @field_serializer("sbc_p", "threelc_s", "local_iters")
+    @field_serializer("sbc_p", "threelc_s", "local_iters", "topk_density")
     def _schedule_out(self, v: Schedule, info: FieldSerializationInfo) -> float | int | str:
         """Constants as numbers (as written in pyproject.toml), other schedules as strings."""
         if v.kind != "constant":
@@ -172,8 +191,15 @@ class CompressionConfig(BaseModel):
             raise ConfigError(format_validation_error(exc)) from None
 
     def uplink_codec_at(self, server_round: int) -> Codec:
+        """The codec clients encode with. For "deft" it is plain top-k: each client's
+        partitions come with its allocation; "gradiveq" needs the server's compressor, so the
+        strategy (``fedcomp.flower.gradiveq_link``) builds those codecs itself."""
         if self.uplink_codec == "sbc":
             return get_codec({"id": "sbc", "p": self.sbc_p.at(server_round), "mode": self.sbc_mode})
+        if self.uplink_codec in ("topk", "deft"):
+            return get_codec({"id": "topk", "p": self.topk_density.at(server_round)})
+        if self.uplink_codec == "gradiveq":
+            raise ConfigError("uplink-codec: 'gradiveq' codecs are built from the server's compressor")
         return get_codec(self.uplink_codec)
 
     def downlink_codec_at(self, server_round: int) -> Codec:

@@ -21,11 +21,13 @@ from dataclasses import dataclass, field
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Strategy
+from flwr.serverapp.strategy import FedAvg, Strategy
 
 from fedcomp.codecs import DenseFP32
 from fedcomp.errors import ConfigError, PayloadError
 from fedcomp.flower import keys
+from fedcomp.flower.deft_link import ALLOCATION_KEY, DeftPlanner
+from fedcomp.flower.gradiveq_link import GradiVeQCoordinator
 from fedcomp.flower.records import fp32_bytes, record_from_tensors, tensors_from_record
 from fedcomp.flower.replica import ServerReplica
 from fedcomp.flower.settings import CompressionConfig
@@ -46,6 +48,24 @@ class RoundTraffic:
     downlink_mode: dict[int, str] = field(default_factory=dict)
     rejected: dict[int, str] = field(default_factory=dict)
     encode_seconds: float = 0.0  # server-side downlink compression time
+    client_encode_seconds: dict[int, float] = field(default_factory=dict)  # each client's uplink encode
+    # "topk"/"deft" uplinks: entries of the compressed tensors that any client sent (the union of
+    # the selections) and how many entries those tensors have: the aggregate density.
+    union_nnz: int = 0
+    sparse_numel: int = 0
+    _union: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def note_selection(self, delta: dict[str, torch.Tensor], min_numel: int) -> None:
+        for name, t in delta.items():
+            if t.numel() < min_numel:
+                continue
+            mask = t.reshape(-1) != 0
+            if name in self._union:
+                self._union[name] |= mask
+            else:
+                self._union[name] = mask
+        self.union_nnz = int(sum(int(m.sum()) for m in self._union.values()))
+        self.sparse_numel = int(sum(m.numel() for m in self._union.values()))
     decode_seconds: float = 0.0  # server-side uplink decompression time
     # What each client reported doing (fedcomp.bandwidth): the SBC p and local iterations it used,
     # its byte budget (absent: none), the policy's estimate, whether it fit, its training time
@@ -67,6 +87,7 @@ class RoundTraffic:
             ("estimated-bytes", self.estimated_bytes, int),
             ("fits", self.fits, bool),
             ("train-seconds", self.train_seconds, float),
+            ("encode-seconds", self.client_encode_seconds, float),
         ):
             if key in rec:
                 store[node] = cast(rec[key])  # type: ignore[call-overload]
@@ -96,6 +117,12 @@ class CompressionStrategy(Strategy):
         self._round = 0
         self._bandwidth = self.config.bandwidth_budget().to_json()
         self._config_key: str = getattr(strategy, "configrecord_key", "config")
+        # Uplink methods the server coordinates (fedcomp.flower.deft_link / gradiveq_link).
+        self.deft = DeftPlanner(self.config.min_compress_numel) if self.config.uplink_codec == "deft" else None
+        self.gradiveq = GradiVeQCoordinator(self.config) if self.config.uplink_codec == "gradiveq" else None
+        # GradiVeQ: aggregate coefficients (not models) when the inner strategy's aggregation is
+        # FedAvg's weighted mean, which commutes with the linear decompression.
+        self.compressed_domain = type(strategy).aggregate_train is FedAvg.aggregate_train
 
     # --- downlink ------------------------------------------------------------------------------
 
@@ -113,14 +140,32 @@ class CompressionStrategy(Strategy):
     def _traffic(self, server_round: int) -> RoundTraffic:
         return self.traffic.setdefault(server_round, RoundTraffic())
 
-    def _with_downlink(self, messages: Iterable[Message], server_round: int) -> list[Message]:
+    def _uplink_codec_config(self, server_round: int) -> dict:
+        if self.gradiveq is not None:
+            return self.gradiveq.uplink_codec_config(server_round)
+        return self.config.uplink_codec_at(server_round).get_config()
+
+    def _with_downlink(self, messages: Iterable[Message], server_round: int, train: bool = False) -> list[Message]:
         assert self.replica is not None
+        messages = list(messages)
         out = []
         dense = fp32_bytes(self.replica.tensors)
+        uplink_codec = json.dumps(self._uplink_codec_config(server_round))
+        extras: dict[int, dict[str, bytes]] = {}
+        if train and self.deft is not None:
+            density = self.config.topk_density.at(server_round)
+            nodes = [m.metadata.dst_node_id for m in messages]
+            for node, data in self.deft.plan(server_round, nodes, self.replica.specs, density).items():
+                extras.setdefault(node, {})[ALLOCATION_KEY] = data
+        if train and self.gradiveq is not None:
+            for m in messages:
+                node = m.metadata.dst_node_id
+                extras.setdefault(node, {}).update(self.gradiveq.downlink_extras(node, server_round))
         for msg in messages:
             node = msg.metadata.dst_node_id
             version, digest = self._nodes.get(node, (None, None))
             dl = self.replica.downlink_for(version, digest)
+            extra = extras.get(node, {})
             record = ConfigRecord(
                 {
                     "mode": dl.mode,
@@ -129,19 +174,20 @@ class CompressionStrategy(Strategy):
                     "digest": dl.digest,
                     "arrays-key": self._arrays_key,
                     "downlink-codec": self.config.downlink_codec,
-                    "uplink-codec": json.dumps(self.config.uplink_codec_at(server_round).get_config()),
+                    "uplink-codec": uplink_codec,
                     "error-feedback": self.config.error_feedback,
                     "min-compress-numel": self.config.min_compress_numel,
                     "device": self.config.client_device,
                     "bandwidth": self._bandwidth,
                     "config-key": self._config_key,
+                    **extra,
                 }
             )
             # A fresh RecordDict per message: the inner strategy shares one between all messages.
             content = RecordDict({k: v for k, v in msg.content.items() if k != self._arrays_key})
             content[keys.DOWNLINK] = record
             msg.content = content
-            self._traffic(server_round).add_downlink(node, dl.nbytes, dense, dl.mode)
+            self._traffic(server_round).add_downlink(node, dl.nbytes + sum(len(b) for b in extra.values()), dense, dl.mode)
             out.append(msg)
         return out
 
@@ -152,7 +198,7 @@ class CompressionStrategy(Strategy):
         config = ConfigRecord(dict(config))
         config[keys.LOCAL_ITERS] = self.config.local_iters_at(server_round)
         msgs = self.strategy.configure_train(server_round, arrays, config, grid)
-        return self._with_downlink(msgs, server_round)
+        return self._with_downlink(msgs, server_round, train=True)
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -169,6 +215,8 @@ class CompressionStrategy(Strategy):
         """Remember the replica version a client reports; forget it when it erred or lied."""
         node = msg.metadata.src_node_id
         rec = msg.content.config_records.get(keys.UPLINK) if msg.has_content() else None
+        if self.gradiveq is not None:
+            self.gradiveq.note_node(node, rec)
         if rec is None:
             self._nodes.pop(node, None)
             return
@@ -195,14 +243,22 @@ class CompressionStrategy(Strategy):
         update = update_from_bytes(data)
         if update.base_model_version != self.replica.version:
             raise PayloadError("", f"update is against version {update.base_model_version}, expected {self.replica.version}")
-        uplink_codec = self.config.uplink_codec_at(server_round)
-        delta = decode_update(update, self.replica.specs, [uplink_codec, DenseFP32()])
-        # The client trained from the replica R, but its delta is applied to the exact global
-        # model W: the inner strategy then aggregates W + delta_i, so W - R (what 3LC has not yet
-        # delivered) survives into the next round's downlink. Rebasing on R would drop it every
-        # round and turn 3LC's error accumulation off.
         assert self._target is not None
-        model = {k: self._target[k] + delta[k] for k in self._target}
+        if self.gradiveq is not None:
+            # Coefficients (or, in uncompressed rounds, W + delta) for the inner strategy.
+            model = self.gradiveq.decode(update, self.replica.specs, self._target, server_round, self.compressed_domain)
+        else:
+            uplink_codec = self.config.uplink_codec_at(server_round)
+            delta = decode_update(update, self.replica.specs, [uplink_codec, DenseFP32()])
+            if self.deft is not None:
+                self.deft.check(node, delta, self.replica.specs)
+            if self.config.uplink_codec in ("topk", "deft"):
+                traffic.note_selection(delta, self.config.min_compress_numel)
+            # The client trained from the replica R, but its delta is applied to the exact global
+            # model W: the inner strategy then aggregates W + delta_i, so W - R (what 3LC has not
+            # yet delivered) survives into the next round's downlink. Rebasing on R would drop it
+            # every round and turn 3LC's error accumulation off.
+            model = {k: self._target[k] + delta[k] for k in self._target}
         traffic.decode_seconds += time.perf_counter() - t0
         content = RecordDict({k: v for k, v in msg.content.items() if k != keys.UPLINK})
         content[self._arrays_key] = record_from_tensors(model)
@@ -230,7 +286,20 @@ class CompressionStrategy(Strategy):
                 log.warning("fedcomp: rejected the update of node %s in round %s: %s", node, server_round, exc)
                 continue
             accepted.append(msg)
-        return self.strategy.aggregate_train(server_round, accepted)
+        arrays, metrics = self.strategy.aggregate_train(server_round, accepted)
+        if arrays is not None and self._target is not None and (self.gradiveq or self.deft):
+            aggregated = tensors_from_record(arrays)
+            if self.gradiveq is not None:
+                # Compressed-domain rounds: ``aggregated`` holds mean coefficients; one decompression.
+                t0 = time.perf_counter()
+                model = self.gradiveq.finish(server_round, aggregated, self._target)
+                self._traffic(server_round).decode_seconds += time.perf_counter() - t0
+                if model is not None:
+                    aggregated = model
+                    arrays = record_from_tensors(model)
+            if self.deft is not None:
+                self.deft.observe({k: aggregated[k] - self._target[k] for k in self._target})
+        return arrays, metrics
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         replies = list(replies)

@@ -1,0 +1,159 @@
+"""Uplink methods side by side on the reference task, through real Flower simulations.
+
+    FEDCOMP_DATA_DIR=/work/shared/data python examples/methods_table.py [--rounds 30] [--clients 10]
+        [--out DIR] [--only NAME ...] [--force]
+
+Each row is one ``flwr run`` of the reference app (``fedcomp.testing.flower.run_simulation``):
+LeNet5-Caffe on MNIST, IID over ``--clients`` SuperNodes, 10 local Adam iterations (lr 0.001,
+batch 64) per round, every client every round, centralized test accuracy after each round. Rows:
+
+* dense FedAvg: ``compress = false`` (fp32 models both ways, plain Flower);
+* SBC: ``uplink-codec = "sbc"``, p = 1 %;
+* top-k: every client's own top 1 % with fp32 values (what DEFT improves on);
+* DEFT: 1 % selected by all clients together, in disjoint server-allocated partitions;
+* GradiVeQ: PCA coefficients (eps 0.1 and 0.3), 2 dense rounds before each fit, refit every
+  20 compressed rounds.
+
+All compressed rows use the 3LC downlink at s = 1. The table gives final accuracy, the first
+round reaching 97 %, the uplink bytes of the whole run (what crossed the wire, per the meter)
+and their compression factor against dense FedAvg's fp32 uplink, the downlink factor, the
+aggregate density of the sparse methods (entries of the compressed tensors any client sent, per
+round) and the clients' encode time as a fraction of their training time in the same process
+(a ratio from one run, as this machine is shared and noisy). Finished runs are cached under
+``--out`` by configuration, so re-running only runs what is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = REPO / "results" / "examples" / "methods_table"
+
+METHODS: dict[str, dict[str, Any]] = {
+    "dense FedAvg": {"compress": False},
+    "SBC (p = 1 %)": {"uplink-codec": "sbc", "sbc-p": 0.01},
+    "top-k (1 % per client)": {"uplink-codec": "topk", "topk-density": 0.01},
+    "DEFT (1 % in all)": {"uplink-codec": "deft", "topk-density": 0.01},
+    "GradiVeQ (eps 0.1)": {"uplink-codec": "gradiveq", "gradiveq-eps": 0.1},
+    "GradiVeQ (eps 0.3)": {"uplink-codec": "gradiveq", "gradiveq-eps": 0.3},
+}
+
+
+def base_config(rounds: int) -> dict[str, Any]:
+    return {
+        "num-server-rounds": rounds,
+        "dataset": "mnist",
+        "local-iters": 10,
+        "batch-size": 64,
+        "lr": 0.001,
+        "3lc-s": 1.0,
+        "seed": 0,
+    }
+
+
+def summarize(label: str, res: dict[str, Any], dense_up: int | None) -> dict[str, Any]:
+    rounds = [r for r in res["rounds"] if r["round"] > 0]
+    up = sum(int(r["uplink_bytes"]) for r in rounds)
+    down = sum(int(r["downlink_bytes"]) for r in rounds)
+    dense_up_run = sum(int(r["dense_uplink_bytes"]) for r in rounds)
+    dense_down_run = sum(int(r.get("dense_downlink_bytes", 0)) for r in rounds)
+    reach = next((r["round"] for r in rounds if r["accuracy"] >= 0.97), None)
+    ratios = []
+    for r in rounds:
+        enc, train = r.get("client_encode_seconds") or {}, r.get("client_train_seconds") or {}
+        ratios += [enc[k] / train[k] for k in enc if train.get(k)]
+    dens = [r["uplink_union_density"] for r in rounds if r.get("uplink_union_density") is not None]
+    return {
+        "method": label,
+        "final_accuracy": rounds[-1]["accuracy"],
+        "round_97": reach,
+        "uplink_bytes": up,
+        "uplink_compression": (dense_up if dense_up else dense_up_run) / up if up else None,
+        "downlink_compression": dense_down_run / down if down else None,
+        "union_density": statistics.mean(dens) if dens else None,
+        "encode_over_train": statistics.median(ratios) if ratios else None,
+        "rejected": sum(len(r.get("rejected") or {}) for r in rounds),
+    }
+
+
+def fmt(v: Any, spec: str = "") -> str:
+    if v is None:
+        return "-"
+    return format(v, spec) if spec else str(v)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--clients", type=int, default=10)
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--only", nargs="*", default=None, help="method labels to run (default: all)")
+    ap.add_argument("--force", action="store_true", help="rerun cached configurations")
+    ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
+    args = ap.parse_args(argv)
+    if not os.environ.get("FEDCOMP_DATA_DIR"):
+        print("FEDCOMP_DATA_DIR is not set (the folder holding mnist/)", file=sys.stderr)
+        return 2
+    from fedcomp.testing.flower import run_simulation
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict[str, Any]] = {}
+    for label, extra in METHODS.items():
+        if args.only and label not in args.only:
+            continue
+        config = {**base_config(args.rounds), **extra}
+        key = hashlib.sha256(json.dumps([config, args.clients], sort_keys=True).encode()).hexdigest()[:12]
+        path = args.out / "runs" / f"{key}.json"
+        if path.is_file() and not args.force:
+            print(f"[{label}] cached: {path}", flush=True)
+            results[label] = json.loads(path.read_text())
+            continue
+        print(f"[{label}] running {args.rounds} rounds, {args.clients} clients: {extra}", flush=True)
+        t0 = time.perf_counter()
+        res = run_simulation(
+            REPO,
+            {**config, "results-dir": str(args.out / "flower"), "run-name": key},
+            num_supernodes=args.clients,
+            timeout_s=args.timeout,
+            work_dir=args.out / "work" / key,
+        )
+        res["_wall_s"] = time.perf_counter() - t0
+        res.pop("_simulation", None)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(res))
+        print(f"[{label}] done in {res['_wall_s']:.0f} s: final accuracy {res['rounds'][-1]['accuracy']:.4f}", flush=True)
+        results[label] = res
+
+    dense = results.get("dense FedAvg")
+    dense_up = sum(int(r["uplink_bytes"]) for r in dense["rounds"] if r["round"] > 0) if dense else None
+    rows = [summarize(label, res, dense_up) for label, res in results.items()]
+    header = ("| method | final accuracy | first round >= 97 % | uplink MB | uplink compression | "
+              "downlink compression | aggregate density | encode / train time | rejected |")
+    lines = [header, "|" + "---|" * 9]
+    for r in rows:
+        lines.append(
+            f"| {r['method']} | {r['final_accuracy']:.4f} | {fmt(r['round_97'])} | {r['uplink_bytes'] / 1e6:.2f} | "
+            f"x{fmt(r['uplink_compression'], ',.1f')} | x{fmt(r['downlink_compression'], ',.1f')} | "
+            f"{fmt(r['union_density'] and 100 * r['union_density'], '.3f')}{' %' if r['union_density'] else ''} | "
+            f"{fmt(r['encode_over_train'], '.3f')} | {r['rejected']} |"
+        )
+    text = "\n".join(lines)
+    print()
+    print(text)
+    (args.out / "table.md").write_text(text + "\n")
+    (args.out / "table.json").write_text(json.dumps(rows, indent=1))
+    print(f"\nresults: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,215 @@
+"""GradiVeQ through the strategy wrapper and the client mod: compressors, phases, aggregation.
+
+Rounds alternate as in the paper's Fig. 6, with rounds for iterations: ``gradiveq-dense-rounds``
+uncompressed rounds (clients send dense fp32 updates; the server keeps them as PCA samples), then
+the server fits one compressor per tensor (:func:`fedcomp.gradiveq.fit_compressor`) and
+``gradiveq-refresh`` compressed rounds follow (0: compressed for good), then the cycle repeats
+with a new compressor version. The compressor goes down, as protobuf bytes in the downlink record,
+to every client whose last reply did not report holding its version; clients keep it in
+``context.state``.
+
+In compressed rounds clients send projection coefficients. When the inner strategy aggregates by
+FedAvg's weighted mean, the server hands it the coefficients themselves and decompresses the mean
+once (:meth:`GradiVeQCoordinator.finish`): the compressor is linear (affine with the whitening
+vector, which a weighted mean with weights summing to one preserves), so this equals the mean of
+the decompressed updates. Any other inner strategy gets each client's decompressed model.
+
+Tensors under ``min-compress-numel``, and those the fit gives no dimension, go dense fp32.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from flwr.app import ConfigRecord, Context
+
+from fedcomp.codecs import Codec, DenseFP32, TensorSpec
+from fedcomp.codecs.gradiveq import GradiVeQ, coefficients_of
+from fedcomp.codecs.payloads import EncodedUpdate
+from fedcomp.errors import PayloadError
+from fedcomp.flower.settings import CompressionConfig
+from fedcomp.gradiveq import Compressor, decompress, fit_compressor
+from fedcomp.serde import compressor_from_bytes, compressor_to_bytes
+from fedcomp.update import decode_update, specs_of
+
+#: Key of the compressor bytes in the downlink ConfigRecord, and of the client's state record.
+COMPRESSOR_KEY = "gradiveq-compressor"
+STATE_KEY = "fedcomp.gradiveq"
+#: Key in the client's uplink record: the compressor version it holds.
+VERSION_KEY = "gradiveq-version"
+
+
+class GradiVeQCoordinator:
+    """Server side: phase of each round, PCA samples, the current compressor, aggregation."""
+
+    def __init__(self, config: CompressionConfig) -> None:
+        self.config = config
+        self.compressor: Compressor | None = None
+        self.version = 0
+        self._wire: bytes = b""
+        self._samples: dict[str, list[torch.Tensor]] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        self._nodes: dict[int, int] = {}  # node -> compressor version it reported holding
+        self._domain: dict[int, bool] = {}  # round -> aggregated in the compressed domain
+        self.fit_seconds: list[float] = []
+
+    # --- phases ---------------------------------------------------------------------------------
+
+    def _cycle_position(self, server_round: int) -> int:
+        d, r = self.config.gradiveq_dense_rounds, self.config.gradiveq_refresh
+        return server_round - 1 if r == 0 else (server_round - 1) % (d + r)
+
+    def compressed(self, server_round: int) -> bool:
+        """Whether clients send coefficients this round (never before the first fit)."""
+        return self.compressor is not None and self._cycle_position(server_round) >= self.config.gradiveq_dense_rounds
+
+    def uplink_codec_config(self, server_round: int) -> dict[str, Any]:
+        if self.compressed(server_round):
+            return {"id": "gradiveq", "version": self.version}
+        return {"id": "dense-fp32"}
+
+    def downlink_extras(self, node: int, server_round: int) -> dict[str, bytes]:
+        if self.compressed(server_round) and self._nodes.get(node) != self.version:
+            return {COMPRESSOR_KEY: self._wire}
+        return {}
+
+    def note_node(self, node: int, rec: ConfigRecord | None) -> None:
+        held = rec.get(VERSION_KEY) if rec is not None else None
+        if held is None:
+            self._nodes.pop(node, None)
+        else:
+            self._nodes[node] = int(held)  # type: ignore[arg-type]
+
+    # --- uplink ---------------------------------------------------------------------------------
+
+    def decode(
+        self,
+        update: EncodedUpdate,
+        specs: Sequence[TensorSpec],
+        model: Mapping[str, torch.Tensor],
+        server_round: int,
+        compressed_domain: bool,
+    ) -> dict[str, torch.Tensor]:
+        """What the inner strategy gets for one reply (raises PayloadError on a bad update):
+        ``W + delta``, or in compressed-domain rounds the coefficients (dense tensors: delta)."""
+        if not self.compressed(server_round):
+            delta = decode_update(update, specs, [DenseFP32()])
+            for s in specs:
+                if s.numel >= self.config.min_compress_numel:
+                    self._samples.setdefault(s.name, []).append(delta[s.name].reshape(-1))
+                    self._shapes[s.name] = s.shape
+            self._domain[server_round] = False
+            return {k: model[k] + delta[k] for k in model}
+        assert self.compressor is not None
+        if len(update.tensors) != len(specs):
+            raise PayloadError("", f"update has {len(update.tensors)} tensors, expected {len(specs)}")
+        out: dict[str, torch.Tensor] = {}
+        dense = DenseFP32()
+        for spec, enc in zip(specs, update.tensors, strict=True):
+            if enc.name != spec.name:
+                raise PayloadError(spec.name, f"found tensor {enc.name!r} in its place")
+            if self.compressor.compresses(spec.name):
+                if enc.codec_id != GradiVeQ.codec_id:
+                    raise PayloadError(spec.name, f"codec {enc.codec_id!r} where 'gradiveq' was expected")
+                coeffs = coefficients_of(enc, spec, self.compressor)
+                if compressed_domain:
+                    out[spec.name] = coeffs
+                else:
+                    out[spec.name] = model[spec.name] + decompress(
+                        self.compressor, spec.name, coeffs, spec.numel
+                    ).reshape(spec.shape)
+            else:
+                delta = dense.decode(enc, spec)
+                out[spec.name] = delta if compressed_domain else model[spec.name] + delta
+        self._domain[server_round] = compressed_domain
+        return out
+
+    def finish(
+        self, server_round: int, aggregated: Mapping[str, torch.Tensor], model: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor] | None:
+        """After the inner strategy aggregated: the new model when it aggregated coefficients
+        (one decompression per tensor), else None; fits a new compressor at a cycle's end."""
+        out = None
+        if self._domain.pop(server_round, False):
+            assert self.compressor is not None
+            out = {}
+            for name, w in model.items():
+                agg = aggregated[name]
+                if self.compressor.compresses(name):
+                    agg = decompress(self.compressor, name, agg, w.numel(), weight_sum=1.0).reshape(w.shape)
+                out[name] = w + agg
+        if self._cycle_position(server_round) == self.config.gradiveq_dense_rounds - 1 and self._samples:
+            self._fit()
+        return out
+
+    def _slice_sizes(self) -> int | dict[str, int]:
+        if self.config.gradiveq_slice:
+            return self.config.gradiveq_slice
+        return {name: fan_in(shape) for name, shape in self._shapes.items()}
+
+    def _fit(self) -> None:
+        t0 = time.perf_counter()
+        self.version += 1
+        c = self.config
+        self.compressor = fit_compressor(
+            self._samples,
+            version=self.version,
+            slice_size=self._slice_sizes(),
+            eps=c.gradiveq_eps,
+            max_dim=c.gradiveq_max_dim or None,
+            min_numel=c.min_compress_numel,
+        )
+        self._wire = compressor_to_bytes(self.compressor.to_wire())
+        self._samples = {}
+        self.fit_seconds.append(time.perf_counter() - t0)
+
+
+def fan_in(shape: Sequence[int], cap: int = 4096) -> int:
+    """Values feeding one output unit (``prod(shape[1:])``), capped; a vector's own length."""
+    n = 1
+    for d in shape[1:] if len(shape) > 1 else shape:
+        n *= int(d)
+    return max(2, min(n, cap))
+
+
+# --- client side -----------------------------------------------------------------------------
+
+
+def store_compressor(context: Context, dl: ConfigRecord, replica: Mapping[str, torch.Tensor] | None) -> None:
+    """Validate a compressor the server sent against the replica's shapes and keep its bytes."""
+    data = dl.get(COMPRESSOR_KEY)
+    if data is None:
+        return
+    if not isinstance(data, bytes) or replica is None:
+        raise PayloadError("", f"{COMPRESSOR_KEY} is not bytes or came without a model")
+    comp = Compressor.from_wire(compressor_from_bytes(data), specs_of(replica))
+    context.state[STATE_KEY] = ConfigRecord({"compressor": data, "version": comp.version})
+
+
+def forget_compressor(context: Context) -> None:
+    if STATE_KEY in context.state:
+        del context.state[STATE_KEY]
+
+
+def client_status(context: Context) -> dict[str, int]:
+    rec = context.state.config_records.get(STATE_KEY)
+    return {} if rec is None else {VERSION_KEY: int(rec["version"])}  # type: ignore[arg-type]
+
+
+def client_codecs(
+    context: Context, uplink_cfg: Mapping[str, Any], replica: Mapping[str, torch.Tensor], min_numel: int
+) -> dict[str, Codec]:
+    """GradiVeQ codecs for the tensors the held compressor covers (the rest go dense)."""
+    rec = context.state.config_records.get(STATE_KEY)
+    want = int(uplink_cfg.get("version", -1))
+    if rec is None or int(rec["version"]) != want:  # type: ignore[arg-type]
+        raise PayloadError("", f"GradiVeQ compressor version {want} is needed and not held")
+    comp = Compressor.from_wire(compressor_from_bytes(rec["compressor"]), specs_of(replica))  # type: ignore[arg-type]
+    return {
+        name: GradiVeQ(comp)
+        for name, t in replica.items()
+        if t.numel() >= min_numel and comp.compresses(name)
+    }
