@@ -17,8 +17,9 @@ is wire bytes -> tensors on the device; tensors below 1000 elements go dense, as
 
 from __future__ import annotations
 
+from fedcomp.bench import write_rows
+
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -202,9 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'codec':<11}{'settings':<18}{'op':<7}{'dev':<6}{'median':>12}{'clone':>12}{'ratio':>8}"
           f"{'bytes':>14}{'bits/val':>8}  target")
     rows = bench_codecs(torch.device(args.device), args.repeat, args.values, args.sgd_steps, args.seed)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+    write_rows(args.json, rows)
     return 0
 
 

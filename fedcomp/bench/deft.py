@@ -26,8 +26,9 @@ timing: ResNet-50's 161 tensor shapes (25.6M values), each client's update a sha
 
 from __future__ import annotations
 
+from fedcomp.bench import write_rows
+
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -190,9 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     for n in ns:
         rows.append(measure(args.model, n, args.density, args.local_iters, args.repeat, args.seed, args.data_dir))
         _print_row(rows[-1])
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+    write_rows(args.json, rows)
     return 0
 
 

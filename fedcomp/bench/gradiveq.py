@@ -23,9 +23,10 @@ each as a ratio to a ``clone()`` of the same tensors timed right before it.
 
 from __future__ import annotations
 
+from fedcomp.bench import write_rows
+
 import argparse
 import copy
-import json
 import statistics
 import sys
 import time
@@ -220,9 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--slice-size: 'row' or a positive integer")
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}", file=sys.stderr)
     rows = bench(args)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+    write_rows(args.json, rows)
     return 0
 
 

@@ -88,6 +88,14 @@ class Codec(ABC):
         Raises :class:`PayloadError` (naming the tensor) when ``enc`` is not an encoding of a
         tensor of that name, shape and dtype by this codec, or its payload is malformed.
         """
+        self.check_envelope(enc, spec)
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        flat = self._decode(enc.payload, spec, dev)
+        return flat.reshape(spec.shape).to(spec.dtype)
+
+    def check_envelope(self, enc: EncodedTensor, spec: TensorSpec) -> None:
+        """Raise :class:`PayloadError` unless ``enc`` claims to be this codec's encoding of the
+        tensor ``spec`` describes (name, codec id and version, shape, dtype)."""
         name = spec.name
         if enc.name != name:
             raise PayloadError(name, f"payload is for tensor {enc.name!r}")
@@ -101,9 +109,6 @@ class Codec(ABC):
             raise PayloadError(name, f"shape {list(enc.shape)} where {list(spec.shape)} was expected")
         if enc.dtype != WIRE_DTYPES.get(spec.dtype):
             raise PayloadError(name, f"dtype {enc.dtype} where {WIRE_DTYPES.get(spec.dtype)} was expected")
-        dev = torch.device(device) if device is not None else torch.device("cpu")
-        flat = self._decode(enc.payload, spec, dev)
-        return flat.reshape(spec.shape).to(spec.dtype)
 
     def get_config(self) -> dict[str, Any]:
         """JSON-safe settings, including ``id``; ``from_config`` of it gives an equal codec."""

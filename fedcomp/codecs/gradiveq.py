@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from fedcomp.codecs.base import Codec, TensorSpec, expect_payload
-from fedcomp.codecs.payloads import WIRE_DTYPES, EncodedTensor, GradiVeQPayload, Payload
+from fedcomp.codecs.payloads import EncodedTensor, GradiVeQPayload, Payload
 from fedcomp.errors import ConfigError, PayloadError
 # a module reference, not names: fedcomp.gradiveq imports fedcomp.codecs, so when it is imported
 # first this module runs while it is still partially initialised
@@ -157,17 +157,8 @@ def coefficients_of(
     Raises :class:`PayloadError` naming the tensor on any mismatch (name, codec, shape, dtype,
     compressor version, slice size, dim, byte length, non-finite values).
     """
-    name = spec.name
-    if enc.name != name:
-        raise PayloadError(name, f"payload is for tensor {enc.name!r}")
-    if enc.codec_id != GradiVeQ.codec_id:
-        raise PayloadError(name, f"codec {enc.codec_id!r} where {GradiVeQ.codec_id!r} was expected")
-    if enc.codec_version != GradiVeQ.version:
-        raise PayloadError(name, f"gradiveq version {enc.codec_version} is not supported (have {GradiVeQ.version})")
-    if tuple(enc.shape) != tuple(spec.shape):
-        raise PayloadError(name, f"shape {list(enc.shape)} where {list(spec.shape)} was expected")
-    if enc.dtype != WIRE_DTYPES.get(spec.dtype):
-        raise PayloadError(name, f"dtype {enc.dtype} where {WIRE_DTYPES.get(spec.dtype)} was expected")
+    codec = GradiVeQ(compressor)
+    codec.check_envelope(enc, spec)
     dev = torch.device(device) if device is not None else torch.device("cpu")
-    return GradiVeQ(compressor)._coefficients(enc.payload, spec, dev)
+    return codec._coefficients(enc.payload, spec, dev)
 
