@@ -18,10 +18,12 @@ batch 64) per round, every client every round, centralized test accuracy after e
 
 All compressed rows use the 3LC downlink at s = 1. The table gives final accuracy, the first
 round reaching 97 %, the uplink bytes of the whole run (what crossed the wire, per the meter)
-and their compression factor against dense FedAvg's fp32 uplink, the downlink factor, the
+and their compression factor against dense FedAvg's fp32 uplink (over all rounds, and over the
+compressed rounds only: GradiVeQ's sampling rounds are dense), the downlink factor, the
 aggregate density of the sparse methods (entries of the compressed tensors any client sent, per
-round) and the clients' encode time as a fraction of their training time in the same process
-(a ratio from one run, as this machine is shared and noisy). Finished runs are cached under
+round), and the clients' encode time: the median per client and round, and as a fraction of
+that client's training time in the same process (a ratio from one run, as this machine is
+shared and noisy). Finished runs are cached under
 ``--out`` by configuration, so re-running only runs what is missing.
 """
 
@@ -74,10 +76,11 @@ def summarize(label: str, res: dict[str, Any], dense_up: int | None) -> dict[str
     dense_up_run = sum(int(r["dense_uplink_bytes"]) for r in rounds)
     dense_down_run = sum(int(r.get("dense_downlink_bytes", 0)) for r in rounds)
     reach = next((r["round"] for r in rounds if r["accuracy"] >= 0.97), None)
-    ratios = []
+    ratios, encode_s = [], []
     for r in rounds:
         enc, train = r.get("client_encode_seconds") or {}, r.get("client_train_seconds") or {}
         ratios += [enc[k] / train[k] for k in enc if train.get(k)]
+        encode_s += list(enc.values())
     dens = [r["uplink_union_density"] for r in rounds if r.get("uplink_union_density") is not None]
     # GradiVeQ's dense (sampling) rounds apart: what a compressed round costs.
     comp = [r for r in rounds if r.get("gradiveq_compressed", True)]
@@ -94,6 +97,7 @@ def summarize(label: str, res: dict[str, Any], dense_up: int | None) -> dict[str
         "compressed_rounds": len(comp),
         "union_density": statistics.mean(dens) if dens else None,
         "encode_over_train": statistics.median(ratios) if ratios else None,
+        "encode_ms": 1000 * statistics.median(encode_s) if encode_s else None,
         "rejected": sum(len(r.get("rejected") or {}) for r in rounds),
     }
 
@@ -151,8 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [summarize(label, res, dense_up) for label, res in results.items()]
     header = ("| method | final accuracy | first round >= 97 % | uplink MB | uplink compression | "
               "uplink compression, compressed rounds | downlink compression | aggregate density | "
-              "encode / train time | rejected |")
-    lines = [header, "|" + "---|" * 10]
+              "client encode, ms | encode / train time | rejected |")
+    lines = [header, "|" + "---|" * 11]
     for r in rows:
         lines.append(
             f"| {r['method']} | {r['final_accuracy']:.4f} | {fmt(r['round_97'])} | {r['uplink_bytes'] / 1e6:.2f} | "
@@ -160,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             f"x{fmt(r['uplink_compression_compressed_rounds'], ',.1f')} ({r['compressed_rounds']} rounds) | "
             f"x{fmt(r['downlink_compression'], ',.1f')} | "
             f"{fmt(r['union_density'] and 100 * r['union_density'], '.3f')}{' %' if r['union_density'] else ''} | "
-            f"{fmt(r['encode_over_train'], '.3f')} | {r['rejected']} |"
+            f"{fmt(r['encode_ms'], '.1f')} | {fmt(r['encode_over_train'], '.3f')} | {r['rejected']} |"
         )
     text = "\n".join(lines)
     print()
