@@ -23,8 +23,7 @@ from flwr.clientapp.typing import ClientAppCallable  # type: ignore[import-not-f
 from fedcomp.bandwidth import BandwidthBudget, Choice, ClientSituation, get_policy
 from fedcomp.codecs import Codec, DenseFP32, get_codec
 from fedcomp.errors import ConfigError, PayloadError
-from fedcomp.flower import keys
-from fedcomp.flower import deft_link, gradiveq_link
+from fedcomp.flower import deft_link, gradiveq_link, keys
 from fedcomp.flower.records import digest, record_from_tensors, tensors_from_record
 from fedcomp.flower.replica import apply_delta
 from fedcomp.links import LinkProfile, link_of, parse_link_profiles
@@ -205,8 +204,7 @@ def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable
 
 
 def _uplink_overrides(
-    msg: Message,
-    context: Context, dl: ConfigRecord, st: ClientState, uplink_cfg: dict, error_feedback: bool
+    msg: Message, context: Context, dl: ConfigRecord, st: ClientState, uplink_cfg: dict, error_feedback: bool
 ) -> tuple[dict[str, Codec] | None, bool]:
     """Per-tensor codecs of the server-coordinated methods (DEFT partitions, GradiVeQ
     compressors), and whether error feedback applies; raise PayloadError on bad instructions."""
