@@ -54,6 +54,7 @@ import json
 import math
 import os
 import re
+import shutil
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -565,3 +566,12 @@ __all__ = [
     "payload_bits",
     "md_table",
 ]
+
+
+def publish_figures(figs: Sequence[Path], figures_to: Path | None) -> None:
+    """Copy the plots to ``figures_to`` (``--figures-to``, e.g. docs/figures) and list them."""
+    if figures_to:
+        figures_to.mkdir(parents=True, exist_ok=True)
+        for f in figs:
+            shutil.copy(f, figures_to / f.name)
+    print("\nplots: " + ", ".join(str(f) for f in figs))

@@ -18,7 +18,6 @@ table shows what the paper's own formula (Golomb code, eq. 5, one mean per tenso
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -159,11 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                                       "accuracy vs downlink traffic (exact model, dense fp32 deltas)"),
             simplots.bytes_per_round(main_res, args.out / "sbc_table2_bytes_per_round.png"),
         ]
-        if args.figures_to:
-            args.figures_to.mkdir(parents=True, exist_ok=True)
-            for f in figs:
-                shutil.copy(f, args.figures_to / f.name)
-        print("\nplots: " + ", ".join(str(f) for f in figs))
+        fedsim.publish_figures(figs, args.figures_to)
     print(f"results: {args.out}")
     return 0
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import shutil
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -148,11 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         fig.savefig(path, dpi=110)
         plt.close(fig)
         figs.append(path)
-        if args.figures_to:
-            args.figures_to.mkdir(parents=True, exist_ok=True)
-            for f in figs:
-                shutil.copy(f, args.figures_to / f.name)
-        print("\nplots: " + ", ".join(str(f) for f in figs))
+        fedsim.publish_figures(figs, args.figures_to)
     print(f"results: {args.out}")
     return 0
 

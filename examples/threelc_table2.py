@@ -23,7 +23,6 @@ server's model W and the replica R the clients hold are evaluated.
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -138,11 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             relabeled = [dict(exact, label="SBC (2), dense fp32 downlink"), *loops]
             figs.append(simplots.accuracy_vs_bits(relabeled, args.out / "threelc_accuracy_vs_downlink_bits.png",
                                                   "downlink", "SBC (2) uplink; downlink exact vs 3LC in the loop"))
-        if args.figures_to:
-            args.figures_to.mkdir(parents=True, exist_ok=True)
-            for f in figs:
-                shutil.copy(f, args.figures_to / f.name)
-        print("\nplots: " + ", ".join(str(f) for f in figs))
+        fedsim.publish_figures(figs, args.figures_to)
     print(f"results: {args.out}")
     return 0
 

@@ -19,7 +19,6 @@ Tensors under ``min-compress-numel``, and those the fit gives no dimension, go d
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -54,7 +53,6 @@ class GradiVeQCoordinator:
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._nodes: dict[int, int] = {}  # node -> compressor version it reported holding
         self._domain: dict[int, bool] = {}  # round -> aggregated in the compressed domain
-        self.fit_seconds: list[float] = []
 
     # --- phases ---------------------------------------------------------------------------------
 
@@ -151,7 +149,6 @@ class GradiVeQCoordinator:
         return {name: fan_in(shape) for name, shape in self._shapes.items()}
 
     def _fit(self) -> None:
-        t0 = time.perf_counter()
         self.version += 1
         c = self.config
         self.compressor = fit_compressor(
@@ -164,7 +161,6 @@ class GradiVeQCoordinator:
         )
         self._wire = compressor_to_bytes(self.compressor.to_wire())
         self._samples = {}
-        self.fit_seconds.append(time.perf_counter() - t0)
 
 
 def fan_in(shape: Sequence[int], cap: int = 4096) -> int:

@@ -122,20 +122,14 @@ class CompressionConfig(BaseModel):
             raise ValueError(str(err).removeprefix("link-profiles: ")) from None
         return v
 
-    @field_validator("sbc_p_max")
+    @field_validator("sbc_p_max", "local_iters_max")
     @classmethod
-    def _p_bounds(cls, v: float, info: ValidationInfo) -> float:
-        lo = info.data.get("sbc_p_min")
+    def _not_below_min(cls, v: float, info: ValidationInfo) -> float:
+        """A ``*_max`` bound is checked against its ``*_min`` (validated before it)."""
+        low = str(info.field_name).removesuffix("_max") + "_min"
+        lo = info.data.get(low)
         if lo is not None and lo > v:
-            raise ValueError(f"must be >= sbc-p-min ({lo})")
-        return v
-
-    @field_validator("local_iters_max")
-    @classmethod
-    def _iters_bounds(cls, v: int, info: ValidationInfo) -> int:
-        lo = info.data.get("local_iters_min")
-        if lo is not None and lo > v:
-            raise ValueError(f"must be >= local-iters-min ({lo})")
+            raise ValueError(f"must be >= {cls.model_fields[low].alias} ({lo})")
         return v
 
     @field_validator("bandwidth_policy")

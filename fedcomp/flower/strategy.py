@@ -51,8 +51,6 @@ class RoundTraffic:
     client_encode_seconds: dict[int, float] = field(default_factory=dict)  # each client's uplink encode
     # "topk"/"deft" uplinks: entries of the compressed tensors that any client sent (the union of
     # the selections) and how many entries those tensors have: the aggregate density.
-    union_nnz: int = 0
-    sparse_numel: int = 0
     _union: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def note_selection(self, delta: dict[str, torch.Tensor], min_numel: int) -> None:
@@ -64,8 +62,14 @@ class RoundTraffic:
                 self._union[name] |= mask
             else:
                 self._union[name] = mask
-        self.union_nnz = int(sum(int(m.sum()) for m in self._union.values()))
-        self.sparse_numel = int(sum(m.numel() for m in self._union.values()))
+
+    @property
+    def union_nnz(self) -> int:
+        return int(sum(int(m.sum()) for m in self._union.values()))
+
+    @property
+    def sparse_numel(self) -> int:
+        return int(sum(m.numel() for m in self._union.values()))
     decode_seconds: float = 0.0  # server-side uplink decompression time
     # What each client reported doing (fedcomp.bandwidth): the SBC p and local iterations it used,
     # its byte budget (absent: none), the policy's estimate, whether it fit, its training time

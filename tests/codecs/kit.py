@@ -71,3 +71,22 @@ def check_golden(codec: Codec, case: str, tensor: torch.Tensor) -> None:
 def devices() -> list[str]:
     """CPU, plus CUDA when present: parametrize device tests with this."""
     return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def check_rejects(
+    codec: Codec, spec: TensorSpec, cases: dict[str, object], not_on_wire: tuple[str, ...] = ()
+) -> None:
+    """Every bad encoding in ``cases`` raises :class:`PayloadError` naming ``spec``'s tensor,
+    decoded directly and, except the cases protobuf cannot carry (``not_on_wire``), after a
+    trip through real protobuf bytes."""
+    import pytest
+
+    from fedcomp.errors import PayloadError
+
+    for why, bad in cases.items():
+        with pytest.raises(PayloadError, match=f"'{spec.name}'") as info:
+            codec.decode(bad, spec)  # type: ignore[arg-type]
+        assert info.value.tensor == spec.name, why
+        if why not in not_on_wire:
+            with pytest.raises(PayloadError):
+                codec.decode(serde.tensor_from_bytes(serde.tensor_to_bytes(bad)), spec)  # type: ignore[arg-type]
