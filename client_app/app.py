@@ -4,7 +4,7 @@ without fedcomp records (``compress = false``) pass through it untouched."""
 
 from flwr.clientapp import ClientApp
 
-from fedcomp.apps import client_train
+from fedcomp.app.apps import client_train
 from fedcomp.flower.mod import compression_mod
 
 app = ClientApp(mods=[compression_mod])

@@ -10,10 +10,10 @@ per round, for each client i (papers/README.md, "SBC, restated"):
 2. ``n`` local iterations (``n`` = communication delay) of Adam, lr 0.001, batch 128, on client
    i's IID shard;
 3. ``dW_i = W_i - W`` per tensor;
-4. residual accumulation and SBC per tensor: ``fedcomp.update.UpdateEncoder`` with an
-   ``SBC(p)`` codec and error feedback (``fedcomp.feedback.ErrorFeedback``: A = R + dW,
+4. residual accumulation and SBC per tensor: ``fedcomp.methods.update.UpdateEncoder`` with an
+   ``SBC(p)`` codec and error feedback (``fedcomp.methods.feedback.ErrorFeedback``: A = R + dW,
    send SBC(A), R <- A - SBC(A));
-5. the update goes to bytes with ``fedcomp.serde.update_to_bytes`` -- those bytes are what the
+5. the update goes to bytes with ``fedcomp.wire.serde.update_to_bytes`` -- those bytes are what the
    uplink counts -- and the server parses them back (``update_from_bytes``, ``decode_update``);
 
 then the server averages the decoded updates and adds the mean to W.
@@ -33,7 +33,7 @@ Choices where the paper is silent (also in docs/RESULTS.md):
 * Each client keeps its Adam state across rounds (``optimizer_state="persistent"``): SBC trains
   with local optimizers, and with delay 1 a fresh Adam per round would make every step
   ``lr * sign(g)`` (Adam's first bias-corrected step), not Adam. ``"fresh"`` (a new optimizer per
-  round, what ``fedcomp.models.train_local`` and the Flower app do) is available.
+  round, what ``fedcomp.app.models.train_local`` and the Flower app do) is available.
 * Every tensor is SBC-compressed, biases included (``min_numel=0``): the paper compresses "the
   weight-update", all of it; the library's default (tensors under 1,000 values go dense fp32) is
   a config field.
@@ -65,12 +65,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from fedcomp import serde
+from fedcomp.app.data import load_dataset, load_partition
+from fedcomp.app.models import LeNet5Caffe, evaluate
 from fedcomp.codecs import SBC, DenseFP32, ThreeLC
-from fedcomp.codecs.payloads import DensePayload, EncodedUpdate, SBCPayload, ThreeLCPayload
-from fedcomp.data import load_dataset, load_partition
-from fedcomp.models import LeNet5Caffe, evaluate
-from fedcomp.update import UpdateEncoder, decode_update, specs_of
+from fedcomp.methods.update import UpdateEncoder, decode_update, specs_of
+from fedcomp.wire import serde
+from fedcomp.wire.payloads import (
+    DensePayload,
+    EncodedUpdate,
+    SBCPayload,
+    ThreeLCPayload,
+)
 
 #: Part of every config hash: bump it when a change to this file changes the results of existing
 #: configs (recording something new, like the replica's accuracy in 3LC mode, does not).
@@ -279,7 +284,9 @@ def _fmt_s(s: float) -> str:
 
 def simulate(cfg: SimConfig, progress: Progress | None = _stderr) -> dict[str, Any]:
     """Run ``cfg`` and return its results (JSON-safe)."""
-    from fedcomp.flower.replica import ServerReplica  # the server's own replica and 3LC logic
+    from fedcomp.flower.replica import (
+        ServerReplica,  # the server's own replica and 3LC logic
+    )
 
     t_start = time.perf_counter()
     torch.manual_seed(cfg.seed)
@@ -325,8 +332,11 @@ def simulate(cfg: SimConfig, progress: Progress | None = _stderr) -> dict[str, A
         if replica is not None:  # the model the clients hold and train from
             global_model.load_state_dict(replica.tensors)
             r_loss, r_acc = evaluate(global_model, test_x, test_y)
-            extra = {"replica_acc": r_acc, "replica_loss": r_loss,
-                     "replica_gap_l2": math.sqrt(sum(float(((W[k] - replica.tensors[k]) ** 2).sum()) for k in names))}
+            extra = {
+                "replica_acc": r_acc,
+                "replica_loss": r_loss,
+                "replica_gap_l2": math.sqrt(sum(float(((W[k] - replica.tensors[k]) ** 2).sum()) for k in names)),
+            }
         t_eval += time.perf_counter() - t0
         history.append(
             {
@@ -477,8 +487,10 @@ def run_cached(cfg: SimConfig, out: Path, also: Sequence[Path] = (), force: bool
                 _write_json(path, result)
             _stderr(f"[{cfg.label}] cached: {hit}")
             return result
-    _stderr(f"[{cfg.label}] running: {cfg.iterations} iterations, delay {cfg.delay}, {cfg.rounds} rounds, "
-            f"uplink {cfg.uplink}{f' p={cfg.p:g}' if cfg.uplink == 'sbc' else ''} (hash {cfg.hash()})")
+    _stderr(
+        f"[{cfg.label}] running: {cfg.iterations} iterations, delay {cfg.delay}, {cfg.rounds} rounds, "
+        f"uplink {cfg.uplink}{f' p={cfg.p:g}' if cfg.uplink == 'sbc' else ''} (hash {cfg.hash()})"
+    )
     result = simulate(cfg)
     _write_json(path, result)
     _stderr(f"[{cfg.label}] done in {_fmt_s(result['timing_s']['total'])}: acc {result['final_acc']:.4f} -> {path}")
@@ -531,7 +543,7 @@ def apply_mode(configs: Sequence[SimConfig], args: Any) -> list[SimConfig]:
 
 def check_data(dataset: str = "mnist") -> None:
     """Exit with a clear message when the dataset cannot be found."""
-    from fedcomp.data import DataError
+    from fedcomp.app.data import DataError
 
     try:
         load_dataset(dataset)
@@ -556,15 +568,15 @@ def md_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 __all__ = [
     "SIM_VERSION",
+    "TABLE2_OBSERVERS",
     "Observer",
     "SimConfig",
-    "TABLE2_OBSERVERS",
-    "simulate",
-    "run_cached",
-    "run_all",
-    "scaled",
-    "payload_bits",
     "md_table",
+    "payload_bits",
+    "run_all",
+    "run_cached",
+    "scaled",
+    "simulate",
 ]
 
 

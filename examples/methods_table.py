@@ -53,7 +53,12 @@ METHODS: dict[str, dict[str, Any]] = {
     "GradiVeQ (eps 0.3)": {"uplink-codec": "gradiveq", "gradiveq-eps": 0.3},
     # GradiVeQ's PCA finds SGD updates far more compressible than Adam's (sign-like) ones.
     "dense FedAvg, SGD lr 0.05": {"compress": False, "optimizer": "sgd", "lr": 0.05},
-    "GradiVeQ (eps 0.1), SGD lr 0.05": {"uplink-codec": "gradiveq", "gradiveq-eps": 0.1, "optimizer": "sgd", "lr": 0.05},
+    "GradiVeQ (eps 0.1), SGD lr 0.05": {
+        "uplink-codec": "gradiveq",
+        "gradiveq-eps": 0.1,
+        "optimizer": "sgd",
+        "lr": 0.05,
+    },
 }
 
 
@@ -147,15 +152,19 @@ def main(argv: list[str] | None = None) -> int:
         res.pop("_simulation", None)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(res))
-        print(f"[{label}] done in {res['_wall_s']:.0f} s: final accuracy {res['rounds'][-1]['accuracy']:.4f}", flush=True)
+        print(
+            f"[{label}] done in {res['_wall_s']:.0f} s: final accuracy {res['rounds'][-1]['accuracy']:.4f}", flush=True
+        )
         results[label] = res
 
     dense = results.get("dense FedAvg")
     dense_up = sum(int(r["uplink_bytes"]) for r in dense["rounds"] if r["round"] > 0) if dense else None
     rows = [summarize(label, res, dense_up) for label, res in results.items()]
-    header = ("| method | final accuracy | first round >= 97 % | uplink MB | uplink compression | "
-              "uplink compression, compressed rounds | downlink compression | aggregate density | "
-              "client encode, ms | encode / train time | rejected |")
+    header = (
+        "| method | final accuracy | first round >= 97 % | uplink MB | uplink compression | "
+        "uplink compression, compressed rounds | downlink compression | aggregate density | "
+        "client encode, ms | encode / train time | rejected |"
+    )
     lines = [header, "|" + "---|" * 11]
     for r in rows:
         lines.append(

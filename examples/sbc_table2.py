@@ -24,9 +24,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import fedsim  # noqa: E402
-from fedcomp.codecs.golomb import expected_bits_per_position, golomb_b  # noqa: E402
-from fedsim import TABLE2_OBSERVERS, SimConfig  # noqa: E402
+import fedsim
+from fedsim import TABLE2_OBSERVERS, SimConfig
+
+from fedcomp.codecs.golomb import expected_bits_per_position, golomb_b
 
 BASE = SimConfig(iterations=2000, observers=TABLE2_OBSERVERS)
 
@@ -43,8 +44,10 @@ CONFIGS: list[tuple[SimConfig, float | None]] = [
 #: Extra runs for the discussion (--ablations): the choices the paper leaves open.
 ABLATIONS: list[tuple[SimConfig, float | None]] = [  # no 3LC observers: they cost time, tell nothing new
     # one client with batch 4 x 128 and one Adam: synchronous DSGD with gradient averaging
-    (replace(BASE, label="Centralized (1 client, batch 512)", num_clients=1, batch_size=512,
-             uplink="dense-fp32"), 0.9946),
+    (
+        replace(BASE, label="Centralized (1 client, batch 512)", num_clients=1, batch_size=512, uplink="dense-fp32"),
+        0.9946,
+    ),
     (replace(BASE, label="SBC (2), fresh Adam per round", delay=10, p=0.01, optimizer_state="fresh"), 0.994),
     (replace(BASE, label="SBC (1), small tensors dense", delay=1, p=0.001, min_numel=1000), 0.994),
     (replace(BASE, label="SBC (2), momentum masking", delay=10, p=0.01, momentum_masking=True), 0.994),
@@ -78,9 +81,15 @@ def tail_accuracy(result: dict, share: float = 0.2) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     fedsim.common_args(ap, fedsim.DEFAULT_RESULTS / "sbc_table2")
-    ap.add_argument("--ablations", action="store_true", help="also run the ablations (centralized, fresh Adam, dense small tensors, momentum masking)")
+    ap.add_argument(
+        "--ablations",
+        action="store_true",
+        help="also run the ablations (centralized, fresh Adam, dense small tensors, momentum masking)",
+    )
     ap.add_argument("--seeds", type=int, default=1, help="seeds per config (mean and spread reported)")
     ap.add_argument("--figures-to", type=Path, default=None, help="also copy the plots here (e.g. docs/figures)")
     args = ap.parse_args(argv)
@@ -92,12 +101,24 @@ def main(argv: list[str] | None = None) -> int:
     results = fedsim.run_all(runs, args.out, force=args.force, jobs=args.jobs)
     by_cfg = [results[i * args.seeds : (i + 1) * args.seeds] for i in range(len(configs))]
 
-    from fedcomp.models import LeNet5Caffe
+    from fedcomp.app.models import LeNet5Caffe
 
     sizes = [t.numel() for t in LeNet5Caffe().state_dict().values()]
-    header = ["method", "delay", "p", "accuracy (ours)", "paper", "diff (pp)", "mean acc, last 20 %",
-              "vs baseline, ours / paper (pp)", "compression, wire",
-              "compression, payload bits", "paper's formula", "uplink MB/client", "run time"]
+    header = [
+        "method",
+        "delay",
+        "p",
+        "accuracy (ours)",
+        "paper",
+        "diff (pp)",
+        "mean acc, last 20 %",
+        "vs baseline, ours / paper (pp)",
+        "compression, wire",
+        "compression, payload bits",
+        "paper's formula",
+        "uplink MB/client",
+        "run time",
+    ]
     rows, table = [], []
     base_acc = sum(r["final_acc"] for r in by_cfg[0]) / len(by_cfg[0])  # "Uncompressed" comes first
     base_paper = entries[0][1]
@@ -132,16 +153,29 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         acc_s = f"{acc:.4f}" if len(accs) == 1 else f"{acc:.4f} ({min(accs):.4f}-{max(accs):.4f})"
         p_s = "-" if row["p"] is None else f"{100 * row['p']:g} %"
-        table.append([
-            cfg.label, row["delay"], p_s, acc_s, "-" if paper is None else f"{paper:g}",
-            "-" if paper is None else f"{row['diff_pp']:+.2f}", f"{tail:.4f}",
-            f"{row['vs_baseline_pp']:+.2f} / " + ("-" if row["paper_vs_baseline_pp"] is None else f"{row['paper_vs_baseline_pp']:+.2f}"),
-            f"x{row['compression_wire']:,.0f}", f"x{row['compression_payload']:,.0f}", f"x{formula:,.0f}",
-            f"{row['uplink_mb_per_client']:.3f}", fedsim._fmt_s(secs),
-        ])
+        table.append(
+            [
+                cfg.label,
+                row["delay"],
+                p_s,
+                acc_s,
+                "-" if paper is None else f"{paper:g}",
+                "-" if paper is None else f"{row['diff_pp']:+.2f}",
+                f"{tail:.4f}",
+                f"{row['vs_baseline_pp']:+.2f} / "
+                + ("-" if row["paper_vs_baseline_pp"] is None else f"{row['paper_vs_baseline_pp']:+.2f}"),
+                f"x{row['compression_wire']:,.0f}",
+                f"x{row['compression_payload']:,.0f}",
+                f"x{formula:,.0f}",
+                f"{row['uplink_mb_per_client']:.3f}",
+                fedsim._fmt_s(secs),
+            ]
+        )
     its = rows[0]["iterations"]
-    text = (f"SBC Table II, LeNet5-Caffe @ MNIST: {configs[0].num_clients} clients, IID, Adam lr {configs[0].lr:g}, "
-            f"batch {configs[0].batch_size}, {its} iterations, seeds {args.seeds}\n\n" + fedsim.md_table(header, table))
+    text = (
+        f"SBC Table II, LeNet5-Caffe @ MNIST: {configs[0].num_clients} clients, IID, Adam lr {configs[0].lr:g}, "
+        f"batch {configs[0].batch_size}, {its} iterations, seeds {args.seeds}\n\n" + fedsim.md_table(header, table)
+    )
     print()
     print(text)
     fedsim.write_summary(args.out, "table2", rows, text)
@@ -151,11 +185,16 @@ def main(argv: list[str] | None = None) -> int:
 
         main_res = [rs[0] for rs in by_cfg[: len(CONFIGS)]]
         figs = [
-            simplots.accuracy_vs_iteration(main_res, args.out / "sbc_table2_accuracy.png",
-                                           "LeNet5-Caffe / MNIST, 4 clients"),
+            simplots.accuracy_vs_iteration(
+                main_res, args.out / "sbc_table2_accuracy.png", "LeNet5-Caffe / MNIST, 4 clients"
+            ),
             simplots.accuracy_vs_bits(main_res, args.out / "sbc_table2_accuracy_vs_uplink_bits.png", "uplink"),
-            simplots.accuracy_vs_bits(main_res, args.out / "sbc_table2_accuracy_vs_downlink_bits.png", "downlink",
-                                      "accuracy vs downlink traffic (exact model, dense fp32 deltas)"),
+            simplots.accuracy_vs_bits(
+                main_res,
+                args.out / "sbc_table2_accuracy_vs_downlink_bits.png",
+                "downlink",
+                "accuracy vs downlink traffic (exact model, dense fp32 deltas)",
+            ),
             simplots.bytes_per_round(main_res, args.out / "sbc_table2_bytes_per_round.png"),
         ]
         fedsim.publish_figures(figs, args.figures_to)

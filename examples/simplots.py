@@ -13,8 +13,8 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
 
 Result = dict[str, Any]
 
@@ -145,8 +145,9 @@ def heatmap(
         for j in range(len(cols)):
             v = values[i, j]
             if np.isfinite(v):
-                ax.text(j, i, fmt.format(v), ha="center", va="center", fontsize=9,
-                        color="black" if v > mid else "white")
+                ax.text(
+                    j, i, fmt.format(v), ha="center", va="center", fontsize=9, color="black" if v > mid else "white"
+                )
     fig.colorbar(im, ax=ax)
     ax.set_title(title)
     return _save(fig, path)

@@ -24,10 +24,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import numpy as np  # noqa: E402
-
-import fedsim  # noqa: E402
-from fedsim import SimConfig  # noqa: E402
+import fedsim
+import numpy as np
+from fedsim import SimConfig
 
 DELAYS = (1, 10, 100)
 PS = (1.0, 0.1, 0.01, 0.001)
@@ -48,15 +47,25 @@ def cell(delay: int, p: float, iterations: int) -> SimConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     fedsim.common_args(ap, fedsim.DEFAULT_RESULTS / "sparsity_grid")
     ap.add_argument("--delays", type=int, nargs="+", default=list(DELAYS))
     ap.add_argument("--ps", type=float, nargs="+", default=list(PS), help="SBC p per cell; 1 = dense")
     ap.add_argument("--figures-to", type=Path, default=None, help="also copy the plots here (e.g. docs/figures)")
-    ap.add_argument("--long", action="store_true",
-                    help="delays 1, 10, 100 x p dense, 1 %%, 0.1 %% at 2,000 iterations, reusing sbc_table2.py's runs")
-    ap.add_argument("--reuse", type=Path, action="append", default=None,
-                    help=f"run folders whose cached runs may be reused (--long default: {fedsim.DEFAULT_RESULTS / 'sbc_table2'})")
+    ap.add_argument(
+        "--long",
+        action="store_true",
+        help="delays 1, 10, 100 x p dense, 1 %%, 0.1 %% at 2,000 iterations, reusing sbc_table2.py's runs",
+    )
+    ap.add_argument(
+        "--reuse",
+        type=Path,
+        action="append",
+        default=None,
+        help=f"run folders whose cached runs may be reused (--long default: {fedsim.DEFAULT_RESULTS / 'sbc_table2'})",
+    )
     args = ap.parse_args(argv)
     fedsim.check_data("mnist")
     name = "sparsity_grid"
@@ -80,8 +89,17 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         sys.exit(f"error: iterations {iterations} is not a multiple of delay(s) {bad}")
     if args.long:  # the Table II configurations (same hashes), at any --iterations
-        grid = [(d, p, replace(cell(d, p, iterations), eval_every=sbc_table2.BASE.eval_every,
-                               observers=sbc_table2.BASE.observers)) for d in delays for p in args.ps]
+        grid = [
+            (
+                d,
+                p,
+                replace(
+                    cell(d, p, iterations), eval_every=sbc_table2.BASE.eval_every, observers=sbc_table2.BASE.observers
+                ),
+            )
+            for d in delays
+            for p in args.ps
+        ]
     else:
         grid = [(d, p, cell(d, p, iterations)) for d in delays for p in args.ps]
     configs = [c for _, _, c in grid]
@@ -96,15 +114,26 @@ def main(argv: list[str] | None = None) -> int:
         i, j = delays.index(d), args.ps.index(p)
         acc[i, j] = r["final_acc"]
         comp[i, j] = r["uplink"]["compression_wire"]
-        rows.append({"delay": d, "p": p, "final_acc": r["final_acc"], "compression_wire": comp[i, j],
-                     "total_sparsity": p / d, "run_time_s": r["timing_s"]["total"], "config_hash": r["config_hash"]})
+        rows.append(
+            {
+                "delay": d,
+                "p": p,
+                "final_acc": r["final_acc"],
+                "compression_wire": comp[i, j],
+                "total_sparsity": p / d,
+                "run_time_s": r["timing_s"]["total"],
+                "config_hash": r["config_hash"],
+            }
+        )
     pcols = [("dense" if p >= 1 else f"p = {100 * p:g} %") for p in args.ps]
     header = ["delay \\ p", *pcols]
     for i, d in enumerate(delays):
         table.append([f"delay {d}", *[f"{acc[i, j]:.4f} (x{comp[i, j]:,.0f})" for j in range(len(args.ps))]])
     total_time = sum(r["timing_s"]["total"] for r in results)
-    text = (f"Final test accuracy (uplink compression) after {iterations} iterations, LeNet5-Caffe / MNIST, "
-            f"4 clients; {len(results)} cells, {fedsim._fmt_s(total_time)} of runs\n\n" + fedsim.md_table(header, table))
+    text = (
+        f"Final test accuracy (uplink compression) after {iterations} iterations, LeNet5-Caffe / MNIST, "
+        f"4 clients; {len(results)} cells, {fedsim._fmt_s(total_time)} of runs\n\n" + fedsim.md_table(header, table)
+    )
     print()
     print(text)
     fedsim.write_summary(args.out, "grid", rows, text)
@@ -114,17 +143,30 @@ def main(argv: list[str] | None = None) -> int:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-
         import simplots
 
         rlabels = [f"delay {d}" for d in delays]
         figs = [
-            simplots.heatmap(acc, rlabels, pcols, args.out / f"{name}_accuracy.png",
-                             f"final test accuracy, {iterations} iterations", "gradient sparsity (SBC p)",
-                             "temporal sparsity (delay)"),
-            simplots.heatmap(np.log10(comp), rlabels, pcols, args.out / f"{name}_compression.png",
-                             "log10 uplink compression (wire bytes)", "gradient sparsity (SBC p)",
-                             "temporal sparsity (delay)", fmt="{:.2f}", cmap="magma"),
+            simplots.heatmap(
+                acc,
+                rlabels,
+                pcols,
+                args.out / f"{name}_accuracy.png",
+                f"final test accuracy, {iterations} iterations",
+                "gradient sparsity (SBC p)",
+                "temporal sparsity (delay)",
+            ),
+            simplots.heatmap(
+                np.log10(comp),
+                rlabels,
+                pcols,
+                args.out / f"{name}_compression.png",
+                "log10 uplink compression (wire bytes)",
+                "gradient sparsity (SBC p)",
+                "temporal sparsity (delay)",
+                fmt="{:.2f}",
+                cmap="magma",
+            ),
         ]
         # accuracy against total sparsity (the paper's Fig. 4): colour = share of temporal sparsity
         fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -135,13 +177,20 @@ def main(argv: list[str] | None = None) -> int:
             else:  # share of the sparsity that is temporal: 0 purple ... 1 yellow
                 color = plt.cm.plasma(0.15 + 0.7 * math.log10(row["delay"]) / logs)
             ax.scatter(row["total_sparsity"], row["final_acc"], color=color, s=40)
-            ax.annotate(f"d{row['delay']}/p{100 * row['p']:g}%", (row["total_sparsity"], row["final_acc"]),
-                        fontsize=7, xytext=(3, 3), textcoords="offset points")
+            ax.annotate(
+                f"d{row['delay']}/p{100 * row['p']:g}%",
+                (row["total_sparsity"], row["final_acc"]),
+                fontsize=7,
+                xytext=(3, 3),
+                textcoords="offset points",
+            )
         ax.set_xscale("log")
         ax.set_xlabel("total sparsity p / delay (log)")
         ax.set_ylabel("final test accuracy")
         ax.grid(alpha=0.3, which="both")
-        ax.set_title(f"accuracy vs total sparsity, {iterations} iterations\n(purple: gradient only, yellow: temporal only, grey: none)")
+        ax.set_title(
+            f"accuracy vs total sparsity, {iterations} iterations\n(purple: gradient only, yellow: temporal only, grey: none)"
+        )
         fig.tight_layout()
         path = args.out / f"{name}_total_sparsity.png"
         fig.savefig(path, dpi=110)

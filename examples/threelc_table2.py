@@ -29,9 +29,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import fedsim  # noqa: E402
-import sbc_table2  # noqa: E402
-from fedsim import TABLE2_OBSERVERS  # noqa: E402
+import fedsim
+import sbc_table2
+from fedsim import TABLE2_OBSERVERS
 
 #: The paper's Table 2 (bits per value, compression ratio), by observer key.
 PAPER = {
@@ -59,12 +59,18 @@ IN_LOOP = [
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     fedsim.common_args(ap, fedsim.DEFAULT_RESULTS / "threelc_table2")
     ap.add_argument("--no-in-loop", action="store_true", help="skip the runs with 3LC in the loop")
-    ap.add_argument("--reuse", type=Path, action="append", default=None,
-                    help="other run folders whose cached runs may be reused "
-                         f"(default: {fedsim.DEFAULT_RESULTS / 'sbc_table2'})")
+    ap.add_argument(
+        "--reuse",
+        type=Path,
+        action="append",
+        default=None,
+        help=f"other run folders whose cached runs may be reused (default: {fedsim.DEFAULT_RESULTS / 'sbc_table2'})",
+    )
     ap.add_argument("--figures-to", type=Path, default=None, help="also copy the plots here (e.g. docs/figures)")
     args = ap.parse_args(argv)
     fedsim.check_data("mnist")
@@ -90,31 +96,61 @@ def main(argv: list[str] | None = None) -> int:
                 "bits_per_value_payload": ob["bits_per_value_payload"],
                 "ratio_wire": 32 / ob["bits_per_value_wire"],
             }
-            line += [f"{ob['bits_per_value_wire']:.3f}", f"{ob['bits_per_value_payload']:.3f}",
-                     f"x{32 / ob['bits_per_value_wire']:.1f}"]
+            line += [
+                f"{ob['bits_per_value_wire']:.3f}",
+                f"{ob['bits_per_value_payload']:.3f}",
+                f"x{32 / ob['bits_per_value_wire']:.1f}",
+            ]
         paper = PAPER.get(o.key)
         line += ["-", "-"] if paper is None else [f"{paper[0]:.3f}", f"x{paper[1]:g}"]
         rows.append(row)
         table.append(line)
-    text = ("3LC Table 2 on our model deltas (LeNet5-Caffe / MNIST, 4 clients, "
-            f"{sources[0]['config']['iterations']} iterations); bits per model value per round, averaged over "
-            "the run\n\n" + fedsim.md_table(header, table))
+    text = (
+        "3LC Table 2 on our model deltas (LeNet5-Caffe / MNIST, 4 clients, "
+        f"{sources[0]['config']['iterations']} iterations); bits per model value per round, averaged over "
+        "the run\n\n" + fedsim.md_table(header, table)
+    )
     if loops:
         exact = sources[[r["label"] for r in sources].index("SBC (2)")]
-        lt = [[exact["label"] + " (exact model, dense fp32 downlink)", f"{exact['final_acc']:.4f}", "-",
-               f"{max(h['test_loss'] for h in exact['history'][1:]):.3f}", f"{exact['downlink']['bits_per_value']:.3f}"]]
+        lt = [
+            [
+                exact["label"] + " (exact model, dense fp32 downlink)",
+                f"{exact['final_acc']:.4f}",
+                "-",
+                f"{max(h['test_loss'] for h in exact['history'][1:]):.3f}",
+                f"{exact['downlink']['bits_per_value']:.3f}",
+            ]
+        ]
         for r in loops:
             last = r["history"][-1]
             rep = last.get("replica_acc")
             worst = max(h["test_loss"] for h in r["history"][1:])
-            lt.append([r["label"], f"{r['final_acc']:.4f}", "-" if rep is None else f"{rep:.4f}", f"{worst:.3f}",
-                       f"{r['downlink']['bits_per_value']:.3f}"])
-            rows.append({"setting": r["label"], "final_acc": r["final_acc"], "final_replica_acc": rep,
-                         "max_test_loss": worst, "downlink_bits_per_value": r["downlink"]["bits_per_value"],
-                         "config_hash": r["config_hash"]})
-        text += ("\n\n3LC in the loop (clients train from the 3LC replica R; updates applied to W)\n\n"
-                 + fedsim.md_table(["run", "final accuracy, W", "final accuracy, R", "worst test loss, W",
-                                    "downlink bits/value (wire)"], lt))
+            lt.append(
+                [
+                    r["label"],
+                    f"{r['final_acc']:.4f}",
+                    "-" if rep is None else f"{rep:.4f}",
+                    f"{worst:.3f}",
+                    f"{r['downlink']['bits_per_value']:.3f}",
+                ]
+            )
+            rows.append(
+                {
+                    "setting": r["label"],
+                    "final_acc": r["final_acc"],
+                    "final_replica_acc": rep,
+                    "max_test_loss": worst,
+                    "downlink_bits_per_value": r["downlink"]["bits_per_value"],
+                    "config_hash": r["config_hash"],
+                }
+            )
+        text += (
+            "\n\n3LC in the loop (clients train from the 3LC replica R; updates applied to W)\n\n"
+            + fedsim.md_table(
+                ["run", "final accuracy, W", "final accuracy, R", "worst test loss, W", "downlink bits/value (wire)"],
+                lt,
+            )
+        )
     times = "\n".join(f"- {r['label']}: {fedsim._fmt_s(r['timing_s']['total'])}" for r in results)
     text += "\n\nrun times (when each run was made):\n" + times
     print()
@@ -126,17 +162,29 @@ def main(argv: list[str] | None = None) -> int:
 
         figs = []
         for r in sources:
-            series = [(ROW_NAMES[k], ob["bytes_per_round"], r["config"]["delay"], r["numel"])
-                      for k, ob in r["observers"].items()]
+            series = [
+                (ROW_NAMES[k], ob["bytes_per_round"], r["config"]["delay"], r["numel"])
+                for k, ob in r["observers"].items()
+            ]
             slug = fedsim._slug(r["label"])
-            figs.append(simplots.downlink_bits_per_value(
-                series, args.out / f"threelc_bits_per_round_{slug}.png",
-                f"3LC on the server's model deltas: {r['label']}"))
+            figs.append(
+                simplots.downlink_bits_per_value(
+                    series,
+                    args.out / f"threelc_bits_per_round_{slug}.png",
+                    f"3LC on the server's model deltas: {r['label']}",
+                )
+            )
         if loops:
             exact = sources[[r["label"] for r in sources].index("SBC (2)")]
             relabeled = [dict(exact, label="SBC (2), dense fp32 downlink"), *loops]
-            figs.append(simplots.accuracy_vs_bits(relabeled, args.out / "threelc_accuracy_vs_downlink_bits.png",
-                                                  "downlink", "SBC (2) uplink; downlink exact vs 3LC in the loop"))
+            figs.append(
+                simplots.accuracy_vs_bits(
+                    relabeled,
+                    args.out / "threelc_accuracy_vs_downlink_bits.png",
+                    "downlink",
+                    "SBC (2) uplink; downlink exact vs 3LC in the loop",
+                )
+            )
         fedsim.publish_figures(figs, args.figures_to)
     print(f"results: {args.out}")
     return 0

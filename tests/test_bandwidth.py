@@ -7,29 +7,36 @@ import math
 
 import pytest
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Context,
+    Message,
+    MetricRecord,
+    RecordDict,
+)
 from flwr.serverapp.strategy import FedAvg
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fedcomp.bandwidth import (
+from fedcomp.app.config import AppConfig
+from fedcomp.app.models import LeNet5Caffe
+from fedcomp.codecs import get_codec
+from fedcomp.errors import ConfigError
+from fedcomp.flower import protocol as keys
+from fedcomp.flower.mod import compression_mod
+from fedcomp.flower.settings import CompressionConfig
+from fedcomp.flower.strategy import CompressionStrategy
+from fedcomp.methods.bandwidth import (
     BandwidthBudget,
     ClientSituation,
     ConstantTotalSparsity,
     estimate_sbc_bytes,
     get_policy,
 )
-from fedcomp.codecs import get_codec
-from fedcomp.config import AppConfig
-from fedcomp.errors import ConfigError
-from fedcomp.flower import keys
-from fedcomp.flower.mod import compression_mod
-from fedcomp.flower.settings import CompressionConfig
-from fedcomp.flower.strategy import CompressionStrategy
-from fedcomp.links import LinkProfile, link_of, parse_link_profiles
-from fedcomp.models import LeNet5Caffe
-from fedcomp.serde import update_to_bytes
-from fedcomp.update import UpdateEncoder
+from fedcomp.methods.update import UpdateEncoder
+from fedcomp.net.links import LinkProfile, link_of, parse_link_profiles
+from fedcomp.wire.serde import update_to_bytes
 
 TENSORS = tuple((k, v.numel()) for k, v in LeNet5Caffe().state_dict().items())
 MIN_NUMEL = 1000
@@ -111,8 +118,12 @@ def test_adapting_local_iterations_keeps_total_sparsity() -> None:
     assert abs(c.p / c.local_iters - 0.001) / 0.001 < 0.2
     # With a deadline, more iterations cost compute time: a fast link's p is capped by it.
     link = LinkProfile(100.0, 100.0, 0)
-    deadline = BandwidthBudget(round_deadline_s=2.0, p_min=0.0005, p_max=0.5, adapt_local_iters=True, local_iters_max=1000)
-    d = ConstantTotalSparsity(margin=0).choose(deadline, _situation(link, p=0.01, local_iters=10, seconds_per_iter=0.01))
+    deadline = BandwidthBudget(
+        round_deadline_s=2.0, p_min=0.0005, p_max=0.5, adapt_local_iters=True, local_iters_max=1000
+    )
+    d = ConstantTotalSparsity(margin=0).choose(
+        deadline, _situation(link, p=0.01, local_iters=10, seconds_per_iter=0.01)
+    )
     assert d.fits and d.local_iters * 0.01 + link.uplink_seconds(d.estimated_bytes) <= 2.0
     assert d.local_iters * 0.01 > 1.5  # most of the deadline goes to compute: bytes are cheap here
 
@@ -234,7 +245,9 @@ def test_mod_picks_p_and_iterations_and_the_strategy_records_them() -> None:
 
 
 def test_mod_without_a_budget_keeps_the_schedule_and_still_reports() -> None:
-    reply, _, seen = _round_trip({}, {"partition-id": 0, "num-partitions": 1, "uplink-mbps": 5.0, "downlink-mbps": 50.0})
+    reply, _, seen = _round_trip(
+        {}, {"partition-id": 0, "num-partitions": 1, "uplink-mbps": 5.0, "downlink-mbps": 50.0}
+    )
     up = reply.content.config_records[keys.UPLINK]
     assert up["sbc-p"] == 0.01 and up["local-iters"] == seen["local-iters"] == 10
     assert "budget-bytes" not in up and "fits" not in up

@@ -1,4 +1,4 @@
-"""The app's run config (fedcomp.config.AppConfig) and its defaults in pyproject.toml."""
+"""The app's run config (fedcomp.app.config.AppConfig) and its defaults in pyproject.toml."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fedcomp.config import AppConfig
+from fedcomp.app.config import AppConfig
 from fedcomp.errors import ConfigError
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"

@@ -1,4 +1,4 @@
-"""Datasets and partitions (fedcomp.data)."""
+"""Datasets and partitions (fedcomp.app.data)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedcomp.data import (
+from fedcomp.app.data import (
     DataError,
     dirichlet_partition,
     iid_partition,
@@ -110,9 +110,7 @@ def test_partition_errors() -> None:
 
 def test_load_partition_is_the_clients_share() -> None:
     ds = load_dataset("digits")
-    parts = [
-        load_partition("digits", i, 4, scheme="dirichlet", alpha=0.5, seed=7) for i in range(4)
-    ]
+    parts = [load_partition("digits", i, 4, scheme="dirichlet", alpha=0.5, seed=7) for i in range(4)]
     assert sum(len(p) for p in parts) == len(ds.train)
     idx = partition_indices(ds.train.y.numpy(), 4, "dirichlet", alpha=0.5, seed=7)
     assert torch.equal(parts[2].y, ds.train.y[idx[2]])
@@ -122,9 +120,7 @@ def test_load_partition_is_the_clients_share() -> None:
 # --- IDX files ----------------------------------------------------------------------------------
 
 
-def _write_idx(
-    path: Path, magic: int, shape: tuple[int, ...], payload: bytes | None = None
-) -> None:
+def _write_idx(path: Path, magic: int, shape: tuple[int, ...], payload: bytes | None = None) -> None:
     header = struct.pack(">I", magic) + struct.pack(">" + "I" * len(shape), *shape)
     if payload is None:
         payload = bytes(int(np.prod(shape)))

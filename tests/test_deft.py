@@ -6,12 +6,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fedcomp import deft, serde
 from fedcomp.codecs import TensorSpec, TopK
 from fedcomp.codecs.golomb import decode_positions
-from fedcomp.codecs.payloads import DeftAllocation, DeftPartition
 from fedcomp.errors import ConfigError, PayloadError
-from fedcomp.update import UpdateEncoder, decode_update, specs_of
+from fedcomp.methods import deft
+from fedcomp.methods.update import UpdateEncoder, decode_update, specs_of
+from fedcomp.wire import serde
+from fedcomp.wire.payloads import DeftAllocation, DeftPartition
 
 FAST = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -78,8 +79,10 @@ def test_pack_within_graham_bound_of_the_optimum(costs, n_bins):
     assert sorted(i for b in bins for i in b) == list(range(len(costs)))
     lpt = max(sum(costs[i] for i in b) for b in bins)
     opt = min(  # brute force over every assignment
-        (max(sum(c for c, b in zip(costs, assign) if b == j) for j in range(n_bins))
-         for assign in itertools.product(range(n_bins), repeat=len(costs))),
+        (
+            max(sum(c for c, b in zip(costs, assign) if b == j) for j in range(n_bins))
+            for assign in itertools.product(range(n_bins), repeat=len(costs))
+        ),
         default=0.0,
     )
     assert lpt <= (4 / 3 - 1 / (3 * n_bins)) * opt + 1e-9
@@ -89,11 +92,18 @@ def test_partition_layers_is_algorithm_2():
     # total 431,080 over 4 clients: only fc1 (400,000 > 107,770) is split, into 4 equal parts
     parts = deft.partition_layers(LENET, 4)
     assert [(p.tensor, p.start, p.stop) for p in parts if p.tensor == 4] == [
-        (4, 0, 100_000), (4, 100_000, 200_000), (4, 200_000, 300_000), (4, 300_000, 400_000)
+        (4, 0, 100_000),
+        (4, 100_000, 200_000),
+        (4, 200_000, 300_000),
+        (4, 300_000, 400_000),
     ]
     assert len(parts) == len(LENET) + 3
     # 10 over 3: sizes 4, 3, 3 (the first numel % n parts one larger); a 0-element tensor: nothing
-    assert [(p.start, p.stop) for p in deft.partition_layers([10, 0, 1], 3) if p.tensor == 0] == [(0, 4), (4, 7), (7, 10)]
+    assert [(p.start, p.stop) for p in deft.partition_layers([10, 0, 1], 3) if p.tensor == 0] == [
+        (0, 4),
+        (4, 7),
+        (7, 10),
+    ]
     assert [p.tensor for p in deft.partition_layers([0, 1], 3)] == [1]
     assert deft.partition_layers(LENET, 1) == [deft.Partition(t, 0, m) for t, m in enumerate(LENET)]
 
@@ -168,7 +178,11 @@ def test_hostile_allocations_are_rejected():
 
 def test_selection_stays_inside_the_ranges():
     g = torch.Generator().manual_seed(1)
-    tensors = {"a": torch.randn(20, 50, generator=g), "b": torch.randn(10, generator=g), "c": torch.randn(3000, generator=g)}
+    tensors = {
+        "a": torch.randn(20, 50, generator=g),
+        "b": torch.randn(10, generator=g),
+        "c": torch.randn(3000, generator=g),
+    }
     numels = [t.numel() for t in tensors.values()]
     allocs = deft.plan_round(numels, None, 0.05, 3, 0)
     union = {name: torch.zeros(t.numel(), dtype=torch.bool) for name, t in tensors.items()}

@@ -1,4 +1,4 @@
-"""The Deployment Engine path (`python -m fedcomp.deploy`): node-config validation (fast), and real
+"""The Deployment Engine path (`python -m fedcomp.net.deploy`): node-config validation (fast), and real
 SuperLink + SuperNodes on 127.0.0.1 (flower-marked): a compressed run, a SuperNode killed mid-run,
 an unreachable SuperLink."""
 
@@ -12,10 +12,17 @@ from pathlib import Path
 
 import pytest
 
-from fedcomp.deploy import DeployError, LocalDeployment, deploy_local, main, node_specs, run_app
-from fedcomp.deploy import _free_ports as free_ports
 from fedcomp.errors import ConfigError
-from fedcomp.links import LinkProfile, parse_link_profiles
+from fedcomp.net.deploy import (
+    DeployError,
+    LocalDeployment,
+    deploy_local,
+    main,
+    node_specs,
+    run_app,
+)
+from fedcomp.net.deploy import free_ports as free_ports
+from fedcomp.net.links import LinkProfile, parse_link_profiles
 from fedcomp.testing.flower import alive_pids, find_marked_pids
 
 REPO = Path(__file__).resolve().parents[1]
@@ -55,15 +62,27 @@ def test_node_config_file_overrides_links(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("nodes", "file", "message"),
     [
-        (2, {"node": [{"uplink-mbps": 10.0}, {}], "_links": None}, r"node 0 \(partition-id 0\): downlink-mbps: missing"),
-        (2, {"node": [{"uplink-mbps": 1.0, "downlink-mbps": 1.0}, {}], "_links": None}, r"node 1 .*uplink-mbps: missing"),
+        (
+            2,
+            {"node": [{"uplink-mbps": 10.0}, {}], "_links": None},
+            r"node 0 \(partition-id 0\): downlink-mbps: missing",
+        ),
+        (
+            2,
+            {"node": [{"uplink-mbps": 1.0, "downlink-mbps": 1.0}, {}], "_links": None},
+            r"node 1 .*uplink-mbps: missing",
+        ),
         (2, {"node": [{}, {"uplink-mbps": -5.0}]}, r"node 1 \(partition-id 1\): uplink-mbps: must be > 0 \(got -5.0\)"),
         (1, {"default": {"downlink-mbps": math.nan}}, r"node 0 .*downlink-mbps: must be finite"),
         (1, {"default": {"latency-ms": "20"}}, r"node 0 .*latency-ms: must be a number \(got '20'\)"),
         (1, {"default": {"uplink-mbps": 1e9}}, r"uplink-mbps: must be <= 1e\+06"),
         (1, {"default": {"latency-ms": -1}}, r"latency-ms: must be >= 0"),
         (1, {"default": {"uplink-mbps": True}}, r"uplink-mbps: must be a number"),
-        (2, {"node": [{}, {"partition-id": 2}]}, r"node 1 \(partition-id 2\): partition-id: must be in \[0, num-partitions = 2\)"),
+        (
+            2,
+            {"node": [{}, {"partition-id": 2}]},
+            r"node 1 \(partition-id 2\): partition-id: must be in \[0, num-partitions = 2\)",
+        ),
         (3, {"node": [{}, {}]}, r"--nodes 3 but --node-config-file has 2"),
         (0, {}, r"--nodes: must be an integer >= 1"),
         (1, {"nodes": []}, r"unknown table"),
@@ -77,18 +96,29 @@ def test_bad_node_configs_name_the_node_and_the_key(nodes: int, file: dict, mess
 
 @pytest.mark.parametrize(
     ("text", "message"),
-    [("10;20,20", "profile 0 '10'"), ("10,x,5", "not numbers"), ("0,10", "uplink-mbps: must be > 0"), ("10,10,inf", "must be finite")],
+    [
+        ("10;20,20", "profile 0 '10'"),
+        ("10,x,5", "not numbers"),
+        ("0,10", "uplink-mbps: must be > 0"),
+        ("10,10,inf", "must be finite"),
+    ],
 )
 def test_bad_link_profiles(text: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         parse_link_profiles(text)
 
 
-def test_cli_rejects_a_bad_node_config_before_starting_anything(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_rejects_a_bad_node_config_before_starting_anything(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     f = tmp_path / "nodes.toml"
-    f.write_text("[[node]]\nuplink-mbps = 10.0\ndownlink-mbps = 10.0\n[[node]]\nuplink-mbps = 0.0\ndownlink-mbps = 10.0\n")
+    f.write_text(
+        "[[node]]\nuplink-mbps = 10.0\ndownlink-mbps = 10.0\n[[node]]\nuplink-mbps = 0.0\ndownlink-mbps = 10.0\n"
+    )
     t0 = time.monotonic()
-    code = main(["local", "--node-config-file", str(f), "--work-dir", str(tmp_path / "work"), "--results-dir", str(tmp_path)])
+    code = main(
+        ["local", "--node-config-file", str(f), "--work-dir", str(tmp_path / "work"), "--results-dir", str(tmp_path)]
+    )
     assert code == 2
     assert "node 1 (partition-id 1): uplink-mbps: must be > 0" in capsys.readouterr().err
     assert time.monotonic() - t0 < 5
@@ -188,7 +218,7 @@ def test_unreachable_superlink_fails_fast(tmp_path: Path) -> None:
 
     t0 = time.monotonic()
     out = subprocess.run(
-        [sys.executable, "-m", "fedcomp.deploy", "supernode", "--superlink", f"127.0.0.1:{port}", "--insecure",
+        [sys.executable, "-m", "fedcomp.net.deploy", "supernode", "--superlink", f"127.0.0.1:{port}", "--insecure",
          "--max-wait-time", "3", "--partition-id", "0", "--num-partitions", "1",
          "--uplink-mbps", "10", "--downlink-mbps", "10", "--port", str(free_ports(1)[0])],
         capture_output=True, text=True, timeout=60, cwd=tmp_path, env={**__import__("os").environ, "FLWR_HOME": str(tmp_path / "h2")},
@@ -203,7 +233,7 @@ def test_real_shaped_links_in_network_namespaces(tmp_path: Path) -> None:
     """Part D: SuperLink and SuperNodes in namespaces of their own, veth pairs shaped with tc.
     Node 0's 1 Mbit/s link must carry round 1's full model (1.72 MB: >= 13.8 s down) and only a
     3LC delta in round 2."""
-    from fedcomp.netns import NetnsLab, NetnsUnavailable
+    from fedcomp.net.netns import NetnsLab, NetnsUnavailable
 
     probe = NetnsLab([LinkProfile(1, 1)])
     try:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from fedcomp.bench.links import compare
-from fedcomp.emulation import emulate_run, time_to_accuracy
-from fedcomp.links import LinkProfile
+from fedcomp.net.emulation import emulate_run, time_to_accuracy
+from fedcomp.net.links import LinkProfile
 
 
 def _results(rounds: list[tuple[float, list[int], list[int]]], **extra_per_round: list[dict]) -> dict:
@@ -55,7 +55,10 @@ def test_a_client_that_never_answered_holds_the_round_for_the_timeout() -> None:
 
 def test_time_to_accuracy_and_speedup() -> None:
     dense = _results([(0.1, [], [])] + [(a, [1_724_320] * 2, [1_724_320] * 2) for a in (0.5, 0.8, 0.9)])
-    comp = _results([(0.1, [], [])] + [(a, [d] * 2, [9_000] * 2) for a, d in ((0.4, 1_724_673), (0.7, 20_000), (0.85, 20_000), (0.91, 20_000))])
+    comp = _results(
+        [(0.1, [], [])]
+        + [(a, [d] * 2, [9_000] * 2) for a, d in ((0.4, 1_724_673), (0.7, 20_000), (0.85, 20_000), (0.91, 20_000))]
+    )
     rounds = emulate_run(dense, LinkProfile(10, 10), seconds_per_iter=0.0)
     assert time_to_accuracy(rounds, 0.9) == (pytest.approx(3 * 2 * 1.379456), 3)
     assert time_to_accuracy(rounds, 0.95) is None
@@ -118,7 +121,11 @@ def test_links_cli_re_emulates_saved_runs(tmp_path, capsys) -> None:  # type: ig
     dense = _results([(0.1, [], [])] + [(a, [1_000_000] * 2, [1_000_000] * 2) for a in (0.5, 0.9)])
     comp = _results([(0.1, [], [])] + [(a, [10_000] * 2, [5_000] * 2) for a in (0.3, 0.6, 0.95)])
     for r in (*dense["rounds"], *comp["rounds"]):
-        r.update(num_clients=2, downlink_bytes=sum(r["clients"]["downlink_bytes"]), uplink_bytes=sum(r["clients"]["uplink_bytes"]))
+        r.update(
+            num_clients=2,
+            downlink_bytes=sum(r["clients"]["downlink_bytes"]),
+            uplink_bytes=sum(r["clients"]["uplink_bytes"]),
+        )
     argv = ["--dense", _write(tmp_path / "d.json", dense), "--compressed", _write(tmp_path / "c.json", comp),
             "--links", "8", "--seconds-per-iter", "0.001", "--codec-seconds", "0.2", "--json", str(tmp_path / "rows.json")]  # fmt: skip
     assert main([*argv, "--target-speedup", "1"]) == 0

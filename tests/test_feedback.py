@@ -3,9 +3,9 @@ import torch
 
 from fedcomp.codecs import DenseFP16, DenseFP32, Identity, TensorSpec
 from fedcomp.errors import PayloadError
-from fedcomp.feedback import ErrorFeedback
-from fedcomp.serde import update_from_bytes, update_to_bytes
-from fedcomp.update import UpdateEncoder, decode_update, specs_of
+from fedcomp.methods.feedback import ErrorFeedback
+from fedcomp.methods.update import UpdateEncoder, decode_update, specs_of
+from fedcomp.wire.serde import update_from_bytes, update_to_bytes
 
 
 def test_residual_is_what_the_message_lacked():

@@ -35,7 +35,7 @@ def test_digits_simulation_learns_and_records(tmp_path: Path) -> None:
     rounds = results["rounds"]
     assert [r["round"] for r in rounds] == [0, 1, 2, 3]
     for r in rounds:
-        assert ROUND_KEYS <= r.keys(), ROUND_KEYS - r.keys()
+        assert r.keys() >= ROUND_KEYS, ROUND_KEYS - r.keys()
 
     acc = [r["accuracy"] for r in rounds]
     assert acc[3] > acc[0] and acc[3] > acc[1], acc

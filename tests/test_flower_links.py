@@ -10,14 +10,14 @@ import pytest
 import torch
 from flwr.app import ConfigRecord, Context, RecordDict
 
-from fedcomp.codecs import DenseFP32, SBC, TopK
+from fedcomp.app.models import LeNet5Caffe
+from fedcomp.codecs import SBC, DenseFP32, TopK
 from fedcomp.errors import PayloadError
 from fedcomp.flower import deft_link, gradiveq_link
 from fedcomp.flower.settings import CompressionConfig
-from fedcomp.models import LeNet5Caffe
-from fedcomp.serde import allocation_to_bytes, update_from_bytes, update_to_bytes
-from fedcomp.codecs.payloads import DeftAllocation, DeftPartition
-from fedcomp.update import UpdateEncoder, decode_update, specs_of
+from fedcomp.methods.update import UpdateEncoder, decode_update, specs_of
+from fedcomp.wire.payloads import DeftAllocation, DeftPartition
+from fedcomp.wire.serde import allocation_to_bytes, update_from_bytes, update_to_bytes
 
 MIN_NUMEL = 1000
 
@@ -63,7 +63,9 @@ def test_deft_selections_are_disjoint_and_sum_to_the_density() -> None:
     assert sorted(allocs) == [10, 20, 30]
     union: dict[str, torch.Tensor] = {}
     for node, delta in zip(sorted(allocs), deltas, strict=True):
-        decoded = decode_update(update_from_bytes(_encode_deft(allocs[node], delta, 1)), specs, [TopK(p=0.01), DenseFP32()])
+        decoded = decode_update(
+            update_from_bytes(_encode_deft(allocs[node], delta, 1)), specs, [TopK(p=0.01), DenseFP32()]
+        )
         planner.check(node, decoded, specs)  # honest clients pass
         for name, t in decoded.items():
             if t.numel() < MIN_NUMEL:
@@ -89,8 +91,11 @@ def test_deft_rejects_a_client_selecting_outside_its_partitions() -> None:
     with pytest.raises(PayloadError, match="no DEFT allocation"):
         planner.check(99, decoded, specs)
     assert allocs  # node 2's allocation is untouched by node 1's rejection
-    planner.check(2, decode_update(update_from_bytes(_encode_deft(allocs[2], delta, 1)), specs,
-                                   [TopK(p=0.01), DenseFP32()]), specs)
+    planner.check(
+        2,
+        decode_update(update_from_bytes(_encode_deft(allocs[2], delta, 1)), specs, [TopK(p=0.01), DenseFP32()]),
+        specs,
+    )
 
 
 @pytest.mark.parametrize(
@@ -119,7 +124,7 @@ def test_deft_norms_follow_the_aggregate() -> None:
     agg["fc2.weight"] += 1.0  # all the change in one layer: it should get (nearly) all of k
     planner.observe(agg)
     allocs = planner.plan(2, [1, 2], specs, density=0.01)
-    from fedcomp.serde import allocation_from_bytes
+    from fedcomp.wire.serde import allocation_from_bytes
 
     k = {}
     for data in allocs.values():
@@ -140,8 +145,14 @@ def _gvq_config(**kw: object) -> CompressionConfig:
     return CompressionConfig.from_run_config({**base, **kw})
 
 
-def _client_encode(coord: gradiveq_link.GradiVeQCoordinator, ctx: Context, node: int, rnd: int,
-                   model: dict[str, torch.Tensor], delta: dict[str, torch.Tensor]) -> bytes:
+def _client_encode(
+    coord: gradiveq_link.GradiVeQCoordinator,
+    ctx: Context,
+    node: int,
+    rnd: int,
+    model: dict[str, torch.Tensor],
+    delta: dict[str, torch.Tensor],
+) -> bytes:
     """What the client mod does: keep a broadcast compressor, encode with the round's codecs."""
     dl = ConfigRecord(coord.downlink_extras(node, rnd))
     gradiveq_link.store_compressor(ctx, dl, model)

@@ -4,12 +4,10 @@ import numpy as np
 import pytest
 import torch
 
-from fedcomp import serde
 from fedcomp.codecs import TensorSpec
 from fedcomp.codecs.gradiveq import GradiVeQ, coefficients_of
-from fedcomp.codecs.payloads import GradiVeQBasis, GradiVeQCompressor
 from fedcomp.errors import ConfigError, PayloadError
-from fedcomp.gradiveq import (
+from fedcomp.methods.gradiveq import (
     Basis,
     Compressor,
     aggregate,
@@ -19,6 +17,8 @@ from fedcomp.gradiveq import (
     num_slices,
     refresh_compressor,
 )
+from fedcomp.wire import serde
+from fedcomp.wire.payloads import GradiVeQBasis, GradiVeQCompressor
 
 D = 16
 
@@ -96,9 +96,7 @@ def test_ragged_last_slice_is_padded_and_not_a_sample():
 def test_which_tensors_are_compressed():
     ups = low_rank_updates(5, 100, [3.0, 1.0])
     noise = [torch.randn(1600, generator=torch.Generator().manual_seed(i)) for i in range(5)]  # full rank
-    comp = fit_compressor(
-        {"w": ups, "small": [u[:900] for u in ups], "noise": noise, "none": []}, 1, D, 0.01
-    )
+    comp = fit_compressor({"w": ups, "small": [u[:900] for u in ups], "noise": noise, "none": []}, 1, D, 0.01)
     assert comp.compresses("w") and not comp.compresses("small") and not comp.compresses("none")
     assert not comp.compresses("noise")  # full rank: eps 0.01 needs k = d > max_dim (default d - 1)
     assert fit_compressor({"noise": noise}, 1, D, 0.3, max_dim=15).compresses("noise")
@@ -306,8 +304,13 @@ def test_secaggplus_masked_sum_of_coefficients_decompresses_to_the_aggregate():
     weighted mean of the clients' coefficients; one decompression of it is FedAvg's mean of the
     decompressed updates, within the quantization error (docs/GRADIVEQ.md)."""
     secagg = pytest.importorskip("flwr.common.secure_aggregation.ndarrays_arithmetic")
-    from flwr.common.secure_aggregation.crypto.shamir import combine_shares, create_shares
-    from flwr.common.secure_aggregation.crypto.symmetric_encryption import generate_shared_key
+    from flwr.common.secure_aggregation.crypto.shamir import (
+        combine_shares,
+        create_shares,
+    )
+    from flwr.common.secure_aggregation.crypto.symmetric_encryption import (
+        generate_shared_key,
+    )
     from flwr.common.secure_aggregation.quantization import dequantize, quantize
     from flwr.common.secure_aggregation.secaggplus_utils import pseudo_rand_gen
     from flwr.supercore.primitives.asymmetric import generate_key_pairs
@@ -361,5 +364,5 @@ def test_importing_fedcomp_gradiveq_first_works():
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-c", "import fedcomp.gradiveq"], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", "import fedcomp.methods.gradiveq"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

@@ -1,12 +1,12 @@
-"""LeNet5Caffe, local training and evaluation (fedcomp.models)."""
+"""LeNet5Caffe, local training and evaluation (fedcomp.app.models)."""
 
 from __future__ import annotations
 
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from fedcomp.data import load_dataset
-from fedcomp.models import LeNet5Caffe, evaluate, state_dict_nbytes, train_local
+from fedcomp.app.data import load_dataset
+from fedcomp.app.models import LeNet5Caffe, evaluate, state_dict_nbytes, train_local
 
 
 def test_lenet_shapes_and_size() -> None:

@@ -1,4 +1,4 @@
-"""RunRecorder (fedcomp.results) and the traffic-metering Grid (fedcomp.fl)."""
+"""RunRecorder (fedcomp.app.results) and the traffic-metering Grid (fedcomp.app.fl)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
-from fedcomp.fl import MeteredGrid, arrayrecord_nbytes, payload_nbytes
-from fedcomp.models import LeNet5Caffe
-from fedcomp.results import RunRecorder
+from fedcomp.app.fl import MeteredGrid, arrayrecord_nbytes, payload_nbytes
+from fedcomp.app.models import LeNet5Caffe
+from fedcomp.app.results import RunRecorder
 
 
 def test_recorder_writes_rounds_and_prints_a_table(tmp_path: Path) -> None:
@@ -81,10 +81,7 @@ class _FakeGrid:
     """Just enough Grid: each node replies with the content it got; node 13 fails."""
 
     def send_and_receive(self, messages, *, timeout=None):
-        return [
-            _Msg(m.content, src=m.metadata.dst_node_id, error=m.metadata.dst_node_id == 13)
-            for m in messages
-        ]
+        return [_Msg(m.content, src=m.metadata.dst_node_id, error=m.metadata.dst_node_id == 13) for m in messages]
 
 
 def test_metered_grid_reports_both_directions(tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 import pytest
 
-from fedcomp.schedules import Schedule
+from fedcomp.methods.schedules import Schedule
 
 
 def test_constant_steps_and_list() -> None:

@@ -17,8 +17,6 @@ is wire bytes -> tensors on the device; tensors below 1000 elements go dense, as
 
 from __future__ import annotations
 
-from fedcomp.bench import write_rows
-
 import argparse
 import statistics
 import sys
@@ -28,9 +26,10 @@ from pathlib import Path
 
 import torch
 
-from fedcomp import serde
+from fedcomp.bench import write_rows
 from fedcomp.codecs import Codec, get_codec
-from fedcomp.update import UpdateEncoder, decode_update, specs_of
+from fedcomp.methods.update import UpdateEncoder, decode_update, specs_of
+from fedcomp.wire import serde
 
 #: The codecs benchmarked, and the ratio targets (CPU, GPU) the issue sets.
 CASES: list[tuple[dict, tuple[float, float] | None]] = [
@@ -70,7 +69,7 @@ def make_update(values: str, device: torch.device, sgd_steps: int, seed: int) ->
 def _images(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     try:
-        from fedcomp.data import load_idx_dataset  # the reference app's loader
+        from fedcomp.app.data import load_idx_dataset  # the reference app's loader
 
         ds = load_idx_dataset("mnist")
         x, y = ds.train_x[:n], ds.train_y[:n]
@@ -155,8 +154,10 @@ def bench_codecs(device: torch.device, repeat: int, values: str, sgd_steps: int,
 
 def _print_row(r: dict) -> None:
     label = ",".join(f"{k}={v}" for k, v in r["config"].items() if k != "id")
-    tgt = "" if r["target_ratio"] is None else f"<= {r['target_ratio']:.0f}x " + (
-        "met" if r["ratio"] <= r["target_ratio"] else "MISSED"
+    tgt = (
+        ""
+        if r["target_ratio"] is None
+        else f"<= {r['target_ratio']:.0f}x " + ("met" if r["ratio"] <= r["target_ratio"] else "MISSED")
     )
     print(
         f"{r['codec']:<11}{label:<18}{r['op']:<7}{r['device']:<6}{r['median_s'] * 1e3:9.1f} ms"
@@ -200,8 +201,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device is available")
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}", file=sys.stderr)
-    print(f"{'codec':<11}{'settings':<18}{'op':<7}{'dev':<6}{'median':>12}{'clone':>12}{'ratio':>8}"
-          f"{'bytes':>14}{'bits/val':>8}  target")
+    print(
+        f"{'codec':<11}{'settings':<18}{'op':<7}{'dev':<6}{'median':>12}{'clone':>12}{'ratio':>8}"
+        f"{'bytes':>14}{'bits/val':>8}  target"
+    )
     rows = bench_codecs(torch.device(args.device), args.repeat, args.values, args.sgd_steps, args.seed)
     write_rows(args.json, rows)
     return 0

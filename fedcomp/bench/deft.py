@@ -4,7 +4,7 @@
                                  [--local-iters 10] [--repeat 5] [--json PATH] [--data-dir DIR]
 
 For each number of clients ``n`` it makes ``n`` client updates, plans a DEFT round
-(:func:`fedcomp.deft.plan_round_from_aggregate`, norms from the previous round's aggregate) and
+(:func:`fedcomp.methods.deft.plan_round_from_aggregate`, norms from the previous round's aggregate) and
 measures, on the same updates:
 
 * the aggregate density of DEFT: the union of all clients' selections over the model size;
@@ -17,7 +17,7 @@ measures, on the same updates:
   Clients run one after another on this machine, so the times are per-client CPU times.
 
 ``--model lenet`` (default) uses real updates: LeNet5-Caffe, round 0 trains every client from
-the same start on its IID MNIST shard (``fedcomp.data.load_partition``, data folder from
+the same start on its IID MNIST shard (``fedcomp.app.data.load_partition``, data folder from
 ``--data-dir`` or ``$FEDCOMP_DATA_DIR``), the mean delta is the aggregate whose norms plan
 round 1, and round 1's deltas from the updated model are measured. ``--model resnet50`` is for
 timing: ResNet-50's 161 tensor shapes (25.6M values), each client's update a shared Student-t
@@ -25,8 +25,6 @@ timing: ResNet-50's 161 tensor shapes (25.6M values), each client's update a sha
 """
 
 from __future__ import annotations
-
-from fedcomp.bench import write_rows
 
 import argparse
 import statistics
@@ -37,17 +35,17 @@ from pathlib import Path
 
 import torch
 
-from fedcomp import deft
+from fedcomp.bench import write_rows
 from fedcomp.codecs.topk import TopK, topk_positions
-
+from fedcomp.methods import deft
 
 Rounds = tuple[list[torch.Tensor], Iterator[list[torch.Tensor]]]
 
 
 def lenet_rounds(n: int, local_iters: int, seed: int, data_dir: str | None) -> Rounds:
     """(aggregate of round 0, round 1's client updates) for LeNet5-Caffe on MNIST shards."""
-    from fedcomp.data import load_partition
-    from fedcomp.models import LeNet5Caffe, train_local
+    from fedcomp.app.data import load_partition
+    from fedcomp.app.models import LeNet5Caffe, train_local
 
     torch.manual_seed(seed)
     model = LeNet5Caffe()
@@ -184,8 +182,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help="write the rows as a JSON list to this path")
     args = ap.parse_args(argv)
     ns = [int(v) for v in args.clients.split(",")]
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, model {args.model}, "
-          f"density {args.density}", file=sys.stderr)
+    print(
+        f"torch {torch.__version__}, threads {torch.get_num_threads()}, model {args.model}, density {args.density}",
+        file=sys.stderr,
+    )
     print(HEADER)
     rows = []
     for n in ns:

@@ -5,7 +5,7 @@
         [--dataset mnist] [--repeat 5] [--seed 0] [--json PATH]
 
 Simulates FedAvg in process: every round each client copies the global LeNet5-Caffe, takes
-``--local-steps`` Adam steps on its IID MNIST partition (``fedcomp.data.load_partition``, data
+``--local-steps`` Adam steps on its IID MNIST partition (``fedcomp.app.data.load_partition``, data
 from ``$FEDCOMP_DATA_DIR``), and its update is weights after minus weights before; the global
 model moves by the sample-weighted mean update. The updates of the first ``--fit-rounds`` rounds
 are the PCA samples (the uncompressed rounds of the paper's schedule, all slices of all clients'
@@ -23,8 +23,6 @@ each as a ratio to a ``clone()`` of the same tensors timed right before it.
 
 from __future__ import annotations
 
-from fedcomp.bench import write_rows
-
 import argparse
 import copy
 import statistics
@@ -35,11 +33,12 @@ from pathlib import Path
 
 import torch
 
-from fedcomp import serde
+from fedcomp.bench import write_rows
 from fedcomp.codecs import DenseFP32, TensorSpec
 from fedcomp.codecs.gradiveq import GradiVeQ, coefficients_of
-from fedcomp.codecs.payloads import EncodedUpdate
-from fedcomp.gradiveq import Compressor, aggregate, fit_compressor
+from fedcomp.methods.gradiveq import Compressor, aggregate, fit_compressor
+from fedcomp.wire import serde
+from fedcomp.wire.payloads import EncodedUpdate
 
 Update = dict[str, torch.Tensor]
 
@@ -48,8 +47,8 @@ def simulate(
     rounds: int, clients: int, local_steps: int, lr: float, batch_size: int, dataset: str, seed: int
 ) -> tuple[list[list[Update]], list[list[float]], dict[str, torch.Size]]:
     """Per round, the clients' updates and FedAvg weights; and the parameter shapes."""
-    from fedcomp.data import load_partition
-    from fedcomp.models import LeNet5Caffe, train_local
+    from fedcomp.app.data import load_partition
+    from fedcomp.app.models import LeNet5Caffe, train_local
 
     torch.manual_seed(seed)
     model = LeNet5Caffe()
@@ -92,9 +91,7 @@ def encode(update: Update, comp: Compressor) -> bytes:
 def decode(data: bytes, specs: list[TensorSpec], comp: Compressor) -> Update:
     codec, dense = GradiVeQ(comp), DenseFP32()
     enc = serde.update_from_bytes(data)
-    return {
-        s.name: (codec if comp.compresses(s.name) else dense).decode(e, s) for s, e in zip(specs, enc.tensors)
-    }
+    return {s.name: (codec if comp.compresses(s.name) else dense).decode(e, s) for s, e in zip(specs, enc.tensors)}
 
 
 def _paired(fn: Callable[[], object], clone: Callable[[], object], repeat: int) -> tuple[float, float, float]:
@@ -128,8 +125,15 @@ def bench(args: argparse.Namespace) -> list[dict]:
     rows = []
     for eps in args.eps:
         t0 = time.perf_counter()
-        comp = fit_compressor(samples, version=1, slice_size=sizes, eps=eps, min_numel=args.min_numel,
-                              max_samples=args.max_samples, seed=args.seed)
+        comp = fit_compressor(
+            samples,
+            version=1,
+            slice_size=sizes,
+            eps=eps,
+            min_numel=args.min_numel,
+            max_samples=args.max_samples,
+            seed=args.seed,
+        )
         fit_s = time.perf_counter() - t0
         held = updates[args.fit_rounds :]
         per: dict[str, dict] = {}
@@ -137,8 +141,17 @@ def bench(args: argparse.Namespace) -> list[dict]:
             spec = TensorSpec(n, tuple(shape))
             numel = spec.numel
             dense_bytes = len(serde.tensor_to_bytes(dense.encode(held[0][0][n], n)))
-            row = {"tensor": n, "numel": numel, "d": None, "k": None, "dense_bytes": dense_bytes,
-                   "bytes": dense_bytes, "fit_loss": None, "heldout_loss": 0.0, "aggregate_loss": 0.0}
+            row = {
+                "tensor": n,
+                "numel": numel,
+                "d": None,
+                "k": None,
+                "dense_bytes": dense_bytes,
+                "bytes": dense_bytes,
+                "fit_loss": None,
+                "heldout_loss": 0.0,
+                "aggregate_loss": 0.0,
+            }
             if comp.compresses(n):
                 b = comp.basis(n)
                 codec = GradiVeQ(comp)
@@ -153,8 +166,14 @@ def bench(args: argparse.Namespace) -> list[dict]:
                     mean = sum(w * u[n].reshape(-1) for w, u in zip(ws, rnd))
                     agg_res += float((aggregate(comp, n, coeffs, ws, numel) - mean).pow(2).sum())
                     agg_ref += float(mean.pow(2).sum())
-                row.update(d=b.slice_size, k=b.dim, bytes=len(serde.tensor_to_bytes(encs[0])), fit_loss=b.fit_loss,
-                           heldout_loss=res / ref, aggregate_loss=agg_res / agg_ref)
+                row.update(
+                    d=b.slice_size,
+                    k=b.dim,
+                    bytes=len(serde.tensor_to_bytes(encs[0])),
+                    fit_loss=b.fit_loss,
+                    heldout_loss=res / ref,
+                    aggregate_loss=agg_res / agg_ref,
+                )
             row["ratio"] = row["dense_bytes"] / row["bytes"]
             per[n] = row
         update = held[0][0]
@@ -176,10 +195,18 @@ def bench(args: argparse.Namespace) -> list[dict]:
             "compressor_bytes": comp.wire_bytes(),
             "fit_seconds": fit_s,
             "fit_samples": {n: comp.basis(n).samples for n in comp.bases},
-            "encode_s": enc_med, "encode_clone_s": enc_clone, "encode_ratio": enc_ratio,
-            "decode_s": dec_med, "decode_clone_s": dec_clone, "decode_ratio": dec_ratio,
-            "clients": args.clients, "local_steps": args.local_steps, "fit_rounds": args.fit_rounds,
-            "eval_rounds": args.eval_rounds, "lr": args.lr, "threads": torch.get_num_threads(),
+            "encode_s": enc_med,
+            "encode_clone_s": enc_clone,
+            "encode_ratio": enc_ratio,
+            "decode_s": dec_med,
+            "decode_clone_s": dec_clone,
+            "decode_ratio": dec_ratio,
+            "clients": args.clients,
+            "local_steps": args.local_steps,
+            "fit_rounds": args.fit_rounds,
+            "eval_rounds": args.eval_rounds,
+            "lr": args.lr,
+            "threads": torch.get_num_threads(),
         }
         _print(summary)
         rows.append(summary)
@@ -187,17 +214,23 @@ def bench(args: argparse.Namespace) -> list[dict]:
 
 
 def _print(s: dict) -> None:
-    print(f"\neps {s['eps']}  slice-size {s['slice_size']}  PCA fit {s['fit_seconds']:.2f} s  "
-          f"compressor broadcast {s['compressor_bytes']:,d} B")
+    print(
+        f"\neps {s['eps']}  slice-size {s['slice_size']}  PCA fit {s['fit_seconds']:.2f} s  "
+        f"compressor broadcast {s['compressor_bytes']:,d} B"
+    )
     print(f"{'tensor':<12}{'numel':>8}{'d':>6}{'k':>6}{'ratio':>8}{'fit loss':>10}{'held-out':>10}{'aggregate':>11}")
     for r in s["tensors"]:
         d, k = ("dense", "") if r["d"] is None else (r["d"], r["k"])
         fl = "" if r["fit_loss"] is None else f"{r['fit_loss']:.4f}"
-        print(f"{r['tensor']:<12}{r['numel']:>8}{d!s:>6}{k!s:>6}{r['ratio']:>7.2f}x{fl:>10}"
-              f"{r['heldout_loss']:>10.4f}{r['aggregate_loss']:>11.4f}")
+        print(
+            f"{r['tensor']:<12}{r['numel']:>8}{d!s:>6}{k!s:>6}{r['ratio']:>7.2f}x{fl:>10}"
+            f"{r['heldout_loss']:>10.4f}{r['aggregate_loss']:>11.4f}"
+        )
     print(f"{'overall':<12}{'':>20}{s['ratio']:>7.2f}x   ({s['dense_update_bytes']:,d} B -> {s['update_bytes']:,d} B)")
-    print(f"encode {s['encode_s'] * 1e3:.2f} ms = {s['encode_ratio']:.2f}x clone ({s['encode_clone_s'] * 1e3:.3f} ms); "
-          f"decode {s['decode_s'] * 1e3:.2f} ms = {s['decode_ratio']:.2f}x clone")
+    print(
+        f"encode {s['encode_s'] * 1e3:.2f} ms = {s['encode_ratio']:.2f}x clone ({s['encode_clone_s'] * 1e3:.3f} ms); "
+        f"decode {s['decode_s'] * 1e3:.2f} ms = {s['decode_ratio']:.2f}x clone"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

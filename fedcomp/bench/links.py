@@ -9,7 +9,7 @@
 Runs two real Flower simulations of the reference app with the same seed and data: plain FedAvg
 (``compress = false``, the fp32 model both ways every round) and the compressed app (SBC uplink,
 3LC downlink). Their recorded per-client bytes are then replayed on symmetric links of each
-rate (:mod:`fedcomp.emulation`): a round lasts as long as its slowest client's compute +
+rate (:mod:`fedcomp.net.emulation`): a round lasts as long as its slowest client's compute +
 downlink + uplink + 2 x latency, plus the round's codec time. Everything that is not the link is
 measured here, on one CPU thread: compute = local iterations x seconds per iteration (LeNet5,
 the run's batch size); codec time = what one round of each run costs in (de)serialization and
@@ -35,8 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fedcomp.emulation import emulate_run, time_to_accuracy
-from fedcomp.links import LinkProfile
+from fedcomp.net.emulation import emulate_run, time_to_accuracy
+from fedcomp.net.links import LinkProfile
 
 DEFAULT_LINKS_MBPS = (10.0, 100.0, 1000.0)
 
@@ -54,8 +54,8 @@ def measure_seconds_per_iter(batch_size: int, dataset: str, iters: int = 60, see
     (median of ``repeat`` timings of ``iters`` iterations: robust to a shared machine)."""
     import torch
 
-    from fedcomp.data import load_partition
-    from fedcomp.models import LeNet5Caffe, train_local
+    from fedcomp.app.data import load_partition
+    from fedcomp.app.models import LeNet5Caffe, train_local
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -109,13 +109,18 @@ def measure_codec_seconds(
     """
     import torch
 
+    from fedcomp.app.data import load_partition
+    from fedcomp.app.models import LeNet5Caffe, train_local
     from fedcomp.codecs import DenseFP32, get_codec
-    from fedcomp.data import load_partition
     from fedcomp.flower.records import digest
     from fedcomp.flower.replica import ServerReplica, apply_delta
-    from fedcomp.models import LeNet5Caffe, train_local
-    from fedcomp.serde import update_from_bytes, update_to_bytes
-    from fedcomp.update import DEFAULT_MIN_NUMEL, UpdateEncoder, decode_update, specs_of
+    from fedcomp.methods.update import (
+        DEFAULT_MIN_NUMEL,
+        UpdateEncoder,
+        decode_update,
+        specs_of,
+    )
+    from fedcomp.wire.serde import update_from_bytes, update_to_bytes
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -278,7 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sbc-p", type=float, default=0.1)
     ap.add_argument("--3lc-s", dest="threelc_s", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--links", default=",".join(f"{x:g}" for x in DEFAULT_LINKS_MBPS), help="Mbit/s, comma-separated (symmetric)")
+    ap.add_argument(
+        "--links", default=",".join(f"{x:g}" for x in DEFAULT_LINKS_MBPS), help="Mbit/s, comma-separated (symmetric)"
+    )
     ap.add_argument("--latency-ms", type=float, default=0.0)
     ap.add_argument("--initial-model-free", action=argparse.BooleanOptionalAction, default=True,
                     help="round 1's model download costs nothing in both runs: every worker builds the "
@@ -287,8 +294,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--codec-seconds", default="auto",
                     help="per-round codec time added to both runs; 'auto' = measure here (dense and compressed "
                          "separately), a number = the compressed run's (dense gets 0), 0 = none")  # fmt: skip
-    ap.add_argument("--target", type=float, default=None,
-                    help="accuracy both runs must reach (default: the dense run's final accuracy)")
+    ap.add_argument(
+        "--target",
+        type=float,
+        default=None,
+        help="accuracy both runs must reach (default: the dense run's final accuracy)",
+    )
     ap.add_argument("--dense", type=Path, default=None, help="re-emulate this dense results.json (no runs)")
     ap.add_argument("--compressed", type=Path, default=None, help="re-emulate this compressed results.json")
     ap.add_argument("--results-dir", type=Path, default=Path("results/bench-links"))
@@ -321,7 +332,11 @@ def main(argv: list[str] | None = None) -> int:
         out = {}
         for name, cfg in runs.items():
             t0 = time.monotonic()
-            print(f"[bench links] {name}: {cfg['num-server-rounds']} rounds, {args.clients} clients ...", file=sys.stderr, flush=True)
+            print(
+                f"[bench links] {name}: {cfg['num-server-rounds']} rounds, {args.clients} clients ...",
+                file=sys.stderr,
+                flush=True,
+            )
             try:
                 out[name] = run_simulation(_app_dir(), cfg, num_supernodes=args.clients, timeout_s=args.timeout)
             except SimulationError as err:
@@ -349,11 +364,15 @@ def main(argv: list[str] | None = None) -> int:
     dr, cr = dense["rounds"][-1], comp["rounds"][-1]
     print(f"{dataset}, {n_clients} clients, {iters} local iteration(s) per round, batch {batch}; "
           f"SBC p = {ccfg.get('sbc-p', '?')}, 3LC s = {ccfg.get('3lc-s', '?')}")  # fmt: skip
-    print(f"compute (measured, 1 thread): {spi * 1e3:.2f} ms per local iteration x {iters} = {spi * iters * 1e3:.1f} ms per round")
+    print(
+        f"compute (measured, 1 thread): {spi * 1e3:.2f} ms per local iteration x {iters} = {spi * iters * 1e3:.1f} ms per round"
+    )
     parts = "" if "dense_server" not in codec else (
         f" (server {codec['dense_server'] * 1e3:.1f} + client {codec['dense_client'] * 1e3:.1f};"
         f" server {codec['compressed_server'] * 1e3:.1f} + client {codec['compressed_client'] * 1e3:.1f})")  # fmt: skip
-    print(f"codec time per round: dense {codec['dense'] * 1e3:.1f} ms, SBC+3LC {codec['compressed'] * 1e3:.1f} ms{parts}")
+    print(
+        f"codec time per round: dense {codec['dense'] * 1e3:.1f} ms, SBC+3LC {codec['compressed'] * 1e3:.1f} ms{parts}"
+    )
     nd, nc = max(1, dr["num_clients"]), max(1, cr["num_clients"])
     print(f"last round bytes per client: dense {dr['downlink_bytes'] // nd} down / {dr['uplink_bytes'] // nd} up;"
           f" SBC+3LC {cr['downlink_bytes'] // nc} down / {cr['uplink_bytes'] // nc} up")  # fmt: skip
@@ -365,8 +384,8 @@ def main(argv: list[str] | None = None) -> int:
           f"   {'dense s/round = compute + codec + transfer':<44}{'SBC+3LC s/round = compute + codec + transfer'}")  # fmt: skip
     for r in rows:
         sp = "-" if r["speedup"] is None else f"{r['speedup']:.1f}x"
-        print(f"{r['link_mbps']:>5g} Mb/s {_fmt_t(r['dense_time_s']):>11} {str(r['dense_rounds']):>6} "
-              f"{_fmt_t(r['compressed_time_s']):>12} {str(r['compressed_rounds']):>6} {sp:>8}   "
+        print(f"{r['link_mbps']:>5g} Mb/s {_fmt_t(r['dense_time_s']):>11} {r['dense_rounds']!s:>6} "
+              f"{_fmt_t(r['compressed_time_s']):>12} {r['compressed_rounds']!s:>6} {sp:>8}   "
               f"{_per_round(r['dense_split']):<44}{_per_round(r['compressed_split'])}")  # fmt: skip
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -374,7 +393,10 @@ def main(argv: list[str] | None = None) -> int:
                                          "initial_model_free": args.initial_model_free, "rows": rows}, indent=1) + "\n")  # fmt: skip
     slowest = min(rows, key=lambda r: r["link_mbps"])
     if slowest["speedup"] is None or slowest["speedup"] < args.target_speedup:
-        print(f"below target: {slowest['speedup']} < {args.target_speedup} at {slowest['link_mbps']:g} Mbit/s", file=sys.stderr)
+        print(
+            f"below target: {slowest['speedup']} < {args.target_speedup} at {slowest['link_mbps']:g} Mbit/s",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

@@ -3,9 +3,9 @@
     python -m fedcomp.bench netns [--nodes 2] [--rounds 4] [--mbps 10] [--latency-ms 0]
         [--local-iters 1] [--sbc-p 0.1] [--3lc-s 1.0] [--dataset digits] [--timeout 600] [--json PATH]
 
-Runs the app twice on the Deployment Engine (:func:`fedcomp.deploy.deploy_local` with
+Runs the app twice on the Deployment Engine (:func:`fedcomp.net.deploy.deploy_local` with
 ``netns=True``): one SuperLink and ``--nodes`` SuperNodes, each in a network namespace of its own
-behind a veth pair shaped with ``tc tbf`` to ``--mbps`` both ways (:mod:`fedcomp.netns`). First
+behind a veth pair shaped with ``tc tbf`` to ``--mbps`` both ways (:mod:`fedcomp.net.netns`). First
 plain FedAvg (``compress = false``), then SBC uplink + 3LC downlink, same seed and data. Prints,
 per round, each run's real round time (SuperLink side: end of the previous round to the end of
 this one, evaluation included), the payload bytes per client, and what the shaped links carried
@@ -28,15 +28,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fedcomp.links import LinkProfile
+from fedcomp.net.links import LinkProfile
 
-#: Exit code when network namespaces cannot be used here (as ``fedcomp.deploy local --netns``).
+#: Exit code when network namespaces cannot be used here (as ``fedcomp.net.deploy local --netns``).
 EXIT_SKIPPED = 4
 
 
 def netns_unavailable_reason() -> str | None:
     """None when namespaces + veth + tc work here; else why not (after cleaning up the probe)."""
-    from fedcomp.netns import NetnsLab, NetnsUnavailable
+    from fedcomp.net.netns import NetnsLab, NetnsUnavailable
 
     probe = NetnsLab([LinkProfile(1, 1)])
     try:
@@ -72,11 +72,15 @@ def summarize(data: dict[str, Any], mbps: float) -> list[dict[str, Any]]:
 
 
 def _run(name: str, cfg: dict[str, Any], args: argparse.Namespace, app_dir: Path) -> dict[str, Any]:
-    from fedcomp.deploy import deploy_local, node_specs
+    from fedcomp.net.deploy import deploy_local, node_specs
 
     nodes = node_specs(args.nodes, f"{args.mbps:g},{args.mbps:g},{args.latency_ms:g}")
     t0 = time.monotonic()
-    print(f"[bench netns] {name}: {args.nodes} SuperNodes at {args.mbps:g} Mbit/s, {args.rounds} rounds ...", file=sys.stderr, flush=True)
+    print(
+        f"[bench netns] {name}: {args.nodes} SuperNodes at {args.mbps:g} Mbit/s, {args.rounds} rounds ...",
+        file=sys.stderr,
+        flush=True,
+    )
     data = deploy_local(
         app_dir, nodes, cfg, rounds=args.rounds, timeout_s=args.timeout,
         results_dir=args.results_dir.resolve(), netns=True,
@@ -112,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"SKIPPED: real shaped links need network namespaces: {reason}", file=sys.stderr)
         return EXIT_SKIPPED
 
-    from fedcomp.deploy import DeployError
+    from fedcomp.net.deploy import DeployError
 
     common = {"dataset": args.dataset, "local-iters": args.local_iters, "seed": args.seed}
     runs = {
@@ -140,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.nodes} SuperNodes, each behind a real {args.mbps:g} Mbit/s veth link (tc tbf) both ways"
           + ("" if out["dense"]["latency_emulated"] or args.latency_ms == 0 else "; latency NOT emulated (no sch_netem)")
           + f"; {args.dataset}, {args.local_iters} local iteration(s), SBC p = {args.sbc_p}, 3LC s = {args.threelc_s}")  # fmt: skip
-    print(f"{'round':>5} | {'dense s':>8} {'down B':>9} {'up B':>9} {'link s':>7} | {'SBC+3LC s':>9} {'down B':>9} {'up B':>9} {'link s':>7}")
+    print(
+        f"{'round':>5} | {'dense s':>8} {'down B':>9} {'up B':>9} {'link s':>7} | {'SBC+3LC s':>9} {'down B':>9} {'up B':>9} {'link s':>7}"
+    )
     for d, c in zip(out["dense"]["rows"], out["compressed"]["rows"], strict=False):
         print(f"{d['round']:>5} | {d['round_time_s']:>8.2f} {d['down_bytes']:>9} {d['up_bytes']:>9} {d['payload_link_s']:>7.3f} | "
               f"{c['round_time_s']:>9.2f} {c['down_bytes']:>9} {c['up_bytes']:>9} {c['payload_link_s']:>7.3f}")  # fmt: skip
@@ -157,7 +163,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"real round-time ratio dense / SBC+3LC (rounds >= 2): {d / c:.2f}x")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, **out}, indent=1) + "\n")
+        args.json.write_text(
+            json.dumps(
+                {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, **out}, indent=1
+            )
+            + "\n"
+        )
     return 0
 
 

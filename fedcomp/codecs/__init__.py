@@ -12,7 +12,19 @@ from fedcomp.codecs.threelc import ThreeLC
 from fedcomp.codecs.topk import TopK
 from fedcomp.errors import ConfigError
 
-__all__ = ["Codec", "TensorSpec", "DenseFP16", "DenseFP32", "Identity", "GradiVeQ", "SBC", "ThreeLC", "TopK", "CODECS", "get_codec"]
+__all__ = [
+    "CODECS",
+    "SBC",
+    "Codec",
+    "DenseFP16",
+    "DenseFP32",
+    "GradiVeQ",
+    "Identity",
+    "TensorSpec",
+    "ThreeLC",
+    "TopK",
+    "get_codec",
+]
 
 #: Every codec a config may name, by ``codec_id``.
 CODECS: dict[str, type[Codec]] = {c.codec_id: c for c in (SBC, ThreeLC, TopK, DenseFP32, DenseFP16, Identity, GradiVeQ)}

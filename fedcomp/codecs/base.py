@@ -1,7 +1,7 @@
 """The codec contract, after numcodecs: stateless, a ``codec_id``, encode/decode, config round trip.
 
 A codec turns one tensor into an :class:`EncodedTensor` and back. It holds settings only, never
-state: error feedback (residuals) lives in :class:`fedcomp.feedback.ErrorFeedback`, which wraps any
+state: error feedback (residuals) lives in :class:`fedcomp.methods.feedback.ErrorFeedback`, which wraps any
 codec. The same code runs on CPU and CUDA: encoding computes on the tensor's device, decoding on
 the device it is asked for.
 """
@@ -14,8 +14,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from fedcomp.codecs.payloads import WIRE_DTYPES, EncodedTensor, Payload
 from fedcomp.errors import ConfigError, PayloadError
+from fedcomp.wire.payloads import WIRE_DTYPES, EncodedTensor, Payload
 
 
 @dataclass(frozen=True)
@@ -55,9 +55,7 @@ class Codec(ABC):
         """Compress ``tensor`` (any float dtype, any device)."""
         return self.encode_with_reconstruction(tensor, name)[0]
 
-    def encode_with_reconstruction(
-        self, tensor: torch.Tensor, name: str = ""
-    ) -> tuple[EncodedTensor, torch.Tensor]:
+    def encode_with_reconstruction(self, tensor: torch.Tensor, name: str = "") -> tuple[EncodedTensor, torch.Tensor]:
         """Compress ``tensor`` and also return what the receiver will decode (same shape and
         device; float32, or the tensor's dtype for the identity codec). Error feedback needs that reconstruction; codecs that can produce it
         while encoding save a decode."""

@@ -5,8 +5,14 @@ from __future__ import annotations
 import torch
 
 from fedcomp.codecs.base import Codec, TensorSpec, expect_payload
-from fedcomp.codecs.payloads import DTYPE_SIZES, TORCH_DTYPES, WIRE_DTYPES, DensePayload, Payload
 from fedcomp.errors import PayloadError
+from fedcomp.wire.payloads import (
+    DTYPE_SIZES,
+    TORCH_DTYPES,
+    WIRE_DTYPES,
+    DensePayload,
+    Payload,
+)
 
 
 def tensor_to_le_bytes(t: torch.Tensor) -> bytes:

@@ -250,9 +250,7 @@ def decode_positions(
     ordered, zeros_at = torch.sort(unary, stable=True)
     if nnz > unary.numel() or int(ordered[nnz - 1]) != 0:
         found = int((unary == 0).sum())
-        raise PayloadError(
-            name, f"position bitstream runs past its end: {found} of {nnz} codewords are terminated"
-        )
+        raise PayloadError(name, f"position bitstream runs past its end: {found} of {nnz} codewords are terminated")
     zeros_at = zeros_at[:nnz]
     end = (rem_len - offset) + int(zeros_at[-1]) + 1  # bits used
     canonical = (end + 7) // 8

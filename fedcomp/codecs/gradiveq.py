@@ -1,7 +1,7 @@
 """The GradiVeQ codec: a tensor's slice coefficients under a broadcast PCA compressor.
 
-The maths (slicing, PCA fit, linearity) lives in :mod:`fedcomp.gradiveq`; this module puts it
-behind the codec contract. One codec instance holds a whole :class:`~fedcomp.gradiveq.Compressor`
+The maths (slicing, PCA fit, linearity) lives in :mod:`fedcomp.methods.gradiveq`; this module puts it
+behind the codec contract. One codec instance holds a whole :class:`~fedcomp.methods.gradiveq.Compressor`
 and looks the basis up by tensor name, so a single codec serves a whole update, like the other
 codecs.
 
@@ -25,20 +25,16 @@ rebuilds from the bytes (same kernels on the same coefficients).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
+from fedcomp.codecs import pca as gvq
 from fedcomp.codecs.base import Codec, TensorSpec, expect_payload
-from fedcomp.codecs.payloads import EncodedTensor, GradiVeQPayload, Payload
+from fedcomp.codecs.pca import Compressor
 from fedcomp.errors import ConfigError, PayloadError
-# a module reference, not names: fedcomp.gradiveq imports fedcomp.codecs, so when it is imported
-# first this module runs while it is still partially initialised
-from fedcomp import gradiveq as gvq
-
-if TYPE_CHECKING:
-    from fedcomp.gradiveq import Compressor
+from fedcomp.wire.payloads import EncodedTensor, GradiVeQPayload, Payload
 
 __all__ = ["GradiVeQ", "coefficients_of"]
 
@@ -58,7 +54,7 @@ class GradiVeQ(Codec):
     def __init__(self, compressor: Compressor) -> None:
         if not isinstance(compressor, gvq.Compressor):
             raise ConfigError(
-                f"compressor: gradiveq needs the fedcomp.gradiveq.Compressor the server broadcast, "
+                f"compressor: gradiveq needs the fedcomp.methods.gradiveq.Compressor the server broadcast, "
                 f"got {type(compressor).__name__}"
             )
         self.compressor = compressor
@@ -132,9 +128,7 @@ class GradiVeQ(Codec):
             raise PayloadError(name, f"compressor version {comp.version} does not compress this tensor")
         b = comp.basis(name)
         if (d, k) != (b.slice_size, b.dim):
-            raise PayloadError(
-                name, f"slice_size {d} / dim {k} where the compressor has {b.slice_size} / {b.dim}"
-            )
+            raise PayloadError(name, f"slice_size {d} / dim {k} where the compressor has {b.slice_size} / {b.dim}")
         want = gvq.num_slices(spec.numel, d) * k * 4
         if len(data) != want:
             raise PayloadError(name, f"coefficients are {len(data)} bytes, expected ceil(numel/d)*k*4 = {want}")
@@ -152,7 +146,7 @@ def coefficients_of(
 ) -> torch.Tensor:
     """The (num_slices, k) coefficients of an untrusted GradiVeQ tensor, validated exactly as
     :meth:`GradiVeQ.decode` would, but not decompressed: the server sums these over clients
-    (:func:`fedcomp.gradiveq.aggregate`) and decompresses once.
+    (:func:`fedcomp.methods.gradiveq.aggregate`) and decompresses once.
 
     Raises :class:`PayloadError` naming the tensor on any mismatch (name, codec, shape, dtype,
     compressor version, slice size, dim, byte length, non-finite values).
@@ -161,4 +155,3 @@ def coefficients_of(
     codec.check_envelope(enc, spec)
     dev = torch.device(device) if device is not None else torch.device("cpu")
     return codec._coefficients(enc.payload, spec, dev)
-

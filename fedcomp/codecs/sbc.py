@@ -30,8 +30,8 @@ import torch
 
 from fedcomp.codecs.base import Codec, TensorSpec, expect_payload
 from fedcomp.codecs.golomb import decode_positions, encode_positions, golomb_b
-from fedcomp.codecs.payloads import WIRE_DTYPES, EncodedTensor, Payload, SBCPayload
 from fedcomp.errors import ConfigError, PayloadError
+from fedcomp.wire.payloads import WIRE_DTYPES, EncodedTensor, Payload, SBCPayload
 
 MODES = ("exact", "fast")
 
@@ -268,9 +268,7 @@ def _threshold_select_cpu(
     else:
         bounds = [(n * i // workers) // _CPU_CHUNK * _CPU_CHUNK for i in range(workers)] + [n]
         pool = _pool()
-        futures = [
-            pool.submit(_scan, a, bounds[i], bounds[i + 1], thr_hi, thr_lo, limit) for i in range(1, workers)
-        ]
+        futures = [pool.submit(_scan, a, bounds[i], bounds[i + 1], thr_hi, thr_lo, limit) for i in range(1, workers)]
         parts = [_scan(a, bounds[0], bounds[1], thr_hi, thr_lo, limit)] + [f.result() for f in futures]
     if any(part is None for part in parts):
         return None

@@ -56,8 +56,8 @@ import numpy as np
 import torch
 
 from fedcomp.codecs.base import Codec, TensorSpec, expect_payload
-from fedcomp.codecs.payloads import Payload, ThreeLCPayload
 from fedcomp.errors import ConfigError, PayloadError
+from fedcomp.wire.payloads import Payload, ThreeLCPayload
 
 #: Weights of the five parts in one byte.
 WEIGHTS = (81, 27, 9, 3, 1)
@@ -338,7 +338,7 @@ class ThreeLC(Codec):
 
     ``s`` in [1, 2) trades accuracy for sparsity (larger: more zeros, shorter zero-run output);
     ``zero_run`` turns the final lossless step on (default) or off (exactly 1.6 bits per value).
-    Stateless: error accumulation is :class:`fedcomp.feedback.ErrorFeedback`'s job, fed by the
+    Stateless: error accumulation is :class:`fedcomp.methods.feedback.ErrorFeedback`'s job, fed by the
     reconstruction that encoding returns.
     """
 

@@ -6,9 +6,9 @@ Two ways to say which entries:
 * ``TopK(ranges=((start, stop, k), ...))``: DEFT's layer-wise selection (Gong et al., ICPP 2023,
   Algorithm 5): the top ``k`` by magnitude inside each range ``[start, stop)`` of the flattened
   tensor, nothing outside. The ranges come from the server's allocation for this round
-  (:mod:`fedcomp.deft`); ``ranges=()`` sends nothing.
+  (:mod:`fedcomp.methods.deft`); ``ranges=()`` sends nothing.
 
-The message (:class:`~fedcomp.codecs.payloads.SparsePayload`) is the positions in ascending
+The message (:class:`~fedcomp.wire.payloads.SparsePayload`) is the positions in ascending
 order, Golomb-Rice coded exactly as SBC's (:mod:`fedcomp.codecs.golomb`, parameter
 ``golomb_b(nnz / numel)``), and the values at those positions as little-endian float32 or
 float16. Ties at the selection boundary go to the lowest index, so the bytes depend on the values
@@ -29,8 +29,8 @@ import torch
 
 from fedcomp.codecs.base import Codec, TensorSpec, expect_payload
 from fedcomp.codecs.golomb import decode_positions, encode_positions, golomb_b
-from fedcomp.codecs.payloads import DTYPE_SIZES, TORCH_DTYPES, Payload, SparsePayload
 from fedcomp.errors import ConfigError, PayloadError
+from fedcomp.wire.payloads import DTYPE_SIZES, TORCH_DTYPES, Payload, SparsePayload
 
 VALUE_ENCODINGS = ("float32", "float16")
 
@@ -146,9 +146,7 @@ class TopK(Codec):
     ) -> None:
         if (p is None) == (ranges is None):
             raise ConfigError("p: give exactly one of p and ranges")
-        if p is not None and (
-            isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 < float(p) <= 1.0
-        ):
+        if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 < float(p) <= 1.0):
             raise ConfigError(f"p: must be in (0, 1], got {p!r}")
         if values not in VALUE_ENCODINGS:
             raise ConfigError(f"values: must be one of {list(VALUE_ENCODINGS)}, got {values!r}")
@@ -184,7 +182,9 @@ class TopK(Codec):
         nnz = idx.numel()
         b = golomb_b(nnz / n) if nnz else 0
         raw = vals.contiguous().cpu().view(torch.uint8).numpy().tobytes()
-        payload = SparsePayload(golomb_b=b, nnz=nnz, bits=encode_positions(idx, b), value_encoding=self.values, values=raw)
+        payload = SparsePayload(
+            golomb_b=b, nnz=nnz, bits=encode_positions(idx, b), value_encoding=self.values, values=raw
+        )
         recon = torch.zeros(n, dtype=torch.float32, device=flat.device)
         return payload, recon.index_copy_(0, idx, vals.to(torch.float32))
 

@@ -4,7 +4,7 @@ Server (:class:`DeftPlanner`): before a train round it partitions the compressed
 each partition's k from the L2 norm of that partition in the previous round's aggregated update
 (the server has that aggregate; norms reported by the clients would cost uplink bytes; in the
 first round k is proportional to size) and bin-packs the partitions over the clients sampled for that round
-(:func:`fedcomp.deft.plan_round`). Each client gets its own :class:`DeftAllocation` as protobuf
+(:func:`fedcomp.methods.deft.plan_round`). Each client gets its own :class:`DeftAllocation` as protobuf
 bytes in the downlink record. After decoding a reply it checks that the client selected only
 inside its partitions and no more than their k: a client that sends more is rejected like any
 corrupt payload.
@@ -25,10 +25,16 @@ from dataclasses import replace
 import torch
 
 from fedcomp.codecs import Codec, TensorSpec, TopK
-from fedcomp.codecs.payloads import DeftAllocation
-from fedcomp.deft import check_allocation, check_selection, plan_round, plan_round_from_aggregate, ranges_for
 from fedcomp.errors import PayloadError
-from fedcomp.serde import allocation_from_bytes, allocation_to_bytes
+from fedcomp.methods.deft import (
+    check_allocation,
+    check_selection,
+    plan_round,
+    plan_round_from_aggregate,
+    ranges_for,
+)
+from fedcomp.wire.payloads import DeftAllocation
+from fedcomp.wire.serde import allocation_from_bytes, allocation_to_bytes
 
 #: Key of the allocation bytes in the downlink ConfigRecord.
 ALLOCATION_KEY = "deft-allocation"
@@ -92,4 +98,6 @@ def client_codecs(
     numels = [t.numel() for t in replica.values()]
     check_allocation(alloc, numels, expected_round=server_round)
     ranges = ranges_for(alloc, len(numels))
-    return {name: TopK(ranges=r) for (name, t), r in zip(replica.items(), ranges, strict=True) if t.numel() >= min_numel}
+    return {
+        name: TopK(ranges=r) for (name, t), r in zip(replica.items(), ranges, strict=True) if t.numel() >= min_numel
+    }

@@ -2,7 +2,7 @@
 
 Rounds alternate as in the paper's Fig. 6, with rounds for iterations: ``gradiveq-dense-rounds``
 uncompressed rounds (clients send dense fp32 updates; the server keeps them as PCA samples), then
-the server fits one compressor per tensor (:func:`fedcomp.gradiveq.fit_compressor`) and
+the server fits one compressor per tensor (:func:`fedcomp.methods.gradiveq.fit_compressor`) and
 ``gradiveq-refresh`` compressed rounds follow (0: compressed for good), then the cycle repeats
 with a new compressor version. The compressor goes down, as protobuf bytes in the downlink record,
 to every client whose last reply did not report holding its version; clients keep it in
@@ -27,16 +27,16 @@ from flwr.app import ConfigRecord, Context
 
 from fedcomp.codecs import Codec, DenseFP32, TensorSpec
 from fedcomp.codecs.gradiveq import GradiVeQ, coefficients_of
-from fedcomp.codecs.payloads import EncodedUpdate
 from fedcomp.errors import PayloadError
 from fedcomp.flower.settings import CompressionConfig
-from fedcomp.gradiveq import Compressor, decompress, fit_compressor
-from fedcomp.serde import compressor_from_bytes, compressor_to_bytes
-from fedcomp.update import decode_update, specs_of
+from fedcomp.methods.gradiveq import Compressor, decompress, fit_compressor
+from fedcomp.methods.update import decode_update, specs_of
+from fedcomp.wire.payloads import EncodedUpdate
+from fedcomp.wire.serde import compressor_from_bytes, compressor_to_bytes
 
 #: Key of the compressor bytes in the downlink ConfigRecord, and of the client's state record.
 COMPRESSOR_KEY = "gradiveq-compressor"
-STATE_KEY = "fedcomp.gradiveq"
+STATE_KEY = "fedcomp.methods.gradiveq"
 #: Key in the client's uplink record: the compressor version it holds.
 VERSION_KEY = "gradiveq-version"
 
@@ -204,8 +204,4 @@ def client_codecs(
     if rec is None or int(rec["version"]) != want:  # type: ignore[arg-type]
         raise PayloadError("", f"GradiVeQ compressor version {want} is needed and not held")
     comp = Compressor.from_wire(compressor_from_bytes(rec["compressor"]), specs_of(replica))  # type: ignore[arg-type]
-    return {
-        name: GradiVeQ(comp)
-        for name, t in replica.items()
-        if t.numel() >= min_numel and comp.compresses(name)
-    }
+    return {name: GradiVeQ(comp) for name, t in replica.items() if t.numel() >= min_numel and comp.compresses(name)}

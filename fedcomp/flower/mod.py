@@ -16,19 +16,25 @@ import logging
 import time
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, RecordDict
+from flwr.app import ConfigRecord, Context, Error, Message, RecordDict
 from flwr.app.message_type import MessageType  # type: ignore[import-not-found]
 from flwr.clientapp.typing import ClientAppCallable  # type: ignore[import-not-found]
 
-from fedcomp.bandwidth import BandwidthBudget, Choice, ClientSituation, get_policy
 from fedcomp.codecs import Codec, DenseFP32, get_codec
 from fedcomp.errors import ConfigError, PayloadError
-from fedcomp.flower import deft_link, gradiveq_link, keys
+from fedcomp.flower import deft_link, gradiveq_link
+from fedcomp.flower import protocol as keys
 from fedcomp.flower.records import digest, record_from_tensors, tensors_from_record
 from fedcomp.flower.replica import apply_delta
-from fedcomp.links import LinkProfile, link_of, parse_link_profiles
-from fedcomp.serde import update_from_bytes, update_to_bytes
-from fedcomp.update import UpdateEncoder, decode_update, specs_of
+from fedcomp.methods.bandwidth import (
+    BandwidthBudget,
+    Choice,
+    ClientSituation,
+    get_policy,
+)
+from fedcomp.methods.update import UpdateEncoder, decode_update, specs_of
+from fedcomp.net.links import LinkProfile, link_of, parse_link_profiles
+from fedcomp.wire.serde import update_from_bytes, update_to_bytes
 
 log = logging.getLogger("fedcomp")
 
@@ -122,7 +128,7 @@ def _spec_from(enc):  # type: ignore[no-untyped-def]
     """A spec for a full replica a new client has never seen: taken from the payload itself,
     bounded by the dense payload's own length (the decoder checks it)."""
     from fedcomp.codecs.base import TensorSpec
-    from fedcomp.codecs.payloads import TORCH_DTYPES
+    from fedcomp.wire.payloads import TORCH_DTYPES
 
     return TensorSpec(enc.name, tuple(enc.shape), TORCH_DTYPES[enc.dtype])
 
@@ -227,7 +233,7 @@ def _uplink_overrides(
     return None, error_feedback
 
 
-# --- bandwidth awareness (fedcomp.bandwidth) ---------------------------------------------------
+# --- bandwidth awareness (fedcomp.methods.bandwidth) ---------------------------------------------------
 
 
 class _Plan:
@@ -281,7 +287,9 @@ def _bandwidth_report(context: Context, plan: _Plan | None, uplink_cfg: dict, tr
         # The fastest seen: a first call's warm-up (imports, data loading) must not stick.
         measured = train_seconds / max(1, plan.local_iters)
         best = _measured_seconds_per_iter(context)
-        context.state[keys.STATE_BANDWIDTH] = ConfigRecord({"seconds-per-iter": min(measured, best) if best else measured})
+        context.state[keys.STATE_BANDWIDTH] = ConfigRecord(
+            {"seconds-per-iter": min(measured, best) if best else measured}
+        )
     if plan.link is not None:
         out.update(plan.link.to_node_config())
     if plan.choice is not None:

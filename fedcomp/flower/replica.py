@@ -20,8 +20,8 @@ import torch
 from fedcomp.codecs import Codec, DenseFP32, TensorSpec
 from fedcomp.errors import PayloadError
 from fedcomp.flower.records import digest
-from fedcomp.serde import update_from_bytes, update_to_bytes
-from fedcomp.update import UpdateEncoder, decode_update, specs_of
+from fedcomp.methods.update import UpdateEncoder, decode_update, specs_of
+from fedcomp.wire.serde import update_from_bytes, update_to_bytes
 
 
 @dataclass(frozen=True)

@@ -15,21 +15,21 @@ from pydantic import (
     Field,
     FieldSerializationInfo,
     ValidationError,
-    field_serializer,
     ValidationInfo,
+    field_serializer,
     field_validator,
 )
 
 from fedcomp.codecs import Codec, get_codec
 from fedcomp.errors import ConfigError
-from fedcomp.schedules import Schedule
+from fedcomp.methods.schedules import Schedule
 
 if TYPE_CHECKING:
-    from fedcomp.bandwidth import BandwidthBudget
+    from fedcomp.methods.bandwidth import BandwidthBudget
 
 #: "topk": each client's own top-k with values (the baseline DEFT improves on); "deft": top-k
-#: inside the partitions the server allocates (fedcomp.deft); "gradiveq": PCA coefficients
-#: (fedcomp.gradiveq), aggregated by the server without decompressing.
+#: inside the partitions the server allocates (fedcomp.methods.deft); "gradiveq": PCA coefficients
+#: (fedcomp.methods.gradiveq), aggregated by the server without decompressing.
 UplinkCodec = Literal["sbc", "topk", "deft", "gradiveq", "dense-fp32", "dense-fp16", "identity"]
 DownlinkCodec = Literal["3lc", "dense-fp32", "dense-fp16", "identity"]
 
@@ -52,11 +52,11 @@ class CompressionConfig(BaseModel):
     min_compress_numel: int = Field(1000, ge=0, alias="min-compress-numel")
     delta_log_size: int = Field(8, ge=0, le=1000, alias="delta-log-size")
     client_device: Literal["auto", "cpu", "cuda"] = Field("auto", alias="client-device")
-    # --- "topk" and "deft" uplinks (fedcomp.deft) ---
+    # --- "topk" and "deft" uplinks (fedcomp.methods.deft) ---
     #: Fraction of the (compressed) model's entries selected per round: per client for "topk";
     #: over all clients together for "deft" (the allocation splits it among them).
     topk_density: Schedule = Field(Schedule.parse(0.01), alias="topk-density")
-    # --- "gradiveq" uplink (fedcomp.gradiveq) ---
+    # --- "gradiveq" uplink (fedcomp.methods.gradiveq) ---
     #: Values per slice (d); 0 = each tensor's fan-in (the product of its shape after the first
     #: dimension: one output unit's weights, the paper's "multiple of the filter size").
     gradiveq_slice: int = Field(0, ge=0, le=4096, alias="gradiveq-slice")
@@ -68,9 +68,9 @@ class CompressionConfig(BaseModel):
     gradiveq_dense_rounds: int = Field(2, ge=1, le=100, alias="gradiveq-dense-rounds")
     #: Compressed rounds between refits (each refit is preceded by its dense rounds); 0 = never.
     gradiveq_refresh: int = Field(20, ge=0, alias="gradiveq-refresh")
-    # --- bandwidth awareness (fedcomp.bandwidth; off while both budgets are 0) ---
+    # --- bandwidth awareness (fedcomp.methods.bandwidth; off while both budgets are 0) ---
     #: Clients' links in a simulation: "UP,DOWN,LATENCY;..." (Mbit/s, Mbit/s, ms) cycled over
-    #: partition ids; a node config naming uplink-mbps/downlink-mbps wins (fedcomp.links).
+    #: partition ids; a node config naming uplink-mbps/downlink-mbps wins (fedcomp.net.links).
     link_profiles: str = Field("", alias="link-profiles")
     #: Per-round deadline in seconds each client's round (downlink, compute, upload, latency)
     #: should fit; 0 = none.
@@ -114,7 +114,7 @@ class CompressionConfig(BaseModel):
     @field_validator("link_profiles")
     @classmethod
     def _links(cls, v: str) -> str:
-        from fedcomp.links import parse_link_profiles
+        from fedcomp.net.links import parse_link_profiles
 
         try:
             parse_link_profiles(v)
@@ -135,7 +135,7 @@ class CompressionConfig(BaseModel):
     @field_validator("bandwidth_policy")
     @classmethod
     def _policy(cls, v: str) -> str:
-        from fedcomp.bandwidth import policy_names
+        from fedcomp.methods.bandwidth import policy_names
 
         if v not in policy_names():
             raise ValueError(f"unknown policy (known: {policy_names()})")
@@ -143,7 +143,7 @@ class CompressionConfig(BaseModel):
 
     def bandwidth_budget(self) -> BandwidthBudget:
         """What the clients' bandwidth policy works with (inactive while both budgets are 0)."""
-        from fedcomp.bandwidth import BandwidthBudget
+        from fedcomp.methods.bandwidth import BandwidthBudget
 
         return BandwidthBudget(
             round_deadline_s=self.round_deadline_s,

@@ -25,14 +25,14 @@ from flwr.serverapp.strategy import FedAvg, Strategy
 
 from fedcomp.codecs import DenseFP32
 from fedcomp.errors import ConfigError, PayloadError
-from fedcomp.flower import keys
+from fedcomp.flower import protocol as keys
 from fedcomp.flower.deft_link import ALLOCATION_KEY, DeftPlanner
 from fedcomp.flower.gradiveq_link import GradiVeQCoordinator
 from fedcomp.flower.records import fp32_bytes, record_from_tensors, tensors_from_record
 from fedcomp.flower.replica import ServerReplica
 from fedcomp.flower.settings import CompressionConfig
-from fedcomp.serde import update_from_bytes
-from fedcomp.update import decode_update
+from fedcomp.methods.update import decode_update
+from fedcomp.wire.serde import update_from_bytes
 
 log = logging.getLogger("fedcomp")
 
@@ -70,8 +70,9 @@ class RoundTraffic:
     @property
     def sparse_numel(self) -> int:
         return int(sum(m.numel() for m in self._union.values()))
+
     decode_seconds: float = 0.0  # server-side uplink decompression time
-    # What each client reported doing (fedcomp.bandwidth): the SBC p and local iterations it used,
+    # What each client reported doing (fedcomp.methods.bandwidth): the SBC p and local iterations it used,
     # its byte budget (absent: none), the policy's estimate, whether it fit, its training time
     # and its link (uplink Mbit/s, downlink Mbit/s, latency ms).
     sbc_p: dict[int, float] = field(default_factory=dict)
@@ -191,7 +192,9 @@ class CompressionStrategy(Strategy):
             content = RecordDict({k: v for k, v in msg.content.items() if k != self._arrays_key})
             content[keys.DOWNLINK] = record
             msg.content = content
-            self._traffic(server_round).add_downlink(node, dl.nbytes + sum(len(b) for b in extra.values()), dense, dl.mode)
+            self._traffic(server_round).add_downlink(
+                node, dl.nbytes + sum(len(b) for b in extra.values()), dense, dl.mode
+            )
             out.append(msg)
         return out
 
@@ -246,7 +249,9 @@ class CompressionStrategy(Strategy):
         t0 = time.perf_counter()
         update = update_from_bytes(data)
         if update.base_model_version != self.replica.version:
-            raise PayloadError("", f"update is against version {update.base_model_version}, expected {self.replica.version}")
+            raise PayloadError(
+                "", f"update is against version {update.base_model_version}, expected {self.replica.version}"
+            )
         assert self._target is not None
         if self.gradiveq is not None:
             # Coefficients (or, in uncompressed rounds, W + delta) for the inner strategy.
@@ -279,7 +284,7 @@ class CompressionStrategy(Strategy):
                 continue
             try:
                 self._decode_reply(msg, server_round)
-            except Exception as exc:  # noqa: BLE001 - one client's bytes must never stop the round
+            except Exception as exc:
                 node = msg.metadata.src_node_id
                 if not isinstance(exc, PayloadError | ConfigError):
                     log.exception("fedcomp: unexpected error decoding node %s's update", node)
@@ -315,7 +320,12 @@ class CompressionStrategy(Strategy):
         c = self.config
         log.info(
             "fedcomp: uplink %s (p=%s, %s), downlink %s (s=%s), local iterations %s",
-            c.uplink_codec, c.sbc_p, c.sbc_mode, c.downlink_codec, c.threelc_s, c.local_iters,
+            c.uplink_codec,
+            c.sbc_p,
+            c.sbc_mode,
+            c.downlink_codec,
+            c.threelc_s,
+            c.local_iters,
         )
         self.strategy.summary()
 

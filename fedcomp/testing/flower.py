@@ -24,13 +24,10 @@ ignore SIGTERM.)
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -41,13 +38,25 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SimulationError", "run_simulation", "flwr_env", "find_marked_pids", "alive_pids"]
+from fedcomp.net.superlink import (
+    TOKEN_ENV,
+    FlowerProcessError,
+    alive_pids,
+    find_marked_pids,
+    flwr_bin,
+    flwr_env,
+    free_port,
+    tail,
+    terminate,
+    wait_healthy,
+)
 
-TOKEN_ENV = "FEDCOMP_SIM_TOKEN"
-RESULTS_FILE = "results.json"  # same as fedcomp.results.RESULTS_FILE (no torch import here)
+__all__ = ["SimulationError", "alive_pids", "find_marked_pids", "flwr_env", "run_simulation"]
+
+RESULTS_FILE = "results.json"  # same as fedcomp.app.results.RESULTS_FILE (no torch import here)
 
 
-class SimulationError(RuntimeError):
+class SimulationError(FlowerProcessError):
     """The simulation failed or timed out; the message carries the tail of its logs.
 
     ``work_dir`` (kept for inspection) and ``token`` (see :func:`find_marked_pids`) are set when
@@ -56,156 +65,6 @@ class SimulationError(RuntimeError):
 
     work_dir: Path | None = None
     token: str | None = None
-
-
-def flwr_env(flwr_home: str | Path, base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Environment for the Flower CLI/SuperLink: own FLWR_HOME, no telemetry, no installs."""
-    env = dict(os.environ if base is None else base)
-    env.update(
-        FLWR_HOME=str(flwr_home),
-        FLWR_TELEMETRY_ENABLED="0",
-        FLWR_DISABLE_UPDATE_CHECK="1",
-        FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
-        RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO="0",  # silences a Ray FutureWarning per worker
-        PYTHONUNBUFFERED="1",
-    )
-    return env
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _bin(name: str) -> str:
-    """A console script next to this interpreter (the venv's), else on PATH."""
-    here = Path(sys.executable).parent / name
-    if here.exists():
-        return str(here)
-    found = shutil.which(name)
-    if found is None:
-        raise SimulationError(f"{name!r} not found next to {sys.executable} or on PATH")
-    return found
-
-
-def find_marked_pids(token: str) -> list[int]:
-    """PIDs of this user's processes whose environment has ``FEDCOMP_SIM_TOKEN=<token>``."""
-    needle = f"{TOKEN_ENV}={token}".encode()
-    me = os.getpid()
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == me:
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):
-                    pids.append(int(entry))
-        except OSError:  # gone, or not ours
-            continue
-    return pids
-
-
-def _proc_table() -> dict[int, tuple[int, int, str]]:
-    """pid -> (ppid, session id, state) for every process, from /proc/<pid>/stat."""
-    table = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-            table[int(entry)] = (int(fields[1]), int(fields[3]), fields[0].decode())
-        except (OSError, IndexError, ValueError):
-            continue
-    return table
-
-
-def _run_pids(token: str, roots: list[int]) -> set[int]:
-    """Every live process of the run: the roots, marked processes, their descendants, their
-    sessions.
-
-    The marker alone is not enough: Ray's Python daemons overwrite their environment when they
-    set their process title, so they are found through their parent (while it lives) or their
-    session id (which survives re-parenting). This process's own session is never included.
-    """
-    table = _proc_table()
-    me, own_sid = os.getpid(), os.getsid(0)
-    selected = {p for p in (*roots, *find_marked_pids(token)) if p in table and p != me}
-    while True:
-        sids = {table[p][1] for p in selected} - {own_sid}
-        more = {
-            pid
-            for pid, (ppid, sid, _) in table.items()
-            if pid not in selected and pid != me and (ppid in selected or sid in sids)
-        }
-        if not more:
-            return {p for p in selected if table[p][2] != "Z"}  # zombies are already dead
-        selected |= more
-
-
-def _terminate(procs: list[subprocess.Popen[Any]], token: str, grace_s: float = 5.0) -> set[int]:
-    """SIGTERM every process of the run, wait up to ``grace_s``, SIGKILL what is left.
-
-    Returns the PIDs it found (to check later that none of them lives on).
-    """
-    roots = [p.pid for p in procs]
-    targets = _run_pids(token, roots)
-    for pid in targets:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        for p in procs:
-            p.poll()  # reap our direct children
-        alive = _run_pids(token, roots) | {p for p in targets if _alive(p)}
-        if not alive:
-            break
-        targets |= alive
-        time.sleep(0.2)
-    for pid in _run_pids(token, roots) | {p for p in targets if _alive(p)}:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
-    for p in procs:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            p.wait(timeout=2)
-    return targets | set(roots)
-
-
-def alive_pids(pids: list[int] | set[int]) -> list[int]:
-    """Those of ``pids`` that still run (zombies count as dead)."""
-    return sorted(p for p in pids if _alive(p))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-        return state != b"Z"  # a zombie is dead, waiting for its parent to reap it
-    except (OSError, IndexError):
-        return False
-
-
-def _wait_healthy(port: int, proc: subprocess.Popen[Any], timeout_s: float) -> None:
-    import httpx  # a flwr dependency
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SimulationError(f"flower-superlink exited with code {proc.returncode}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1.0).is_success:
-                return
-        time.sleep(0.25)
-    raise SimulationError(f"flower-superlink not healthy on port {port} after {timeout_s:.0f}s")
-
-
-def _tail(path: Path, n: int = 60) -> str:
-    try:
-        lines = path.read_text(errors="replace").splitlines()
-    except OSError:
-        return f"({path} unreadable)"
-    return "\n".join(lines[-n:])
 
 
 def _toml_value(v: Any) -> str:
@@ -268,9 +127,7 @@ def run_simulation(
     flwr_home = work / "flwr-home"
     flwr_home.mkdir(exist_ok=True)
     # Absolute, so the apps (running in the SuperLink's cwd) and this function agree on it.
-    overrides["results-dir"] = str(
-        Path(overrides.get("results-dir") or work / "results").expanduser().resolve()
-    )
+    overrides["results-dir"] = str(Path(overrides.get("results-dir") or work / "results").expanduser().resolve())
     if not overrides.get("run-name"):
         overrides["run-name"] = f"sim-{uuid.uuid4().hex[:8]}"
     results_path = Path(overrides["results-dir"]) / str(overrides["run-name"]) / RESULTS_FILE
@@ -291,10 +148,10 @@ def run_simulation(
     ok = False
     try:
         for attempt in range(3):  # a free port can be taken between probing and binding
-            port = _free_port()
+            port = free_port()
             link = subprocess.Popen(
                 [
-                    _bin("flower-superlink"),
+                    flwr_bin("flower-superlink"),
                     "--insecure",
                     "--simulation",
                     "--isolation",
@@ -315,25 +172,20 @@ def run_simulation(
             )
             procs.append(link)
             try:
-                _wait_healthy(port, link, min(60.0, max(1.0, deadline - time.monotonic())))
+                wait_healthy(port, link, min(60.0, max(1.0, deadline - time.monotonic())))
                 break
-            except SimulationError:
+            except FlowerProcessError:
                 if attempt == 2 or link.poll() is None:
                     raise SimulationError(
-                        "could not start flower-superlink"
-                        + _diagnostics(run_log, superlink_log, results_path)
+                        "could not start flower-superlink" + _diagnostics(run_log, superlink_log, results_path)
                     ) from None
         # `flwr run` talks to the SuperLink named as default in $FLWR_HOME/config.toml.
         (flwr_home / "config.toml").write_text(
-            "[superlink]\n"
-            'default = "sim"\n\n'
-            "[superlink.sim]\n"
-            f'address = "127.0.0.1:{port}"\n'
-            "insecure = true\n"
+            f'[superlink]\ndefault = "sim"\n\n[superlink.sim]\naddress = "127.0.0.1:{port}"\ninsecure = true\n'
         )
 
         cmd = [
-            _bin("flwr"), "run", str(app_dir), "--stream",
+            flwr_bin("flwr"), "run", str(app_dir), "--stream",
             "--run-config", str(work / "run-config.toml"),
             "--federation-config", fed_arg,
         ]  # fmt: skip
@@ -352,7 +204,7 @@ def run_simulation(
             try:
                 run.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                _terminate(procs, token)
+                terminate(procs, token)
                 raise SimulationError(
                     f"flwr run did not finish within {timeout_s:.0f}s"
                     + _diagnostics(run_log, superlink_log, results_path)
@@ -362,8 +214,7 @@ def run_simulation(
                     pump.join(timeout=5)
         if run.returncode != 0:
             raise SimulationError(
-                f"flwr run exited with code {run.returncode}"
-                + _diagnostics(run_log, superlink_log, results_path)
+                f"flwr run exited with code {run.returncode}" + _diagnostics(run_log, superlink_log, results_path)
             )
         results = _read_results(results_path)
         rounds = overrides.get("num-server-rounds")
@@ -372,8 +223,7 @@ def run_simulation(
             status = "no results.json" if results is None else f"status {results.get('status')!r}"
             error = "" if results is None else f" ({results.get('error')})"
             raise SimulationError(
-                f"the run did not complete: {status}{error}"
-                + _diagnostics(run_log, superlink_log, results_path)
+                f"the run did not complete: {status}{error}" + _diagnostics(run_log, superlink_log, results_path)
             )
         if expected is not None and len(results.get("rounds", [])) != expected:
             raise SimulationError(
@@ -391,7 +241,7 @@ def run_simulation(
         err.work_dir, err.token = work, token
         raise
     finally:
-        pids = _terminate(procs, token)
+        pids = terminate(procs, token)
         if ok:
             results["_simulation"]["pids"] = sorted(pids)
         if own_work_dir and ok and not keep_work_dir:
@@ -428,9 +278,9 @@ def _diagnostics(run_log: Path, superlink_log: Path, results_path: Path) -> str:
     return (
         f"\nresults: {results_path}"
         f"\n--- flwr run output ({run_log}), last lines ---\n"
-        + _ANSI.sub("", _tail(run_log))
+        + _ANSI.sub("", tail(run_log))
         + f"\n--- SuperLink log ({superlink_log}), last lines ---\n"
-        + _ANSI.sub("", _tail(superlink_log, 30))
+        + _ANSI.sub("", tail(superlink_log, 30))
     )
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from fedcomp import serde
 from fedcomp.codecs import Codec, TensorSpec, get_codec
+from fedcomp.wire import serde
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 #: Set to 1 to write golden fixtures that do not exist yet (never overwrites).
@@ -73,9 +73,7 @@ def devices() -> list[str]:
     return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
-def check_rejects(
-    codec: Codec, spec: TensorSpec, cases: dict[str, object], not_on_wire: tuple[str, ...] = ()
-) -> None:
+def check_rejects(codec: Codec, spec: TensorSpec, cases: dict[str, object], not_on_wire: tuple[str, ...] = ()) -> None:
     """Every bad encoding in ``cases`` raises :class:`PayloadError` naming ``spec``'s tensor,
     decoded directly and, except the cases protobuf cannot carry (``not_on_wire``), after a
     trip through real protobuf bytes."""

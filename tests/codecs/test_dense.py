@@ -1,10 +1,10 @@
 import pytest
 import torch
 
-from fedcomp import serde
 from fedcomp.codecs import DenseFP16, DenseFP32, Identity, TensorSpec
-from fedcomp.codecs.payloads import DensePayload, EncodedTensor
 from fedcomp.errors import PayloadError
+from fedcomp.wire import serde
+from fedcomp.wire.payloads import DensePayload, EncodedTensor
 from tests.codecs import kit
 
 
@@ -45,8 +45,13 @@ def test_bad_inputs_raise_payload_error():
         bad = EncodedTensor("w", (4, 4), "float32", "dense-fp32", 1, payload)
         with pytest.raises(PayloadError, match="'w'"):
             c.decode(bad, spec)
-    for field, value, msg in [("shape", (4, 5), "shape"), ("dtype", "float16", "dtype"), ("codec_id", "sbc", "codec"),
-                              ("name", "v", "for tensor"), ("codec_version", 9, "version")]:
+    for field, value, msg in [
+        ("shape", (4, 5), "shape"),
+        ("dtype", "float16", "dtype"),
+        ("codec_id", "sbc", "codec"),
+        ("name", "v", "for tensor"),
+        ("codec_version", 9, "version"),
+    ]:
         kwargs = {**good.__dict__, field: value}
         with pytest.raises(PayloadError, match=msg):
             c.decode(EncodedTensor(**kwargs), spec)

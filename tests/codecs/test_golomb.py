@@ -14,7 +14,8 @@ from fedcomp.codecs.golomb import (
     golomb_b,
 )
 from fedcomp.errors import PayloadError
-from tests.codecs import kit, reference_sbc as ref
+from tests.codecs import kit
+from tests.codecs import reference_sbc as ref
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -2,12 +2,12 @@ import numpy as np
 import pytest
 import torch
 
-from fedcomp import serde
 from fedcomp.codecs import TensorSpec, get_codec
 from fedcomp.codecs.gradiveq import GradiVeQ, coefficients_of
-from fedcomp.codecs.payloads import DensePayload, EncodedTensor, GradiVeQPayload
 from fedcomp.errors import ConfigError, PayloadError
-from fedcomp.gradiveq import Basis, Compressor, fit_compressor
+from fedcomp.methods.gradiveq import Basis, Compressor, fit_compressor
+from fedcomp.wire import serde
+from fedcomp.wire.payloads import DensePayload, EncodedTensor, GradiVeQPayload
 from tests.codecs import kit
 
 D, K = 16, 4
@@ -104,7 +104,9 @@ def test_coefficients_of_returns_what_the_codec_decodes_from():
     c = coefficients_of(enc, spec, COMP)
     assert c.shape == (4, K) and c.dtype == torch.float32
     b = COMP.basis("t")
-    torch.testing.assert_close((c @ b.basis.t() + b.whitening).reshape(-1)[:63], CODEC.decode(enc, spec).reshape(-1), rtol=0, atol=0)
+    torch.testing.assert_close(
+        (c @ b.basis.t() + b.whitening).reshape(-1)[:63], CODEC.decode(enc, spec).reshape(-1), rtol=0, atol=0
+    )
 
 
 # --- config ---------------------------------------------------------------------------------------
@@ -173,8 +175,13 @@ def _good():
 
 def _with(enc, **changes):
     p = enc.payload
-    fields = {"compressor_version": p.compressor_version, "slice_size": p.slice_size, "dim": p.dim,
-              "coefficients": p.coefficients, **changes}
+    fields = {
+        "compressor_version": p.compressor_version,
+        "slice_size": p.slice_size,
+        "dim": p.dim,
+        "coefficients": p.coefficients,
+        **changes,
+    }
     return EncodedTensor(enc.name, enc.shape, enc.dtype, enc.codec_id, enc.codec_version, GradiVeQPayload(**fields))
 
 

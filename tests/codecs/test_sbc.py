@@ -8,10 +8,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fedcomp import serde
 from fedcomp.codecs import TensorSpec, get_codec
 from fedcomp.codecs.golomb import encode_positions, golomb_b
-from fedcomp.codecs.payloads import DensePayload, EncodedTensor, SBCPayload
 from fedcomp.codecs.sbc import (
     SBC,
     _exact_sum,
@@ -23,7 +21,10 @@ from fedcomp.codecs.sbc import (
     _threshold_select_torch,
 )
 from fedcomp.errors import ConfigError, PayloadError
-from tests.codecs import kit, reference_sbc as ref
+from fedcomp.wire import serde
+from fedcomp.wire.payloads import DensePayload, EncodedTensor, SBCPayload
+from tests.codecs import kit
+from tests.codecs import reference_sbc as ref
 
 FAST = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -11,9 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fedcomp.codecs.threelc as threelc
-from fedcomp import serde
 from fedcomp.codecs.base import TensorSpec
-from fedcomp.codecs.payloads import DensePayload, EncodedTensor, ThreeLCPayload
 from fedcomp.codecs.threelc import (
     ThreeLC,
     groups,
@@ -24,6 +22,8 @@ from fedcomp.codecs.threelc import (
     zero_run_encode,
 )
 from fedcomp.errors import ConfigError, PayloadError
+from fedcomp.wire import serde
+from fedcomp.wire.payloads import DensePayload, EncodedTensor, ThreeLCPayload
 from tests.codecs import kit
 from tests.codecs import reference_threelc as ref
 
@@ -417,7 +417,9 @@ def test_bad_scale(scale):
 
 def test_wrong_payload_type_and_codes():
     codec, enc, spec = _valid()
-    _rejects(codec, dataclasses.replace(enc, payload=DensePayload("float32", b"\x00" * 4 * spec.numel)), spec, "payload is")
+    _rejects(
+        codec, dataclasses.replace(enc, payload=DensePayload("float32", b"\x00" * 4 * spec.numel)), spec, "payload is"
+    )
     codec, enc, spec = _valid(zero_run=False)
     data = bytearray(enc.payload.data)
     data[17] = 250

@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 
 from fedcomp.codecs import TensorSpec, get_codec
 from fedcomp.codecs.golomb import encode_positions, golomb_b
-from fedcomp.codecs.payloads import DensePayload, EncodedTensor, SparsePayload
 from fedcomp.codecs.topk import TopK, _topk_positions_torch, topk_positions
 from fedcomp.errors import ConfigError, PayloadError
+from fedcomp.wire.payloads import DensePayload, EncodedTensor, SparsePayload
 from tests.codecs import kit
 
 FAST = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -3,14 +3,14 @@ fedcomp's compression mod (corrupts the stored replica before it runs, or the up
 
 from __future__ import annotations
 
+from fault_server import EXTRA_KEYS
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 from flwr.clientapp.typing import ClientAppCallable
 
-from fedcomp.apps import client_train
-from fedcomp.flower import keys
+from fedcomp.app.apps import client_train
+from fedcomp.flower import protocol as keys
 from fedcomp.flower.mod import compression_mod
-from fault_server import EXTRA_KEYS
 
 
 def fault_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:

@@ -9,8 +9,8 @@ from flwr.app.message_type import MessageType
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 
-from fedcomp.apps import server_main
-from fedcomp.config import AppConfig
+from fedcomp.app.apps import server_main
+from fedcomp.app.config import AppConfig
 
 EXTRA_KEYS = ("script", "corrupt-uplink", "corrupt-replica")
 

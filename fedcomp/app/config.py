@@ -78,9 +78,7 @@ class AppConfig(BaseModel):
     # --- construction -----------------------------------------------------------------------
 
     @classmethod
-    def from_run_config(
-        cls, run_config: Mapping[str, Any], ignore: Iterable[str] = ()
-    ) -> AppConfig:
+    def from_run_config(cls, run_config: Mapping[str, Any], ignore: Iterable[str] = ()) -> AppConfig:
         """Validate ``context.run_config``; raise :class:`ConfigError` naming the bad key.
 
         ``ignore``: keys validated elsewhere (e.g. another settings model's aliases), skipped here
@@ -119,7 +117,7 @@ _MESSAGES = {
     "less_than": "must be < {lt}",
     "less_than_equal": "must be <= {le}",
     "literal_error": "must be one of {expected}",
-    "extra_forbidden": "unknown key (not a field of fedcomp.config.AppConfig)",
+    "extra_forbidden": "unknown key (not a field of fedcomp.app.config.AppConfig)",
     "int_type": "must be an integer",
     "float_type": "must be a number",
     "string_type": "must be a string",

@@ -20,7 +20,7 @@ import subprocess
 import uuid
 from collections.abc import Sequence
 
-from fedcomp.links import LinkProfile
+from fedcomp.net.links import LinkProfile
 
 __all__ = ["NetnsLab", "NetnsUnavailable"]
 
@@ -126,7 +126,10 @@ class NetnsLab:
         out: dict[int, dict[str, int]] = {}
         for i in range(len(self.links)):
             out[i] = {}
-            for key, ns, dev in (("down", self.link_ns, f"{self.name}a{i}"), ("up", self.node_ns(i), f"{self.name}b{i}")):
+            for key, ns, dev in (
+                ("down", self.link_ns, f"{self.name}a{i}"),
+                ("up", self.node_ns(i), f"{self.name}b{i}"),
+            ):
                 res = _run([*self.exec_prefix(ns), self._tc, "-s", "qdisc", "show", "dev", dev])
                 sent = [int(x) for x in re.findall(r"Sent (\d+) bytes", res.stdout)]
                 out[i][key] = max(sent, default=0)  # netem + tbf: both count the same bytes

@@ -1,7 +1,7 @@
 """Flower glue that does not depend on compression: traffic metering and centralized evaluation.
 
 * :class:`MeteredGrid` wraps the ServerApp's ``Grid`` and reports, for every message that goes
-  out and every reply that comes back, its payload size to a :class:`~fedcomp.results.RunRecorder`
+  out and every reply that comes back, its payload size to a :class:`~fedcomp.app.results.RunRecorder`
   (per client: ``downlink_bytes`` / ``uplink_bytes`` as measured, ``dense_*`` = the fp32 model
   size). Because it sits between the strategy and the wire, it measures what a compressing
   strategy wrapper actually sends, whatever that wrapper does; pass ``measure=`` to count
@@ -25,16 +25,16 @@ from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
+from fedcomp.app.models import evaluate
+from fedcomp.app.results import RunRecorder
 from fedcomp.errors import ConfigError
-from fedcomp.models import evaluate
-from fedcomp.results import RunRecorder
 
 __all__ = [
+    "MeteredGrid",
     "array_nbytes",
     "arrayrecord_nbytes",
-    "payload_nbytes",
-    "MeteredGrid",
     "centralized_evaluate_fn",
+    "payload_nbytes",
     "recording_train_metrics_aggr",
     "wait_for_nodes",
 ]
@@ -123,9 +123,7 @@ class MeteredGrid(Grid):
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
         return self._in(self._grid.pull_messages(message_ids))
 
-    def send_and_receive(
-        self, messages: Iterable[Message], *, timeout: float | None = None
-    ) -> Iterable[Message]:
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
         return self._in(self._grid.send_and_receive(self._out(messages), timeout=timeout))
 
     # --- plain delegation ---------------------------------------------------------------------
@@ -150,9 +148,7 @@ class MeteredGrid(Grid):
         return getattr(self._grid, name)
 
 
-def wait_for_nodes(
-    grid: Grid, n: int, timeout_s: float = 30.0, key: str = "clients-per-round"
-) -> list[int]:
+def wait_for_nodes(grid: Grid, n: int, timeout_s: float = 30.0, key: str = "clients-per-round") -> list[int]:
     """Wait until ``n`` nodes are connected; raise :class:`ConfigError` after ``timeout_s``.
 
     Flower's samplers wait forever for nodes that never come (e.g. asking for more clients per

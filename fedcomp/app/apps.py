@@ -13,24 +13,31 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Context,
+    Message,
+    MetricRecord,
+    RecordDict,
+)
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Strategy
 
-from fedcomp.config import AppConfig
-from fedcomp.data import load_dataset, load_partition
-from fedcomp.errors import ConfigError
-from fedcomp.fl import (
+from fedcomp.app.config import AppConfig
+from fedcomp.app.data import load_dataset, load_partition
+from fedcomp.app.fl import (
     MeteredGrid,
     arrayrecord_nbytes,
     centralized_evaluate_fn,
     recording_train_metrics_aggr,
     wait_for_nodes,
 )
+from fedcomp.app.models import LeNet5Caffe, resolve_device, train_local
+from fedcomp.app.results import RunRecorder
+from fedcomp.errors import ConfigError
 from fedcomp.flower.records import digest, tensors_from_record
 from fedcomp.flower.strategy import CompressionStrategy
-from fedcomp.models import LeNet5Caffe, resolve_device, train_local
-from fedcomp.results import RunRecorder
 
 #: Builds the inner strategy from the validated config (FedAvg by default).
 InnerFactory = Callable[[AppConfig, Callable], Strategy]

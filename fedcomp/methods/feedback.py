@@ -13,7 +13,7 @@ from collections.abc import Mapping
 import torch
 
 from fedcomp.codecs.base import Codec
-from fedcomp.codecs.payloads import EncodedTensor
+from fedcomp.wire.payloads import EncodedTensor
 
 
 class ErrorFeedback:
@@ -55,9 +55,7 @@ class ErrorFeedback:
         """Residuals by tensor name (the tensors themselves, on their device, like PyTorch)."""
         return dict(self._residuals)
 
-    def load_state_dict(
-        self, state: Mapping[str, torch.Tensor], device: torch.device | str | None = None
-    ) -> None:
+    def load_state_dict(self, state: Mapping[str, torch.Tensor], device: torch.device | str | None = None) -> None:
         """Replace the residuals with ``state`` (moved to ``device`` when given)."""
         loaded: dict[str, torch.Tensor] = {}
         for name, value in state.items():

@@ -42,23 +42,23 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedcomp.config import DATA_DIR_ENV
+from fedcomp.app.config import DATA_DIR_ENV
 
 __all__ = [
     "DATASETS",
     "IDX_DATASETS",
     "DataError",
-    "Split",
     "Dataset",
+    "Split",
+    "dirichlet_partition",
+    "iid_partition",
     "load_dataset",
-    "load_idx_dataset",
     "load_digits_dataset",
+    "load_idx_dataset",
+    "load_partition",
+    "partition_indices",
     "read_idx",
     "resolve_data_dir",
-    "iid_partition",
-    "dirichlet_partition",
-    "partition_indices",
-    "load_partition",
 ]
 
 IDX_DATASETS = ("mnist", "fashion-mnist")
@@ -135,8 +135,7 @@ def read_idx(path: str | Path, expected_magic: int | None = None) -> np.ndarray:
     expected = int(np.prod(shape))
     if len(data) - header != expected:
         raise DataError(
-            f"{path}: IDX header says shape {shape} ({expected} bytes of data) "
-            f"but the file holds {len(data) - header}"
+            f"{path}: IDX header says shape {shape} ({expected} bytes of data) but the file holds {len(data) - header}"
         )
     return np.frombuffer(data, np.uint8, offset=header).reshape(shape)
 
@@ -172,10 +171,7 @@ def _load_idx_cached(name: str, root: str) -> Dataset:
         if images.ndim != 3 or images.shape[1:] != (28, 28):
             raise DataError(f"{folder / _IDX_FILES[split, 'images']}: images are not 28x28")
         if labels.ndim != 1 or len(labels) != len(images):
-            raise DataError(
-                f"{folder / _IDX_FILES[split, 'labels']}: {len(labels)} labels for "
-                f"{len(images)} images"
-            )
+            raise DataError(f"{folder / _IDX_FILES[split, 'labels']}: {len(labels)} labels for {len(images)} images")
         if labels.size and labels.max() > 9:
             raise DataError(f"{folder / _IDX_FILES[split, 'labels']}: label > 9")
     train_u8 = raw["train", "images"]

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from fedcomp.config import RESULTS_DIR_ENV
+from fedcomp.app.config import RESULTS_DIR_ENV
 
 __all__ = ["RESULTS_FILE", "ClientTraffic", "RunRecorder", "resolve_results_root"]
 
@@ -166,9 +166,7 @@ class RunRecorder:
         """Attach extra metrics (e.g. ``train_loss``) to the current round's entry."""
         self._metrics.update(_jsonable(metrics))
 
-    def end_round(
-        self, round: int, *, accuracy: float, loss: float, **metrics: Any
-    ) -> dict[str, Any]:
+    def end_round(self, round: int, *, accuracy: float, loss: float, **metrics: Any) -> dict[str, Any]:
         """Close ``round``: sum its traffic, print a row, rewrite results.json; return the entry."""
         now = time.monotonic()
         ids = sorted(self._traffic, key=lambda c: (len(c), c))  # numeric order for node ids
@@ -182,9 +180,7 @@ class RunRecorder:
             "loss": float(loss),
             **totals,
             "uplink_compression": _ratio(totals["dense_uplink_bytes"], totals["uplink_bytes"]),
-            "downlink_compression": _ratio(
-                totals["dense_downlink_bytes"], totals["downlink_bytes"]
-            ),
+            "downlink_compression": _ratio(totals["dense_downlink_bytes"], totals["downlink_bytes"]),
             "num_clients": len(ids),
             "round_time_s": round_s(now - self._t_round),
             "wall_time_s": round_s(now - self._t0),
@@ -256,9 +252,7 @@ class RunRecorder:
             "status": self._status,
             "error": self._error,
             "started_at": self.started_at.isoformat().replace("+00:00", "Z"),
-            "finished_at": (
-                _dt.datetime.now(_dt.UTC).isoformat().replace("+00:00", "Z") if finished else None
-            ),
+            "finished_at": (_dt.datetime.now(_dt.UTC).isoformat().replace("+00:00", "Z") if finished else None),
             "config": self._config,
             "summary": self._summary,
             "rounds": self._rounds,

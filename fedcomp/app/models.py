@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["LeNet5Caffe", "resolve_device", "train_local", "evaluate", "state_dict_nbytes"]
+__all__ = ["LeNet5Caffe", "evaluate", "resolve_device", "state_dict_nbytes", "train_local"]
 
 
 class LeNet5Caffe(nn.Module):
@@ -49,9 +49,7 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
 Batches = Iterable[tuple[torch.Tensor, torch.Tensor]]
 
 
-def _tensor_batches(
-    x: torch.Tensor, y: torch.Tensor, batch_size: int, generator: torch.Generator | None
-) -> Batches:
+def _tensor_batches(x: torch.Tensor, y: torch.Tensor, batch_size: int, generator: torch.Generator | None) -> Batches:
     """Endless shuffled minibatches of (x, y); reshuffles at the end of every epoch."""
     n = len(y)
     if n == 0:
@@ -99,13 +97,9 @@ def train_local(
     device = resolve_device(device)
     model.to(device).train()
     if optimizer == "adam":
-        opt: torch.optim.Optimizer = torch.optim.Adam(
-            model.parameters(), lr=lr, weight_decay=weight_decay
-        )
+        opt: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=weight_decay)
     elif optimizer == "sgd":
-        opt = torch.optim.SGD(
-            model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay
-        )
+        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
     else:
         raise ValueError(f"optimizer: must be 'adam' or 'sgd' (got {optimizer!r})")
 

@@ -49,9 +49,9 @@ from dataclasses import dataclass
 
 import torch
 
-from fedcomp.codecs.payloads import DeftAllocation, DeftPartition
 from fedcomp.codecs.topk import Range, check_positions
 from fedcomp.errors import ConfigError, PayloadError
+from fedcomp.wire.payloads import DeftAllocation, DeftPartition
 
 #: Most partitions a client accepts in one allocation (a guard against floods; a real allocation
 #: holds about ``(tensors + (n - 1)**2) / n`` of them).
@@ -252,7 +252,8 @@ def check_allocation(
     for a, b in zip(ordered, ordered[1:]):
         if a.tensor == b.tensor and b.start < a.stop:
             raise PayloadError(
-                "", f"allocation partitions [{a.start}, {a.stop}) and [{b.start}, {b.stop}) of tensor {a.tensor} overlap"
+                "",
+                f"allocation partitions [{a.start}, {a.stop}) and [{b.start}, {b.stop}) of tensor {a.tensor} overlap",
             )
 
 

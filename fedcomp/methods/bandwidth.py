@@ -5,7 +5,7 @@ The server states the budget (run config, sent in the downlink record as JSON): 
 deadline ``round-deadline-s`` and/or a byte budget ``uplink-budget-bytes`` per client, bounds
 ``sbc-p-min``/``sbc-p-max`` and ``local-iters-min``/``local-iters-max``, and whether local
 iterations may change (``adapt-local-iters``). Each client knows its link
-(:mod:`fedcomp.links`: node config, or the run's ``link-profiles`` cycled over partitions) and,
+(:mod:`fedcomp.net.links`: node config, or the run's ``link-profiles`` cycled over partitions) and,
 from its own last round, its seconds per local iteration. A :class:`BandwidthPolicy` turns both
 into a :class:`Choice`; the client mod applies it (``local-iters`` before training, ``p`` when it
 compresses) and reports it in the uplink record, so ``results.json`` shows it per client per
@@ -43,7 +43,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from fedcomp.codecs.golomb import expected_bits_per_position, golomb_b
 from fedcomp.errors import ConfigError
-from fedcomp.links import LinkProfile
+from fedcomp.net.links import LinkProfile
 
 __all__ = [
     "BandwidthBudget",

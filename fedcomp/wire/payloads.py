@@ -1,6 +1,6 @@
 """Plain data classes for what a codec puts on the wire.
 
-They mirror ``proto/fedcomp/v1/wire.proto`` one to one; ``fedcomp.serde`` is the only module
+They mirror ``proto/fedcomp/v1/wire.proto`` one to one; ``fedcomp.wire.serde`` is the only module
 that converts them to and from protobuf, so codecs never touch generated code.
 """
 

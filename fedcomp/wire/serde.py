@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from google.protobuf.message import DecodeError as _PbDecodeError
 
-from fedcomp.codecs.payloads import (
+from fedcomp.errors import PayloadError
+from fedcomp.v1 import wire_pb2 as pb
+from fedcomp.wire.payloads import (
     FORMAT_VERSION,
     DeftAllocation,
     DeftPartition,
@@ -24,8 +26,6 @@ from fedcomp.codecs.payloads import (
     SparsePayload,
     ThreeLCPayload,
 )
-from fedcomp.errors import PayloadError
-from fedcomp.v1 import wire_pb2 as pb
 
 #: Upper bound on tensor rank accepted from the wire.
 MAX_RANK = 8
@@ -58,9 +58,7 @@ def tensor_to_proto(t: EncodedTensor) -> pb.CompressedTensor:
     if isinstance(p, SBCPayload):
         msg.sbc.CopyFrom(pb.SBCPayload(mean=p.mean, golomb_b=p.golomb_b, nnz=p.nnz, bits=p.bits))
     elif isinstance(p, ThreeLCPayload):
-        msg.three_lc.CopyFrom(
-            pb.ThreeLCPayload(scale=p.scale, numel=p.numel, zero_run=p.zero_run, data=p.data)
-        )
+        msg.three_lc.CopyFrom(pb.ThreeLCPayload(scale=p.scale, numel=p.numel, zero_run=p.zero_run, data=p.data))
     elif isinstance(p, DensePayload):
         msg.dense.CopyFrom(pb.DensePayload(encoding=_DTYPE_TO_PB[p.encoding], data=p.data))
     elif isinstance(p, SparsePayload):
@@ -184,7 +182,7 @@ def allocation_to_bytes(a: DeftAllocation) -> bytes:
 
 
 def allocation_from_bytes(data: bytes) -> DeftAllocation:
-    """Parse only; the receiver checks the partitions against its model (``fedcomp.deft``)."""
+    """Parse only; the receiver checks the partitions against its model (``fedcomp.methods.deft``)."""
     msg = _parse(pb.DeftAllocation(), data, "DeftAllocation")
     return DeftAllocation(
         round=msg.round,
@@ -204,7 +202,7 @@ def compressor_to_bytes(c: GradiVeQCompressor) -> bytes:
 
 
 def compressor_from_bytes(data: bytes) -> GradiVeQCompressor:
-    """Parse only; the receiver checks sizes against its model (``fedcomp.gradiveq``)."""
+    """Parse only; the receiver checks sizes against its model (``fedcomp.methods.gradiveq``)."""
     msg = _parse(pb.GradiVeQCompressor(), data, "GradiVeQCompressor")
     return GradiVeQCompressor(
         version=msg.version,

@@ -8,7 +8,7 @@ A synchronous round lasts as long as its slowest client::
 
 (latency one-way, paid once down and once up). Bytes are the ones ``results.json`` recorded per
 client (``clients.downlink_bytes`` / ``clients.uplink_bytes``: what crossed the wire, payloads
-only). Links: one :class:`~fedcomp.links.LinkProfile` for every client, or each client's own as
+only). Links: one :class:`~fedcomp.net.links.LinkProfile` for every client, or each client's own as
 its bandwidth report recorded (``client_links``). Compute: ``seconds_per_iter`` x the client's
 local iterations (``client_local_iters``, else the run config's ``local-iters``), or the client's
 recorded ``client_train_seconds``. ``overhead_s`` is added to every round that had clients (the
@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fedcomp.links import LinkProfile
+from fedcomp.net.links import LinkProfile
 
 __all__ = ["EmulatedRound", "emulate_run", "time_to_accuracy"]
 

@@ -86,7 +86,11 @@ class LinkProfile:
     # --- node config ---------------------------------------------------------------------------
 
     def to_node_config(self) -> dict[str, float]:
-        return {UPLINK_KEY: float(self.uplink_mbps), DOWNLINK_KEY: float(self.downlink_mbps), LATENCY_KEY: float(self.latency_ms)}
+        return {
+            UPLINK_KEY: float(self.uplink_mbps),
+            DOWNLINK_KEY: float(self.downlink_mbps),
+            LATENCY_KEY: float(self.latency_ms),
+        }
 
     def spec(self) -> str:
         """The ``UP,DOWN,LATENCY`` form :func:`parse_link_profiles` reads."""
@@ -104,10 +108,14 @@ class LinkProfile:
             return None
         for k in (UPLINK_KEY, DOWNLINK_KEY):
             if k not in node_config:
-                raise ConfigError(f"{where}: {k}: missing (the link needs {UPLINK_KEY} and {DOWNLINK_KEY}; {LATENCY_KEY} defaults to 0)")
+                raise ConfigError(
+                    f"{where}: {k}: missing (the link needs {UPLINK_KEY} and {DOWNLINK_KEY}; {LATENCY_KEY} defaults to 0)"
+                )
         up = check_number(node_config[UPLINK_KEY], UPLINK_KEY, lo=0.0, lo_open=True, hi=MAX_MBPS, where=where)
         down = check_number(node_config[DOWNLINK_KEY], DOWNLINK_KEY, lo=0.0, lo_open=True, hi=MAX_MBPS, where=where)
-        lat = check_number(node_config.get(LATENCY_KEY, 0.0), LATENCY_KEY, lo=0.0, lo_open=False, hi=MAX_LATENCY_MS, where=where)
+        lat = check_number(
+            node_config.get(LATENCY_KEY, 0.0), LATENCY_KEY, lo=0.0, lo_open=False, hi=MAX_LATENCY_MS, where=where
+        )
         return cls(up, down, lat)
 
 
@@ -131,7 +139,9 @@ def parse_link_profiles(text: str, key: str = "link-profiles") -> list[LinkProfi
         where = f"{key}: profile {i}"
         up = check_number(nums[0], UPLINK_KEY, lo=0.0, lo_open=True, hi=MAX_MBPS, where=where)
         down = check_number(nums[1], DOWNLINK_KEY, lo=0.0, lo_open=True, hi=MAX_MBPS, where=where)
-        lat = check_number(nums[2] if len(nums) == 3 else 0.0, LATENCY_KEY, lo=0.0, lo_open=False, hi=MAX_LATENCY_MS, where=where)
+        lat = check_number(
+            nums[2] if len(nums) == 3 else 0.0, LATENCY_KEY, lo=0.0, lo_open=False, hi=MAX_LATENCY_MS, where=where
+        )
         out.append(LinkProfile(up, down, lat))
     return out
 
@@ -143,11 +153,15 @@ def profile_for_partition(profiles: Sequence[LinkProfile], partition_id: int) ->
     return profiles[partition_id % len(profiles)]
 
 
-def link_of(node_config: Mapping[str, Any], profiles: Sequence[LinkProfile], where: str = "node config") -> LinkProfile | None:
+def link_of(
+    node_config: Mapping[str, Any], profiles: Sequence[LinkProfile], where: str = "node config"
+) -> LinkProfile | None:
     """This client's link: from its node config if it names one, else the run's profiles cycled
     over ``partition-id`` (0 when absent), else None."""
     own = LinkProfile.from_node_config(node_config, where)
     if own is not None:
         return own
     pid = node_config.get("partition-id", 0)
-    return profile_for_partition(profiles, int(pid) if isinstance(pid, int | float) and not isinstance(pid, bool) else 0)
+    return profile_for_partition(
+        profiles, int(pid) if isinstance(pid, int | float) and not isinstance(pid, bool) else 0
+    )

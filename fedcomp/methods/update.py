@@ -13,9 +13,9 @@ import torch
 
 from fedcomp.codecs.base import Codec, TensorSpec
 from fedcomp.codecs.dense import DenseFP32
-from fedcomp.codecs.payloads import EncodedUpdate
 from fedcomp.errors import PayloadError
-from fedcomp.feedback import ErrorFeedback
+from fedcomp.methods.feedback import ErrorFeedback
+from fedcomp.wire.payloads import EncodedUpdate
 
 #: Default size below which a tensor is sent dense.
 DEFAULT_MIN_NUMEL = 1000
@@ -71,7 +71,7 @@ class UpdateEncoder:
     ) -> EncodedUpdate:
         """Encode ``tensors`` in order. A tensor named in ``codecs`` uses that codec instead of
         the default, whatever its size, and goes through the error feedback when it is on (DEFT
-        gives each client per-tensor ranges every round: :mod:`fedcomp.deft`)."""
+        gives each client per-tensor ranges every round: :mod:`fedcomp.methods.deft`)."""
         codecs = codecs or {}
         unknown = set(codecs) - set(tensors)
         if unknown:

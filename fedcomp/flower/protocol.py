@@ -12,4 +12,4 @@ STATE_REPLICA = "fedcomp.replica"
 STATE_RESIDUAL = "fedcomp.residual"
 STATE_META = "fedcomp.meta"
 #: The mod's own measurements for the bandwidth policy (seconds per local iteration).
-STATE_BANDWIDTH = "fedcomp.bandwidth"
+STATE_BANDWIDTH = "fedcomp.methods.bandwidth"

@@ -1,0 +1,894 @@
+"""Run the app on Flower's Deployment Engine: real SuperLink, real SuperNodes, ``flwr run``.
+
+    python -m fedcomp.deploy local --nodes 3 --rounds 5 --links "10,10,20;100,100,5"
+    python -m fedcomp.deploy supernode --superlink HOST:9092 --root-certificates ca.pem \\
+        --partition-id 0 --num-partitions 3 --uplink-mbps 10 --downlink-mbps 100 --latency-ms 20
+    python -m fedcomp.deploy run --superlink HOST:9092 --root-certificates ca.pem [--rounds R]
+
+``local`` starts one ``flower-superlink --insecure`` and N ``flower-supernode --insecure`` on
+127.0.0.1 (free ports; with ``--netns`` each in a network namespace of its own behind a
+``tc``-shaped veth pair instead, see :mod:`fedcomp.net.netns`; each SuperNode with its own ``FLWR_HOME`` and ``--node-config`` holding
+``partition-id``, ``num-partitions`` and its link ``uplink-mbps``, ``downlink-mbps``,
+``latency-ms``), waits until the SuperLink lists all N nodes online, runs the app with
+``flwr run <app> <connection> --stream`` (a connection entry in ``$FLWR_HOME/config.toml``:
+``address``, ``insecure = true``), checks that ``results.json`` says ``completed`` (the CLI's exit
+code does not), and stops every process it started: SIGTERM to each process, its process group
+and session, then SIGKILL after a grace period, by PID (the machinery of
+:mod:`fedcomp.testing.flower`). A node config that is missing a link value or holds a
+nonsensical one stops it before anything starts, with a message naming the node and the key.
+
+``supernode`` starts one SuperNode against a SuperLink on another host (TLS unless the SuperLink
+is on loopback) with a validated node config, and gives up with a clear message when the
+SuperLink cannot be reached within ``--max-wait-time``. ``run`` submits the app to such a
+SuperLink and streams its logs.
+
+Links: ``--links "UP,DOWN,LATENCY;..."`` (Mbit/s, Mbit/s, ms) is cycled over the nodes (see
+:mod:`fedcomp.net.links`); ``--node-config-file nodes.toml`` sets any node-config key per node::
+
+    [default]                 # every node (below the per-node values)
+    latency-ms = 20.0
+    [[node]]                  # node 0 (partition-id 0 unless given)
+    uplink-mbps = 10.0
+    downlink-mbps = 100.0
+    [[node]]                  # node 1
+    uplink-mbps = 100.0
+    downlink-mbps = 100.0
+
+Precedence: ``[[node]]`` > ``[default]`` > ``--links`` > ``partition-id = index``,
+``num-partitions = number of nodes``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import tomllib
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fedcomp.errors import ConfigError
+from fedcomp.net.links import LinkProfile, parse_link_profiles
+from fedcomp.net.netns import SUPERLINK_PORT, SUPERNODE_PORT, NetnsLab, NetnsUnavailable
+from fedcomp.net.superlink import (
+    TOKEN_ENV,
+    alive_pids,
+    flwr_bin,
+    flwr_env,
+    terminate,
+)
+
+__all__ = [
+    "DEFAULT_LINKS",
+    "DeployError",
+    "LocalDeployment",
+    "NodeSpec",
+    "deploy_local",
+    "node_specs",
+    "run_app",
+]
+
+RESULTS_FILE = "results.json"
+#: Link of every node when neither --links nor a node-config file names one: 100/100 Mbit/s, 10 ms.
+DEFAULT_LINKS = "100,100,10"
+CONNECTION = "fedcomp-local"
+_KEY = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_-]*$")
+_LOOPBACK = {"127.0.0.1", "localhost", "::1", "[::1]"}
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+class DeployError(RuntimeError):
+    """The deployment failed (a process did not start, the run failed or timed out)."""
+
+
+# --- node configs ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """One SuperNode: its index and its validated node config."""
+
+    index: int
+    config: dict[str, Any]
+
+    @property
+    def link(self) -> LinkProfile:
+        link = LinkProfile.from_node_config(self.config, self.name)
+        if link is None:
+            raise ConfigError(f"{self.name}: uplink-mbps: missing")
+        return link
+
+    @property
+    def name(self) -> str:
+        return f"node {self.index} (partition-id {self.config.get('partition-id')})"
+
+    def node_config_arg(self) -> str:
+        """The ``--node-config`` string: ``key=value`` pairs, TOML values."""
+        return " ".join(f"{k}={_toml_scalar(v)}" for k, v in self.config.items())
+
+
+def _toml_scalar(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float):
+        return repr(v)  # 10.0, never 10 (stays a float on the other side)
+    if isinstance(v, int):
+        return str(v)
+    return json.dumps(v)
+
+
+def _check_node(spec: NodeSpec) -> None:
+    where, cfg = spec.name, spec.config
+    for key, value in cfg.items():
+        if not _KEY.match(key):
+            raise ConfigError(f"node {spec.index}: {key!r}: not a valid node-config key (letters, digits, '-', '_')")
+        if isinstance(value, str):
+            if any(c in value for c in "\"'\\\n\r"):
+                raise ConfigError(f"{where}: {key}: string values may not hold quotes, backslashes or newlines")
+        elif not isinstance(value, bool | int | float):
+            raise ConfigError(f"{where}: {key}: must be a number, a string or true/false (got {value!r})")
+    for key in ("partition-id", "num-partitions"):
+        v = cfg.get(key)
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ConfigError(f"{where}: {key}: must be an integer (got {v!r})")
+    if cfg["num-partitions"] < 1:
+        raise ConfigError(f"{where}: num-partitions: must be >= 1 (got {cfg['num-partitions']})")
+    if not 0 <= cfg["partition-id"] < cfg["num-partitions"]:
+        raise ConfigError(
+            f"{where}: partition-id: must be in [0, num-partitions = {cfg['num-partitions']}) "
+            f"(got {cfg['partition-id']})"
+        )
+    if LinkProfile.from_node_config(cfg, where) is None:
+        raise ConfigError(f"{where}: uplink-mbps: missing (every node needs uplink-mbps and downlink-mbps)")
+
+
+def node_specs(
+    nodes: int | None = None,
+    links: str | Sequence[LinkProfile] | None = None,
+    node_config_file: str | Path | Mapping[str, Any] | None = None,
+) -> list[NodeSpec]:
+    """Build and validate every SuperNode's node config; raise ConfigError naming node and key.
+
+    ``links``: profiles cycled over the nodes (default :data:`DEFAULT_LINKS` when the file names
+    no link). ``node_config_file``: a TOML file (or its parsed dict) with an optional
+    ``[default]`` table and ``[[node]]`` tables, one per node.
+    """
+    file: Mapping[str, Any] = {}
+    if isinstance(node_config_file, Mapping):
+        file = node_config_file
+    elif node_config_file is not None:
+        path = Path(node_config_file)
+        try:
+            file = tomllib.loads(path.read_text())
+        except OSError as err:
+            raise ConfigError(f"--node-config-file: cannot read {path}: {err.strerror}") from None
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"--node-config-file: {path} is not valid TOML: {err}") from None
+    unknown = set(file) - {"default", "node"}
+    if unknown:
+        raise ConfigError(f"--node-config-file: unknown table(s) {sorted(unknown)} (expected [default] and [[node]])")
+    default = file.get("default", {})
+    per_node = file.get("node", [])
+    if (
+        not isinstance(default, Mapping)
+        or not isinstance(per_node, list)
+        or not all(isinstance(x, Mapping) for x in per_node)
+    ):
+        raise ConfigError("--node-config-file: expected a [default] table and [[node]] tables")
+    if nodes is None:
+        if not per_node:
+            raise ConfigError("--nodes: give the number of SuperNodes (or [[node]] tables in --node-config-file)")
+        nodes = len(per_node)
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
+        raise ConfigError(f"--nodes: must be an integer >= 1 (got {nodes!r})")
+    if per_node and len(per_node) != nodes:
+        raise ConfigError(f"--nodes {nodes} but --node-config-file has {len(per_node)} [[node]] tables")
+    if isinstance(links, str) or links is None:
+        profiles = parse_link_profiles(links if links is not None else "", key="--links")
+    else:
+        profiles = list(links)
+    if not profiles and not any("uplink-mbps" in t for t in (default, *per_node)):
+        profiles = parse_link_profiles(DEFAULT_LINKS)
+    specs = []
+    for i in range(nodes):
+        cfg: dict[str, Any] = {"partition-id": i, "num-partitions": nodes}
+        if profiles:
+            cfg.update(profiles[i % len(profiles)].to_node_config())
+        cfg.update(default)
+        cfg.update(per_node[i] if per_node else {})
+        spec = NodeSpec(i, cfg)
+        _check_node(spec)
+        specs.append(spec)
+    seen: dict[int, int] = {}
+    for s in specs:
+        pid = s.config["partition-id"]
+        if pid in seen:
+            raise ConfigError(
+                f"{s.name}: partition-id: {pid} is already node {seen[pid]}'s (each node needs its own partition)"
+            )
+        seen[pid] = s.index
+    return specs
+
+
+# --- processes ---------------------------------------------------------------------------------
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free TCP ports on 127.0.0.1 (all bound at once, so never the same twice)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def tail(path: Path, n: int = 25) -> str:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return f"({path}: no log)"
+    return "\n".join(_ANSI.sub("", line) for line in lines[-n:])
+
+
+def _connection_toml(name: str, address: str, *, insecure: bool, root_certificates: str | None) -> str:
+    lines = [
+        "[superlink]",
+        f"default = {json.dumps(name)}",
+        "",
+        f"[superlink.{json.dumps(name)}]",
+        f"address = {json.dumps(address)}",
+    ]
+    if insecure:
+        lines.append("insecure = true")
+    if root_certificates:
+        lines.append(f"root-certificates = {json.dumps(str(Path(root_certificates).resolve()))}")
+    return "\n".join(lines) + "\n"
+
+
+def _read_results(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _is_loopback(address: str) -> bool:
+    host = address.rsplit(":", 1)[0] if address.count(":") == 1 or address.startswith("[") else address
+    return host in _LOOPBACK
+
+
+def _with_run_defaults(run_config: Mapping[str, Any], rounds: int | None, results_dir: Path | None) -> dict[str, Any]:
+    cfg = dict(run_config)
+    if rounds is not None:
+        cfg["num-server-rounds"] = int(rounds)
+    root = (
+        cfg.get("results-dir")
+        or (str(results_dir) if results_dir else "")
+        or os.environ.get("FEDCOMP_RESULTS_DIR")
+        or "results"
+    )
+    cfg["results-dir"] = str(Path(str(root)).expanduser().resolve())  # absolute: the ServerApp runs elsewhere
+    if not cfg.get("run-name"):
+        cfg["run-name"] = "deploy-" + time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:4]
+    return cfg
+
+
+def run_app(
+    app_dir: str | Path,
+    address: str,
+    run_config: Mapping[str, Any],
+    *,
+    flwr_home: str | Path,
+    timeout_s: float,
+    insecure: bool = False,
+    root_certificates: str | None = None,
+    env: Mapping[str, str] | None = None,
+    log_path: str | Path | None = None,
+    echo: bool = False,
+    results_path: str | Path | None = None,
+    on_round: Callable[[dict[str, Any]], None] | None = None,
+    procs: list[subprocess.Popen[Any]] | None = None,
+    prefix: Sequence[str] = (),
+) -> dict[str, Any] | None:
+    """``flwr run <app> <connection> --stream`` against the SuperLink at ``address``.
+
+    Writes the connection into ``flwr_home/config.toml`` and the run config into a TOML file
+    next to it, and waits at most ``timeout_s``. With ``results_path`` (a SuperLink whose
+    results folder this machine sees) the run is judged by its ``status``, and ``on_round`` is
+    called with each round entry as it appears. Returns the parsed results (None without
+    ``results_path``); raises :class:`DeployError` when the CLI fails (e.g. the SuperLink is
+    unreachable), times out, or the results do not say ``completed``. ``prefix``: run the CLI
+    through it (e.g. ``ip netns exec NS``).
+    """
+    app_dir = Path(app_dir).resolve()
+    home = Path(flwr_home)
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "config.toml").write_text(
+        _connection_toml(CONNECTION, address, insecure=insecure, root_certificates=root_certificates)
+    )
+    import tomli_w  # a flwr dependency
+
+    rc_file = home / "run-config.toml"
+    rc_file.write_text(tomli_w.dumps(dict(run_config)))
+    log_path = Path(log_path) if log_path else home / "flwr-run.log"
+    results = Path(results_path) if results_path else None
+    if results is not None:
+        results.unlink(missing_ok=True)  # never mistake an old run's results for this one's
+    run_env = flwr_env(home, {**os.environ, **(env or {})})
+    own = procs is None
+    if own or TOKEN_ENV not in run_env:
+        run_env[TOKEN_ENV] = uuid.uuid4().hex  # marks the CLI's processes for the cleanup
+    cmd = [*prefix, flwr_bin("flwr"), "run", str(app_dir), CONNECTION, "--stream", "--run-config", str(rc_file)]
+    deadline = time.monotonic() + timeout_s
+    procs = [] if procs is None else procs
+    seen_rounds = 0
+    with open(log_path, "w") as log:
+        run = subprocess.Popen(
+            cmd, cwd=app_dir, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            start_new_session=True, text=True, errors="replace",
+        )  # fmt: skip
+        procs.append(run)
+        pump = _pump(run, log, echo)
+        try:
+            while run.poll() is None:
+                if time.monotonic() > deadline:
+                    raise DeployError(
+                        f"flwr run did not finish within {timeout_s:.0f}s\n--- flwr run ---\n{tail(log_path)}"
+                    )
+                if results is not None and on_round is not None:
+                    seen_rounds = _fire_rounds(results, seen_rounds, on_round)
+                time.sleep(0.5)
+        finally:
+            if own:
+                terminate(procs, run_env[TOKEN_ENV], grace_s=3.0)
+            pump.join(timeout=5)
+    if results is not None and on_round is not None:
+        _fire_rounds(results, seen_rounds, on_round)
+    out = tail(log_path)
+    if run.returncode != 0:
+        hint = ""
+        if "unavailable" in out.lower() or "connect" in out.lower():
+            hint = f" (the SuperLink at {address} could not be reached)"
+        raise DeployError(f"flwr run exited with code {run.returncode}{hint}\n--- flwr run ---\n{out}")
+    if results is None:
+        return None
+    data = _read_results(results)
+    if data is None:
+        raise DeployError(f"the run left no readable {results}\n--- flwr run ---\n{out}")
+    if data.get("status") != "completed":
+        raise DeployError(
+            f"the run did not complete: status {data.get('status')!r} ({data.get('error')})\n--- flwr run ---\n{out}"
+        )
+    return data
+
+
+def _fire_rounds(results: Path, seen: int, on_round: Callable[[dict[str, Any]], None]) -> int:
+    data = _read_results(results)
+    rounds = (data or {}).get("rounds", [])
+    for entry in rounds[seen:]:
+        on_round(entry)
+    return max(seen, len(rounds))
+
+
+def _pump(proc: subprocess.Popen[str], log: Any, echo: bool) -> threading.Thread:
+    def copy() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            log.write(line)
+            log.flush()
+            if echo:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+
+    t = threading.Thread(target=copy, daemon=True)
+    t.start()
+    return t
+
+
+@dataclass
+class LocalDeployment:
+    """One SuperLink and N SuperNodes on 127.0.0.1, all insecure (loopback only).
+
+    Use as a context manager (``stop()`` on exit, whatever happened)::
+
+        with LocalDeployment(app_dir, node_specs(3), work_dir) as dep:
+            dep.start(timeout_s=60)
+            results = dep.run({"num-server-rounds": 2}, timeout_s=120)
+    """
+
+    app_dir: Path
+    nodes: list[NodeSpec]
+    work_dir: Path
+    echo: bool = False
+    #: How long a SuperNode keeps trying to reach the SuperLink before it exits (--max-wait-time).
+    node_max_wait_s: float = 30.0
+    env: Mapping[str, str] = field(default_factory=dict)
+    token: str = field(default_factory=lambda: uuid.uuid4().hex)
+    port: int | None = None
+    procs: list[subprocess.Popen[Any]] = field(default_factory=list)
+    node_procs: dict[int, subprocess.Popen[Any]] = field(default_factory=dict)
+    stopped_pids: list[int] = field(default_factory=list)
+    #: Real shaped links (fedcomp.net.netns): every process in its own network namespace.
+    lab: NetnsLab | None = None
+
+    def __post_init__(self) -> None:
+        self.app_dir = Path(self.app_dir).resolve()
+        self.work_dir = Path(self.work_dir).resolve()
+        if not (self.app_dir / "pyproject.toml").is_file():
+            raise ConfigError(f"app: {self.app_dir} has no pyproject.toml (run from the app's folder or pass --app)")
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.home = self.work_dir / "flwr-home"
+
+    def _env(self, home: Path) -> dict[str, str]:
+        env = flwr_env(home, {**os.environ, **self.env})
+        env[TOKEN_ENV] = self.token
+        return env
+
+    def __enter__(self) -> LocalDeployment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # --- start ---------------------------------------------------------------------------------
+
+    def start(self, timeout_s: float = 90.0) -> None:
+        """Start the SuperLink and every SuperNode; return once all are listed online."""
+        deadline = time.monotonic() + timeout_s
+        lab = self.lab
+        link_prefix = lab.exec_prefix(lab.link_ns) if lab else []
+        for attempt in range(3):  # a probed port can be taken before the SuperLink binds it
+            if lab:  # fresh namespaces: fixed ports; the SuperLink listens on its veth ends too
+                self.port, node_ports, host = SUPERLINK_PORT, [SUPERNODE_PORT] * len(self.nodes), "0.0.0.0"
+            else:
+                ports = free_ports(1 + len(self.nodes))
+                (self.port, *node_ports), host = ports, "127.0.0.1"
+            log = self.work_dir / "superlink.log"
+            self.home.mkdir(parents=True, exist_ok=True)
+            link = self._spawn(
+                [
+                    *link_prefix, flwr_bin("flower-superlink"), "--insecure", "--host", host, "--port", str(self.port),
+                    "--disable-runtime-dependency-installation", "--log-file", str(log),
+                ],
+                self.home, self.work_dir / "superlink.out",
+            )  # fmt: skip
+            if self._wait_superlink(link, deadline):
+                break
+            if attempt == 2 or lab or link.poll() is None:
+                raise DeployError(f"flower-superlink did not come up on port {self.port}\n{tail(log)}")
+        (self.home / "config.toml").write_text(
+            _connection_toml(CONNECTION, f"127.0.0.1:{self.port}", insecure=True, root_certificates=None)
+        )
+        for spec, port in zip(self.nodes, node_ports, strict=True):
+            node_dir = self.work_dir / f"node-{spec.index}"
+            (node_dir / "flwr-home").mkdir(parents=True, exist_ok=True)
+            if lab:
+                prefix, superlink = lab.exec_prefix(lab.node_ns(spec.index)), lab.superlink_address(spec.index)
+            else:
+                prefix, superlink = [], f"127.0.0.1:{self.port}"
+            self.node_procs[spec.index] = self._spawn(
+                [
+                    *prefix, flwr_bin("flower-supernode"), "--insecure", "--superlink", superlink,
+                    "--port", str(port), "--max-wait-time", f"{self.node_max_wait_s:g}",
+                    "--node-config", spec.node_config_arg(),
+                ],
+                node_dir / "flwr-home", node_dir / "supernode.log", cwd=node_dir,
+            )  # fmt: skip
+        self._wait_nodes_online(deadline)
+
+    def _spawn(self, cmd: list[str], home: Path, log: Path, cwd: Path | None = None) -> subprocess.Popen[Any]:
+        with open(log, "w") as out:
+            proc = subprocess.Popen(
+                cmd, cwd=cwd or self.work_dir, env=self._env(home), stdout=out, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True,
+            )  # fmt: skip
+        self.procs.append(proc)
+        return proc
+
+    def _wait_superlink(self, link: subprocess.Popen[Any], deadline: float) -> bool:
+        import httpx  # a flwr dependency
+
+        while time.monotonic() < deadline:
+            if link.poll() is not None:
+                return False
+            if self.lab is not None:  # its own namespace: probe from inside
+                probe = f"import socket; socket.create_connection(('127.0.0.1', {self.port}), 1)"
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    cmd = [*self.lab.exec_prefix(self.lab.link_ns), sys.executable, "-c", probe]
+                    if subprocess.run(cmd, capture_output=True, timeout=10).returncode == 0:
+                        return True
+            else:
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=1.0).is_success:
+                        return True
+            time.sleep(0.25)
+        raise DeployError(
+            f"flower-superlink not healthy on 127.0.0.1:{self.port} in time\n{tail(self.work_dir / 'superlink.log')}"
+        )
+
+    def online_nodes(self) -> list[str]:
+        """Node ids the SuperLink lists as online (``flwr supernode ls --format json``)."""
+        prefix = self.lab.exec_prefix(self.lab.link_ns) if self.lab else []
+        out = subprocess.run(
+            [*prefix, flwr_bin("flwr"), "supernode", "ls", CONNECTION, "--format", "json"],
+            env=self._env(self.home), capture_output=True, text=True, timeout=30, cwd=self.work_dir,
+        )  # fmt: skip
+        try:
+            data = json.loads(out.stdout)
+        except json.JSONDecodeError:
+            return []
+        return [n["node-id"] for n in data.get("nodes", []) if n.get("status") == "online"]
+
+    def _wait_nodes_online(self, deadline: float) -> None:
+        want = len(self.nodes)
+        online: list[str] = []
+        while time.monotonic() < deadline:
+            for spec in self.nodes:
+                proc = self.node_procs[spec.index]
+                log = self.work_dir / f"node-{spec.index}" / "supernode.log"
+                if proc.poll() is not None:
+                    raise DeployError(
+                        f"SuperNode {spec.index} exited with code {proc.returncode} before the run"
+                        f"{_exit_hint(log)}\n{tail(log)}"
+                    )
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                online = self.online_nodes()
+            if len(online) >= want:
+                return
+            time.sleep(1.0)
+        raise DeployError(
+            f"only {len(online)} of {want} SuperNodes online in time\n{tail(self.work_dir / 'superlink.log')}"
+        )
+
+    # --- run -----------------------------------------------------------------------------------
+
+    def run(
+        self,
+        run_config: Mapping[str, Any],
+        timeout_s: float = 600.0,
+        on_round: Callable[[dict[str, Any]], None] | None = None,
+    ) -> dict[str, Any]:
+        """Run the app once (``flwr run``) and return its results.json (status ``completed``).
+
+        ``run_config`` must hold absolute ``results-dir`` and ``run-name`` (see
+        :func:`deploy_local`, which fills them in).
+        """
+        if self.port is None:
+            raise DeployError("start() the deployment first")
+        results = Path(run_config["results-dir"]) / str(run_config["run-name"]) / RESULTS_FILE
+        data = run_app(
+            self.app_dir, f"127.0.0.1:{self.port}", run_config, flwr_home=self.home, timeout_s=timeout_s,
+            insecure=True, env={**self.env, TOKEN_ENV: self.token}, log_path=self.work_dir / "flwr-run.log",
+            echo=self.echo, results_path=results, on_round=on_round, procs=self.procs,
+            prefix=self.lab.exec_prefix(self.lab.link_ns) if self.lab else (),
+        )  # fmt: skip
+        assert data is not None
+        data["_deploy"] = {
+            "results": str(results),
+            "work_dir": str(self.work_dir),
+            "token": self.token,
+            "port": self.port,
+        }
+        return data
+
+    def kill_node(self, index: int, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to SuperNode ``index``'s process group (its SuperExec and ClientApps)."""
+        proc = self.node_procs[index]
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+
+    # --- stop ----------------------------------------------------------------------------------
+
+    def stop(self, grace_s: float = 5.0) -> list[int]:
+        """Stop every process this deployment started (SIGTERM, then SIGKILL); return their PIDs."""
+        if self.procs:
+            self.stopped_pids = sorted(set(self.stopped_pids) | terminate(self.procs, self.token, grace_s))
+        return self.stopped_pids
+
+
+#: Flower prints this (and exits 1) when a SuperNode gives up reaching its SuperLink.
+_UNREACHABLE = "Exit Code: 305"
+
+
+def _exit_hint(log: Path) -> str:
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return ""
+    return " (it could not reach the SuperLink)" if _UNREACHABLE in text else ""
+
+
+def deploy_local(
+    app_dir: str | Path,
+    nodes: list[NodeSpec],
+    run_config: Mapping[str, Any] | None = None,
+    *,
+    rounds: int | None = None,
+    timeout_s: float = 600.0,
+    work_dir: str | Path | None = None,
+    results_dir: str | Path | None = None,
+    echo: bool = False,
+    on_round: Callable[[LocalDeployment, dict[str, Any]], None] | None = None,
+    env: Mapping[str, str] | None = None,
+    netns: bool = False,
+) -> dict[str, Any]:
+    """Start, run once, stop: the whole of ``python -m fedcomp.deploy local`` within ``timeout_s``.
+
+    Returns the parsed results.json plus ``"_deploy": {"results", "work_dir", "token", "pids"}``
+    (``pids``: every process found and stopped; see :func:`fedcomp.testing.flower.alive_pids`).
+    ``work_dir`` defaults to ``<results-dir>/<run-name>/deploy`` (logs, FLWR_HOMEs).
+    ``netns``: every process in its own network namespace, each SuperNode behind a veth pair
+    shaped to its link (:mod:`fedcomp.net.netns`; raises NetnsUnavailable where not permitted).
+    ``"_deploy"`` then also has ``"netns": {"latency_emulated": bool}``.
+    """
+    cfg = _with_run_defaults(run_config or {}, rounds, Path(results_dir) if results_dir else None)
+    work = Path(work_dir) if work_dir else Path(cfg["results-dir"]) / str(cfg["run-name"]) / "deploy"
+    deadline = time.monotonic() + timeout_s
+    lab = NetnsLab([s.link for s in nodes]) if netns else None
+    dep = LocalDeployment(Path(app_dir), nodes, work, echo=echo, env=dict(env or {}), lab=lab)
+    try:
+        if lab is not None:
+            lab.setup()
+        dep.start(timeout_s=min(120.0, timeout_s))
+        hook = (lambda entry: on_round(dep, entry)) if on_round else None
+        data = dep.run(cfg, timeout_s=max(1.0, deadline - time.monotonic()), on_round=hook)
+    finally:
+        pids = dep.stop()
+        sent = lab.sent_bytes() if lab is not None and lab.created else {}
+        leftover = lab.teardown() if lab is not None else []
+    if leftover:
+        raise DeployError(f"network namespaces left behind: {leftover}")
+    data["_deploy"]["pids"] = pids
+    if lab is not None:
+        data["_deploy"]["netns"] = {"name": lab.name, "latency_emulated": lab.latency_emulated, "sent_bytes": sent}
+    left = alive_pids(pids)
+    if left:
+        raise DeployError(f"processes still alive after stopping: {left}")
+    return data
+
+
+# --- CLI ---------------------------------------------------------------------------------------
+
+
+def _parse_run_config(items: list[str]) -> dict[str, Any]:
+    if not items:
+        return {}
+    from flwr.common.config import parse_config_args
+
+    try:
+        return dict(parse_config_args(items))
+    except Exception as err:
+        raise ConfigError(f"--run-config: {getattr(err, 'message', err)}") from None
+
+
+def _print_summary(data: dict[str, Any]) -> None:
+    rounds = data["rounds"]
+    last = rounds[-1]
+    up = sum(r.get("uplink_bytes", 0) for r in rounds)
+    down = sum(r.get("downlink_bytes", 0) for r in rounds)
+    print(
+        f"OK: run completed, {len(rounds) - 1} rounds, accuracy {rounds[0]['accuracy']:.4f} -> "
+        f"{last['accuracy']:.4f}, uplink {up} B, downlink {down} B, wall {last.get('wall_time_s', 0):.1f}s\n"
+        f"results: {data['_deploy']['results']}\nlogs:    {data['_deploy']['work_dir']}"
+    )
+
+
+def _cmd_local(args: argparse.Namespace) -> int:
+    specs = node_specs(args.nodes, args.links, args.node_config_file)  # validates before anything starts
+    run_config = _parse_run_config(args.run_config)
+    kills: dict[int, list[int]] = {}
+    for item in args.kill_node:
+        m = re.fullmatch(r"(\d+)@(\d+)", item)
+        if not m or int(m[1]) >= len(specs):
+            raise ConfigError(f"--kill-node: expected NODE@ROUND with NODE < {len(specs)} (got {item!r})")
+        kills.setdefault(int(m[2]), []).append(int(m[1]))
+    for s in specs:
+        print(f"{s.name}: {s.node_config_arg()}")
+
+    def on_round(dep: LocalDeployment, entry: dict[str, Any]) -> None:
+        for i in kills.get(int(entry["round"]), []):
+            print(f"[fedcomp.deploy] round {entry['round']} done: killing SuperNode {i} (SIGKILL)", flush=True)
+            dep.kill_node(i)
+
+    data = deploy_local(
+        args.app, specs, run_config, rounds=args.rounds, timeout_s=args.timeout, work_dir=args.work_dir,
+        results_dir=args.results_dir, echo=not args.quiet, on_round=on_round, netns=args.netns,
+    )  # fmt: skip
+    if args.netns and not data["_deploy"]["netns"]["latency_emulated"]:
+        print("note: rates were shaped with tc, latency was not (this kernel has no sch_netem)")
+    _print_summary(data)
+    return 0
+
+
+def _cmd_supernode(args: argparse.Namespace) -> int:
+    cfg: dict[str, Any] = {"partition-id": args.partition_id, "num-partitions": args.num_partitions}
+    for key, value in (
+        ("uplink-mbps", args.uplink_mbps),
+        ("downlink-mbps", args.downlink_mbps),
+        ("latency-ms", args.latency_ms),
+    ):
+        if value is not None:
+            cfg[key] = value
+    cfg.update(_parse_run_config(args.node_config))
+    spec = NodeSpec(0, cfg)
+    _check_node(spec)
+    if args.insecure and not _is_loopback(args.superlink):
+        raise ConfigError(
+            "--insecure: only for a SuperLink on loopback; pass --root-certificates CA.pem for a remote one"
+        )
+    if not args.insecure and not args.root_certificates:
+        raise ConfigError("--root-certificates: needed for TLS (the CA that signed the SuperLink's certificate)")
+    cmd = [
+        flwr_bin("flower-supernode"),
+        "--superlink",
+        args.superlink,
+        "--max-wait-time",
+        f"{args.max_wait_time:g}",
+        "--node-config",
+        spec.node_config_arg(),
+    ]
+    cmd += ["--insecure"] if args.insecure else ["--root-certificates", str(Path(args.root_certificates).resolve())]
+    if args.port:
+        cmd += ["--port", str(args.port)]
+    print("starting:", " ".join(cmd), flush=True)
+    env = flwr_env(os.environ.get("FLWR_HOME") or Path.home() / ".flwr")
+    env[TOKEN_ENV] = token = uuid.uuid4().hex  # finds its SuperExec and ClientApps at the end
+    proc = subprocess.Popen(
+        cmd,
+        start_new_session=True,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+    )
+    seen: list[bool] = []
+
+    def relay() -> None:  # pass the SuperNode's log through, watching for "gave up"
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            if _UNREACHABLE in line:
+                seen.append(True)
+
+    reader = threading.Thread(target=relay, daemon=True)
+    reader.start()
+    try:
+        code = proc.wait()
+    finally:
+        # Its SuperExec outlives it (and holds the pipe): stop the whole session, by marker.
+        terminate([proc], token, grace_s=5.0)
+        reader.join(timeout=5)
+    if seen:
+        print(
+            f"FAILED: the SuperNode could not reach the SuperLink at {args.superlink} within {args.max_wait_time:g}s",
+            file=sys.stderr,
+        )
+        return 3
+    return code
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    if args.insecure and not _is_loopback(args.superlink):
+        raise ConfigError(
+            "--insecure: only for a SuperLink on loopback; pass --root-certificates CA.pem for a remote one"
+        )
+    if not args.insecure and not args.root_certificates:
+        raise ConfigError("--root-certificates: needed for TLS (the CA that signed the SuperLink's certificate)")
+    cfg = _parse_run_config(args.run_config)
+    if args.rounds is not None:
+        cfg["num-server-rounds"] = args.rounds
+    home = Path(args.work_dir or Path("results") / "deploy-run").resolve()
+    run_app(
+        args.app, args.superlink, cfg, flwr_home=home, timeout_s=args.timeout, insecure=args.insecure,
+        root_certificates=args.root_certificates, echo=not args.quiet,
+    )  # fmt: skip
+    print(
+        "flwr run finished; the run's results.json is on the SuperLink host (check its status there or with `flwr ls`)"
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m fedcomp.deploy", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    app_default = os.environ.get("FEDCOMP_APP_DIR", ".")
+
+    loc = sub.add_parser("local", help="SuperLink + N SuperNodes on 127.0.0.1, run the app, stop everything")
+    loc.add_argument("--nodes", "-n", type=int, default=None, help="number of SuperNodes (= partitions)")
+    loc.add_argument("--rounds", "-r", type=int, default=None, help="num-server-rounds")
+    loc.add_argument("--run-config", "-c", action="append", default=[], help="run-config overrides, as for flwr run")
+    loc.add_argument(
+        "--links",
+        default=None,
+        help=f'"UP,DOWN,LATENCY;..." Mbit/s, Mbit/s, ms, cycled over nodes (default "{DEFAULT_LINKS}")',
+    )
+    loc.add_argument("--node-config-file", default=None, help="TOML: [default] and one [[node]] table per node")
+    loc.add_argument(
+        "--timeout", "-t", type=float, default=600.0, help="bound on the whole deployment, seconds (default 600)"
+    )
+    loc.add_argument("--app", default=app_default, help="the app's folder (default: $FEDCOMP_APP_DIR or .)")
+    loc.add_argument(
+        "--results-dir", default=None, help="results root (default: results-dir, $FEDCOMP_RESULTS_DIR, ./results)"
+    )
+    loc.add_argument("--work-dir", default=None, help="logs and FLWR_HOMEs (default: <results>/<run-name>/deploy)")
+    loc.add_argument(
+        "--kill-node",
+        action="append",
+        default=[],
+        metavar="NODE@ROUND",
+        help="fault drill: SIGKILL SuperNode NODE once ROUND is recorded",
+    )
+    loc.add_argument("--quiet", "-q", action="store_true", help="don't echo the flwr run output")
+    loc.add_argument("--netns", action="store_true", help="real shaped links: network namespaces + veth + tc (root)")
+    loc.set_defaults(func=_cmd_local)
+
+    sn = sub.add_parser("supernode", help="one SuperNode against a (remote) SuperLink, validated node config")
+    sn.add_argument("--superlink", required=True, help="HOST:PORT of the SuperLink's Fleet API")
+    sn.add_argument("--root-certificates", default=None, help="CA certificate (PEM) for TLS")
+    sn.add_argument("--insecure", action="store_true", help="no TLS (loopback SuperLinks only)")
+    sn.add_argument("--partition-id", type=int, required=True)
+    sn.add_argument("--num-partitions", type=int, required=True)
+    sn.add_argument("--uplink-mbps", type=float, default=None)
+    sn.add_argument("--downlink-mbps", type=float, default=None)
+    sn.add_argument("--latency-ms", type=float, default=None)
+    sn.add_argument("--node-config", action="append", default=[], help="more node-config key=value pairs")
+    sn.add_argument(
+        "--max-wait-time", type=float, default=60.0, help="give up reaching the SuperLink after this many seconds"
+    )
+    sn.add_argument("--port", type=int, default=None, help="local ClientAppIo/Runtime API port (default 9094)")
+    sn.set_defaults(func=_cmd_supernode)
+
+    rn = sub.add_parser("run", help="submit the app to a running (remote) SuperLink and stream its logs")
+    rn.add_argument("--superlink", required=True, help="HOST:PORT of the SuperLink")
+    rn.add_argument("--root-certificates", default=None)
+    rn.add_argument("--insecure", action="store_true")
+    rn.add_argument("--rounds", "-r", type=int, default=None)
+    rn.add_argument("--run-config", "-c", action="append", default=[])
+    rn.add_argument("--timeout", "-t", type=float, default=3600.0)
+    rn.add_argument("--app", default=app_default)
+    rn.add_argument("--work-dir", default=None, help="FLWR_HOME for the CLI (default ./results/deploy-run)")
+    rn.add_argument("--quiet", "-q", action="store_true")
+    rn.set_defaults(func=_cmd_run)
+
+    args = ap.parse_args(argv)
+
+    def _sigterm(signum: int, frame: Any) -> None:  # run the cleanup in `finally` blocks
+        raise SystemExit(128 + signum)
+
+    with contextlib.suppress(ValueError):  # not in the main thread
+        signal.signal(signal.SIGTERM, _sigterm)
+    try:
+        return int(args.func(args))
+    except ConfigError as err:
+        print(f"CONFIG ERROR: {err}", file=sys.stderr)
+        return 2
+    except DeployError as err:
+        print(f"FAILED: {err}", file=sys.stderr)
+        return 1
+    except NetnsUnavailable as err:
+        print(f"NOT AVAILABLE: --netns: {err}", file=sys.stderr)
+        return 4
+
+
+if __name__ == "__main__":
+    sys.exit(main())
