@@ -278,7 +278,7 @@ def _stderr(msg: str) -> None:
 
 
 def _fmt_s(s: float) -> str:
-    s = int(round(s))
+    s = round(s)
     return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
@@ -373,10 +373,7 @@ def simulate(cfg: SimConfig, progress: Progress | None = _stderr) -> dict[str, A
         for name in names:
             W[name] = W[name] + torch.stack([d[name] for d in decoded]).mean(0)
         # what the clients receive
-        if replica is not None:
-            sent = len(replica.advance(W, downlink_codec))
-        else:
-            sent = dense_delta_bytes
+        sent = len(replica.advance(W, downlink_codec)) if replica is not None else dense_delta_bytes
         down_bytes += sent
         down_bytes_round.append(sent)
         for o, rep, codec in observers:
@@ -561,7 +558,7 @@ def write_summary(out: Path, name: str, rows: list[dict[str, Any]], text: str) -
 def md_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     cells = [[str(c) for c in header]] + [[str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
+    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |"  # noqa: E731
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     return "\n".join([line(cells[0]), sep, *[line(r) for r in cells[1:]]])
 

@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, table = [], []
     base_acc = sum(r["final_acc"] for r in by_cfg[0]) / len(by_cfg[0])  # "Uncompressed" comes first
     base_paper = entries[0][1]
-    for (cfg, paper), rs in zip(entries, by_cfg):
+    for (cfg, paper), rs in zip(entries, by_cfg, strict=True):
         accs = [r["final_acc"] for r in rs]
         acc = sum(accs) / len(accs)
         r0 = rs[0]

@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     acc = np.full((len(delays), len(args.ps)), np.nan)
     comp = np.full_like(acc, np.nan)
     rows, table = [], []
-    for (d, p, _), r in zip(grid, results):
+    for (d, p, _), r in zip(grid, results, strict=True):
         i, j = delays.index(d), args.ps.index(p)
         acc[i, j] = r["final_acc"]
         comp[i, j] = r["uplink"]["compression_wire"]
@@ -172,10 +172,9 @@ def main(argv: list[str] | None = None) -> int:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for row in rows:
             logs = math.log10(row["delay"]) - math.log10(row["p"])
-            if logs == 0:  # no sparsity at all: uncompressed
-                color = "grey"
-            else:  # share of the sparsity that is temporal: 0 purple ... 1 yellow
-                color = plt.cm.plasma(0.15 + 0.7 * math.log10(row["delay"]) / logs)
+            # no sparsity at all (uncompressed): grey; else the share of the sparsity that is temporal,
+            # 0 purple ... 1 yellow
+            color = "grey" if logs == 0 else plt.cm.plasma(0.15 + 0.7 * math.log10(row["delay"]) / logs)
             ax.scatter(row["total_sparsity"], row["final_acc"], color=color, s=40)
             ax.annotate(
                 f"d{row['delay']}/p{100 * row['p']:g}%",

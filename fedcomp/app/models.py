@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from typing import Literal
 
@@ -109,7 +110,7 @@ def train_local(
         batches = _cycle(data)
 
     total = torch.zeros((), device=device)
-    for _, (xb, yb) in zip(range(iterations), batches):
+    for xb, yb in itertools.islice(batches, iterations):  # both sources are endless
         xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
         opt.zero_grad(set_to_none=True)
         loss = F.cross_entropy(model(xb), yb)

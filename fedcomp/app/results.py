@@ -243,7 +243,7 @@ class RunRecorder:
             factor(e["downlink_compression"]),
             f"{e['wall_time_s']:.1f}",
         )
-        print(" ".join(f"{c:>{w}}" for c, (_, w) in zip(cells, self._COLUMNS)), file=self.stream)
+        print(" ".join(f"{c:>{w}}" for c, (_, w) in zip(cells, self._COLUMNS, strict=True)), file=self.stream)
         self.stream.flush()
 
     def to_dict(self, finished: bool = False) -> dict[str, Any]:

@@ -18,16 +18,19 @@ is wire bytes -> tensors on the device; tensors below 1000 elements go dense, as
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
 from fedcomp.bench import write_rows
 from fedcomp.codecs import Codec, get_codec
+from fedcomp.codecs.base import TensorSpec
 from fedcomp.methods.update import UpdateEncoder, decode_update, specs_of
 from fedcomp.wire import serde
 
@@ -40,6 +43,8 @@ CASES: list[tuple[dict, tuple[float, float] | None]] = [
     ({"id": "dense-fp16"}, None),
     ({"id": "dense-fp32"}, None),
 ]
+
+T = TypeVar("T")
 
 
 def make_update(values: str, device: torch.device, sgd_steps: int, seed: int) -> dict[str, torch.Tensor]:
@@ -68,18 +73,17 @@ def make_update(values: str, device: torch.device, sgd_steps: int, seed: int) ->
 
 def _images(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
+    from fedcomp.app.data import DataError, load_idx_dataset  # the reference app's loader
+
     try:
-        from fedcomp.app.data import load_idx_dataset  # the reference app's loader
-
-        ds = load_idx_dataset("mnist")
-        x, y = ds.train_x[:n], ds.train_y[:n]
-        x = torch.nn.functional.interpolate(x, size=64).repeat(1, 3, 1, 1)
-        return x, y
-    except Exception:  # no data folder: Gaussian images, random labels
+        train = load_idx_dataset("mnist").train
+    except DataError:  # no data folder: Gaussian images, random labels
         return torch.randn(n, 3, 64, 64, generator=gen), torch.randint(0, 1000, (n,), generator=gen)
+    x = torch.nn.functional.interpolate(train.x[:n], size=64).repeat(1, 3, 1, 1)
+    return x, train.y[:n]
 
 
-def _clock(fn: Callable[[], object], device: torch.device) -> tuple[float, object]:
+def _clock(fn: Callable[[], T], device: torch.device) -> tuple[float, T]:
     if device.type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -90,16 +94,18 @@ def _clock(fn: Callable[[], object], device: torch.device) -> tuple[float, objec
 
 
 def _paired(
-    fn: Callable[[], object], clone: Callable[[], object], device: torch.device, repeat: int
-) -> tuple[float, float, float, object]:
+    fn: Callable[[], T], clone: Callable[[], object], device: torch.device, repeat: int
+) -> tuple[float, float, float, T]:
     """Median op time, median clone time and median of the per-pair ratios.
 
     Each repetition times a clone right before the op, so both see the same machine load; the
     median of those pairwise ratios is what the targets are checked against (robust to a noisy,
     shared machine).
     """
-    fn(), clone()  # warm-up (allocator, caches, lazy init)
-    ops, clones, ratios, out = [], [], [], None
+    out, _ = fn(), clone()  # warm-up (allocator, caches, lazy init)
+    ops: list[float] = []
+    clones: list[float] = []
+    ratios: list[float] = []
     for _ in range(repeat):
         c, _ = _clock(clone, device)
         t, out = _clock(fn, device)
@@ -109,29 +115,33 @@ def _paired(
     return statistics.median(ops), statistics.median(clones), statistics.median(ratios), out
 
 
+def _encode(enc: UpdateEncoder, update: dict[str, torch.Tensor]) -> bytes:
+    return serde.update_to_bytes(enc.encode(update))
+
+
+def _decode(data: bytes, specs: list[TensorSpec], codecs: list[Codec], device: torch.device) -> dict[str, torch.Tensor]:
+    return decode_update(serde.update_from_bytes(data), specs, codecs, device)
+
+
 def bench_codecs(device: torch.device, repeat: int, values: str, sgd_steps: int, seed: int) -> list[dict]:
     print(f"making a ResNet-50 update ({values}) on {device} ...", file=sys.stderr)
     update = make_update(values, device, sgd_steps, seed)
     numel = sum(t.numel() for t in update.values())
     specs = specs_of(update)
+
+    def clone() -> list[torch.Tensor]:
+        return [t.clone() for t in update.values()]
+
     rows = []
     for cfg, target in CASES:
         codec: Codec = get_codec(cfg)
         enc = UpdateEncoder(codec, error_feedback=False)
-
-        def encode() -> bytes:
-            return serde.update_to_bytes(enc.encode(update))
-
-        def decode() -> dict[str, torch.Tensor]:
-            return decode_update(serde.update_from_bytes(data), specs, [codec, enc.small_codec], device)
-
-        def clone() -> list[torch.Tensor]:
-            return [t.clone() for t in update.values()]
-
-        for op, fn in (("encode", encode), ("decode", decode)):
-            med, clone_med, ratio, out = _paired(fn, clone, device, repeat)
-            if op == "encode":
-                data = out  # type: ignore[assignment]
+        encode = functools.partial(_encode, enc, update)
+        enc_times = _paired(encode, clone, device, repeat)
+        data = enc_times[3]
+        decode = functools.partial(_decode, data, specs, [codec, enc.small_codec], device)
+        dec_times = _paired(decode, clone, device, repeat)
+        for op, (med, clone_med, ratio, _) in (("encode", enc_times), ("decode", dec_times)):
             tgt = None if target is None else target[0 if device.type == "cpu" else 1]
             rows.append(
                 {

@@ -27,6 +27,8 @@ timing: ResNet-50's 161 tensor shapes (25.6M values), each client's update a sha
 from __future__ import annotations
 
 import argparse
+import functools
+import itertools
 import statistics
 import sys
 import time
@@ -60,9 +62,9 @@ def lenet_rounds(n: int, local_iters: int, seed: int, data_dir: str | None) -> R
     w0 = {k: v.clone() for k, v in model.state_dict().items()}
     agg = [torch.zeros_like(v) for v in w0.values()]
     for i in range(n):
-        for a, d in zip(agg, deltas(w0, i)):
+        for a, d in zip(agg, deltas(w0, i), strict=True):
             a += d / n
-    w1 = {k: v + a for (k, v), a in zip(w0.items(), agg)}
+    w1 = {k: v + a for (k, v), a in zip(w0.items(), agg, strict=True)}
     return agg, (deltas(w1, i) for i in range(n))
 
 
@@ -74,15 +76,19 @@ def resnet50_rounds(n: int, seed: int) -> Rounds:
     gen = torch.Generator().manual_seed(seed)
     scales = [1e-3 / max(1, s[1:].numel() if len(s) > 1 else s.numel()) ** 0.5 for s in shapes]
     signal = []
-    for s, c in zip(shapes, scales):  # Student-t df 3: z / sqrt(chi2_3 / 3)
+    for s, c in zip(shapes, scales, strict=True):  # Student-t df 3: z / sqrt(chi2_3 / 3)
         z, chi = torch.randn(s, generator=gen), torch.randn((3, *s), generator=gen).square().sum(0)
         signal.append(z / (chi / 3).sqrt() * c)
 
     def client(i: int) -> list[torch.Tensor]:
         g = torch.Generator().manual_seed(seed * 1000 + i + 1)
-        return [x + torch.randn(x.shape, generator=g) * c for x, c in zip(signal, scales)]
+        return [x + torch.randn(x.shape, generator=g) * c for x, c in zip(signal, scales, strict=True)]
 
     return signal, (client(i) for i in range(n))
+
+
+def _select_each(codecs: list[TopK], flats: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [c.select(f) for c, f in zip(codecs, flats, strict=True)]
 
 
 def _median_time(fn: Callable[[], object], repeat: int) -> float:
@@ -105,9 +111,7 @@ def measure(model: str, n: int, density: float, local_iters: int, repeat: int, s
     allocs = deft.plan_round_from_aggregate(aggregate, density, n, round=1)
     plan_s = time.perf_counter() - t0
     k_total = deft.target_k(total, density)
-    offsets = [0]
-    for m in numels:
-        offsets.append(offsets[-1] + m)
+    offsets = [0, *itertools.accumulate(numels)][:-1]  # where each tensor starts in the flat model
     union = {key: torch.zeros(total, dtype=torch.bool) for key in ("deft", "topk", "layer")}
     deft_s, topk_s, loads = [], [], deft.loads(allocs)
     for i, update in enumerate(clients):
@@ -115,13 +119,8 @@ def measure(model: str, n: int, density: float, local_iters: int, repeat: int, s
         whole = torch.cat(flats)
         codecs = [TopK(ranges=r) for r in deft.ranges_for(allocs[i], len(flats))]
         layer = TopK(p=density)
-
-        def select_deft() -> list[torch.Tensor]:
-            return [c.select(f) for c, f in zip(codecs, flats)]
-
-        def select_topk() -> torch.Tensor:
-            return topk_positions(whole, k_total)
-
+        select_deft = functools.partial(_select_each, codecs, flats)
+        select_topk = functools.partial(topk_positions, whole, k_total)
         select_deft(), select_topk()  # warm-up
         d, t = [], []
         for _ in range(repeat):  # alternate, so both see the same machine load
@@ -129,11 +128,11 @@ def measure(model: str, n: int, density: float, local_iters: int, repeat: int, s
             t.append(_median_time(select_topk, 1))
         deft_s.append(statistics.median(d))
         topk_s.append(statistics.median(t))
-        for off, idx in zip(offsets, select_deft()):
+        for off, idx in zip(offsets, select_deft(), strict=True):
             assert not bool(union["deft"][idx + off].any()), "DEFT selections overlap"
             union["deft"][idx + off] = True
         union["topk"][select_topk()] = True
-        for off, f in zip(offsets, flats):
+        for off, f in zip(offsets, flats, strict=True):
             union["layer"][layer.select(f) + off] = True
     topk_med = statistics.median(topk_s)
     return {

@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -68,7 +70,7 @@ def simulate(
         weights = [w / total for w in weights]
         with torch.no_grad():
             for n, p in model.named_parameters():
-                p.add_(sum(w * u[n] for w, u in zip(weights, updates)))
+                p.add_(sum(w * u[n] for w, u in zip(weights, updates, strict=True)))
         all_updates.append(updates)
         all_weights.append(weights)
     return all_updates, all_weights, shapes
@@ -91,7 +93,14 @@ def encode(update: Update, comp: Compressor) -> bytes:
 def decode(data: bytes, specs: list[TensorSpec], comp: Compressor) -> Update:
     codec, dense = GradiVeQ(comp), DenseFP32()
     enc = serde.update_from_bytes(data)
-    return {s.name: (codec if comp.compresses(s.name) else dense).decode(e, s) for s, e in zip(specs, enc.tensors)}
+    return {
+        s.name: (codec if comp.compresses(s.name) else dense).decode(e, s)
+        for s, e in zip(specs, enc.tensors, strict=True)
+    }
+
+
+def _clone_all(update: Update) -> list[torch.Tensor]:
+    return [t.clone() for t in update.values()]
 
 
 def _paired(fn: Callable[[], object], clone: Callable[[], object], repeat: int) -> tuple[float, float, float]:
@@ -141,7 +150,7 @@ def bench(args: argparse.Namespace) -> list[dict]:
             spec = TensorSpec(n, tuple(shape))
             numel = spec.numel
             dense_bytes = len(serde.tensor_to_bytes(dense.encode(held[0][0][n], n)))
-            row = {
+            row: dict[str, Any] = {
                 "tensor": n,
                 "numel": numel,
                 "d": None,
@@ -156,14 +165,14 @@ def bench(args: argparse.Namespace) -> list[dict]:
                 b = comp.basis(n)
                 codec = GradiVeQ(comp)
                 res = ref = agg_res = agg_ref = 0.0
-                for rnd, ws in zip(held, weights[args.fit_rounds :]):
+                for rnd, ws in zip(held, weights[args.fit_rounds :], strict=True):
                     encs = [serde.tensor_from_bytes(serde.tensor_to_bytes(codec.encode(u[n], n))) for u in rnd]
-                    for u, e in zip(rnd, encs):
+                    for u, e in zip(rnd, encs, strict=True):
                         x = u[n].reshape(-1)
                         res += float((codec.decode(e, spec).reshape(-1) - x).pow(2).sum())
                         ref += float(x.pow(2).sum())
                     coeffs = [coefficients_of(e, spec, comp) for e in encs]
-                    mean = sum(w * u[n].reshape(-1) for w, u in zip(ws, rnd))
+                    mean = sum((w * u[n].reshape(-1) for w, u in zip(ws, rnd, strict=True)), torch.zeros(numel))
                     agg_res += float((aggregate(comp, n, coeffs, ws, numel) - mean).pow(2).sum())
                     agg_ref += float(mean.pow(2).sum())
                 row.update(
@@ -179,12 +188,9 @@ def bench(args: argparse.Namespace) -> list[dict]:
         update = held[0][0]
         data = encode(update, comp)
         dense_all = serde.update_to_bytes(EncodedUpdate(0, tuple(dense.encode(t, n) for n, t in update.items())))
-
-        def clone() -> list[torch.Tensor]:
-            return [t.clone() for t in update.values()]
-
-        enc_med, enc_clone, enc_ratio = _paired(lambda: encode(update, comp), clone, args.repeat)
-        dec_med, dec_clone, dec_ratio = _paired(lambda: decode(data, specs, comp), clone, args.repeat)
+        clone = functools.partial(_clone_all, update)
+        enc_med, enc_clone, enc_ratio = _paired(functools.partial(encode, update, comp), clone, args.repeat)
+        dec_med, dec_clone, dec_ratio = _paired(functools.partial(decode, data, specs, comp), clone, args.repeat)
         summary = {
             "eps": eps,
             "slice_size": args.slice_size,
