@@ -200,11 +200,14 @@ def recording_train_metrics_aggr(
     def aggr(records: list[RecordDict], weighting_key: str) -> MetricRecord:
         out = aggregate(records, weighting_key)
         metrics = {k.replace("-", "_"): v for k, v in out.items() if k != weighting_key}
-        total = 0
+        total: float = 0
         for rd in records:
             for mr in rd.metric_records.values():
                 if weighting_key in mr:
-                    total += mr[weighting_key]
+                    count = mr[weighting_key]
+                    if not isinstance(count, (int, float)):  # Flower's aggregate() rejects these too
+                        raise TypeError(f"metric {weighting_key!r}: expected a number, got {count!r}")
+                    total += count
         metrics[weighting_key.replace("-", "_")] = total
         recorder.add_metrics(**metrics)
         return out

@@ -151,6 +151,7 @@ class SBC(Codec):
         else:
             sample.sort()
         thr_lo, thr_hi = sample[r - 1], sample[s - r]
+        found: tuple[Positions, np.ndarray, Positions, np.ndarray] | None
         if flat.device.type == "cpu":
             found = _threshold_select_cpu(flat.numpy(), thr_hi, thr_lo, limit=4 * k)
         else:
@@ -199,14 +200,16 @@ class SBC(Codec):
 # host as NumPy float32 arrays, so the means (and the side decision) are computed by the same code
 # for every device.
 
+Positions = np.ndarray | torch.Tensor
+
 
 def _exact_select(flat: torch.Tensor, k: int, name: str) -> tuple[torch.Tensor, float]:
     if flat.device.type == "cpu":
         a = flat.numpy()
         if not np.isfinite(a).all():
             raise ValueError(f"tensor {name!r}: SBC cannot encode NaN or infinite values")
-        hi, lo = _extreme_positions_cpu(a, k)
-        chosen = _choose(flat, hi, a[hi], lo, a[lo])
+        hi_np, lo_np = _extreme_positions_cpu(a, k)
+        chosen = _choose(flat, hi_np, a[hi_np], lo_np, a[lo_np])
     else:
         if not bool(torch.isfinite(flat).all()):
             raise ValueError(f"tensor {name!r}: SBC cannot encode NaN or infinite values")
@@ -270,10 +273,11 @@ def _threshold_select_cpu(
         pool = _pool()
         futures = [pool.submit(_scan, a, bounds[i], bounds[i + 1], thr_hi, thr_lo, limit) for i in range(1, workers)]
         parts = [_scan(a, bounds[0], bounds[1], thr_hi, thr_lo, limit)] + [f.result() for f in futures]
-    if any(part is None for part in parts):
+    scanned = [part for part in parts if part is not None]
+    if len(scanned) < len(parts):
         return None
-    hi = np.concatenate([part[0] for part in parts])  # type: ignore[index]
-    lo = np.concatenate([part[1] for part in parts])  # type: ignore[index]
+    hi = np.concatenate([part[0] for part in scanned])
+    lo = np.concatenate([part[1] for part in scanned])
     if hi.size + lo.size > limit:
         return None
     return hi, a[hi], lo, a[lo]
@@ -393,7 +397,7 @@ def _round_f32(num: int, den: int) -> float:
 
 
 def _choose(
-    flat: torch.Tensor, hi: Any, hi_vals: np.ndarray, lo: Any, lo_vals: np.ndarray
+    flat: torch.Tensor, hi: Positions, hi_vals: np.ndarray, lo: Positions, lo_vals: np.ndarray
 ) -> tuple[torch.Tensor, float] | None:
     """Keep the side with the larger mean magnitude (the positive side on a tie): its positions
     (a tensor on ``flat``'s device) and its mean rounded to float32. None if a value is not

@@ -344,6 +344,8 @@ class ThreeLC(Codec):
 
     codec_id = "3lc"
     version = 1
+    s: float
+    zero_run: bool
 
     def __init__(self, s: float = 1.0, zero_run: bool = True) -> None:
         if isinstance(s, bool) or not isinstance(s, numbers.Real):

@@ -43,6 +43,7 @@ Departures from the paper, all deliberate:
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -134,7 +135,7 @@ def assign_k(parts: Sequence[Partition], norms: Sequence[float] | None, density:
         extra = min(k_remain, parts[i].size - ks[i])
         ks[i] += extra
         k_remain -= extra
-    return [Partition(p.tensor, p.start, p.stop, k) for p, k in zip(parts, ks)]
+    return [Partition(p.tensor, p.start, p.stop, k) for p, k in zip(parts, ks, strict=True)]
 
 
 # --- Algorithm 4: bin packing -----------------------------------------------------------------
@@ -249,7 +250,7 @@ def check_allocation(
         if not 1 <= p.k <= p.stop - p.start:
             raise PayloadError("", f"{where}: k {p.k} is not in [1, {p.stop - p.start}]")
     ordered = sorted(alloc.partitions, key=lambda p: (p.tensor, p.start))
-    for a, b in zip(ordered, ordered[1:]):
+    for a, b in itertools.pairwise(ordered):
         if a.tensor == b.tensor and b.start < a.stop:
             raise PayloadError(
                 "",
@@ -264,4 +265,4 @@ def check_selection(positions_or_dense: torch.Tensor, ranges: Sequence[Range], n
     tensor: its non-zeros are checked; a selected value that is exactly zero is not seen)."""
     t = positions_or_dense
     idx = t.reshape(-1).nonzero().view(-1) if t.is_floating_point() else t.reshape(-1)
-    check_positions(idx, tuple(sorted(tuple(int(v) for v in r) for r in ranges)), name)
+    check_positions(idx, tuple(sorted((int(a), int(b), int(k)) for a, b, k in ranges)), name)

@@ -122,7 +122,7 @@ def run_simulation(
     app_dir = Path(app_dir).resolve()
     overrides = dict(run_config or {})
     own_work_dir = work_dir is None
-    work = Path(tempfile.mkdtemp(prefix="fedcomp-flwr-")) if own_work_dir else Path(work_dir)
+    work = Path(tempfile.mkdtemp(prefix="fedcomp-flwr-")) if work_dir is None else Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
     flwr_home = work / "flwr-home"
     flwr_home.mkdir(exist_ok=True)
@@ -242,7 +242,7 @@ def run_simulation(
         raise
     finally:
         pids = terminate(procs, token)
-        if ok:
+        if ok and results is not None:  # ok: results were read and completed
             results["_simulation"]["pids"] = sorted(pids)
         if own_work_dir and ok and not keep_work_dir:
             shutil.rmtree(work, ignore_errors=True)

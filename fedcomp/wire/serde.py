@@ -36,7 +36,7 @@ _DTYPE_TO_PB = {
     "bfloat16": pb.DTYPE_BFLOAT16,
     "float64": pb.DTYPE_FLOAT64,
 }
-_PB_TO_DTYPE = {v: k for k, v in _DTYPE_TO_PB.items()}
+_PB_TO_DTYPE: dict[int, str] = {v: k for k, v in _DTYPE_TO_PB.items()}
 
 
 def _dtype_from_pb(value: int, name: str, what: str) -> str:
