@@ -313,7 +313,7 @@ def simulate(cfg: SimConfig, progress: Progress | None = _stderr) -> dict[str, A
     dense_enc = UpdateEncoder(DenseFP32(), min_numel=0, error_feedback=False)
     dense_delta_bytes = len(serde.update_to_bytes(dense_enc.encode(W)))
     observers = [(o, ServerReplica(W, 1, o.min_numel), ThreeLC(o.s, o.zero_run)) for o in cfg.observers]
-    obs_stats = {o.key: {"bytes": [], "payload_bits": []} for o, _, _ in observers}
+    obs_stats: dict[str, dict[str, list[int]]] = {o.key: {"bytes": [], "payload_bits": []} for o, _, _ in observers}
 
     eval_rounds = max(1, math.ceil(cfg.eval_every / cfg.delay))
     history: list[dict[str, Any]] = []
@@ -388,10 +388,10 @@ def simulate(cfg: SimConfig, progress: Progress | None = _stderr) -> dict[str, A
                 done = rnd / cfg.rounds
                 elapsed = time.perf_counter() - t_start
                 dense = rnd * cfg.delay * cfg.num_clients * numel * 32
-                rep = f"replica acc {h['replica_acc']:.4f} " if "replica_acc" in h else ""
+                replica_acc = f"replica acc {h['replica_acc']:.4f} " if "replica_acc" in h else ""
                 progress(
                     f"[{cfg.label}] it {rnd * cfg.delay}/{cfg.iterations} (round {rnd}/{cfg.rounds}) "
-                    f"acc {h['test_acc']:.4f} loss {h['test_loss']:.4f} {rep}"
+                    f"acc {h['test_acc']:.4f} loss {h['test_loss']:.4f} {replica_acc}"
                     f"up x{dense / (8 * up_bytes):.0f} | {_fmt_s(elapsed)} elapsed, "
                     f"ETA {_fmt_s(elapsed * (1 - done) / done)}"
                 )

@@ -18,11 +18,8 @@ table shows what the paper's own formula (Golomb code, eq. 5, one mean per tenso
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import replace
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import fedsim
 from fedsim import TABLE2_OBSERVERS, SimConfig

@@ -22,8 +22,6 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import fedsim
 import numpy as np
 from fedsim import SimConfig

@@ -23,11 +23,9 @@ server's model W and the replica R the clients hold are evaluated.
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import replace
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from typing import Any
 
 import fedsim
 import sbc_table2
@@ -87,7 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     header += ["paper: bits/value", "paper: ratio"]
     rows, table = [], []
     for o in TABLE2_OBSERVERS:
-        row = {"setting": ROW_NAMES[o.key], "key": o.key, "paper_bits_per_value": PAPER.get(o.key, (None,))[0]}
+        row: dict[str, Any] = {
+            "setting": ROW_NAMES[o.key],
+            "key": o.key,
+            "paper_bits_per_value": PAPER.get(o.key, (None,))[0],
+        }
         line = [ROW_NAMES[o.key]]
         for r in sources:
             ob = r["observers"][o.key]
