@@ -138,11 +138,6 @@ class RunRecorder:
     # --- recording ----------------------------------------------------------------------------
 
     @property
-    def current_round(self) -> int:
-        """The round traffic is being added to: one past the last ended round (0 at start)."""
-        return self._rounds[-1]["round"] + 1 if self._rounds else 0
-
-    @property
     def rounds(self) -> list[dict[str, Any]]:
         return list(self._rounds)
 

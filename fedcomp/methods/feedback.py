@@ -48,9 +48,6 @@ class ErrorFeedback:
     def residual(self, name: str) -> torch.Tensor | None:
         return self._residuals.get(name)
 
-    def reset(self) -> None:
-        self._residuals.clear()
-
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Residuals by tensor name (the tensors themselves, on their device, like PyTorch)."""
         return dict(self._residuals)

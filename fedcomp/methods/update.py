@@ -53,16 +53,6 @@ class UpdateEncoder:
     def codec(self) -> Codec:
         return self._codec
 
-    @codec.setter
-    def codec(self, codec: Codec) -> None:
-        """Swap the codec (e.g. a new sparsity for this round), keeping the residuals."""
-        self._codec = codec
-        if self.feedback is not None:
-            self.feedback.codec = codec
-
-    def codec_for(self, numel: int) -> Codec:
-        return self.small_codec if numel < self.min_numel else self._codec
-
     def encode(
         self,
         tensors: Mapping[str, torch.Tensor],
