@@ -35,7 +35,7 @@ def test_pyproject_defaults_are_valid_and_match_the_model() -> None:
         ({"local-iters": "list:10,0"}, "local-iters: local iterations must be whole numbers >= 1"),
         ({"sbc-p": 0.6}, "sbc-p: value 0.6 is outside"),
         ({"3lc-s": "steps:1.0@1,2.5@4"}, "3lc-s: value 2.5 is outside"),
-        ({"uplink-codec": "zip"}, "uplink-codec: Input should be"),
+        ({"uplink-codec": "zip"}, "uplink-codec: unknown uplink method"),
         ({"dataset": "cifar10"}, "dataset: must be one of"),
         ({"partitioning": "pathological"}, "partitioning: must be one of"),
         ({"dirichlet-alpha": 0.0}, "dirichlet-alpha: must be > 0"),

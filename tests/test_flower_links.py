@@ -13,8 +13,11 @@ from flwr.app import ConfigRecord, Context, RecordDict
 from fedcomp.app.models import LeNet5Caffe
 from fedcomp.codecs import SBC, DenseFP32, TopK
 from fedcomp.errors import PayloadError
-from fedcomp.flower import deft_link, gradiveq_link
+from fedcomp.flower.mod import MethodState
 from fedcomp.flower.settings import CompressionConfig
+from fedcomp.methods.base import ClientRound
+from fedcomp.methods.deft_uplink import DeftUplink, client_codecs
+from fedcomp.methods.gradiveq_uplink import GradiVeQUplink
 from fedcomp.methods.update import UpdateEncoder, decode_update, specs_of
 from fedcomp.wire.payloads import DeftAllocation, DeftPartition
 from fedcomp.wire.serde import allocation_to_bytes, update_from_bytes, update_to_bytes
@@ -49,8 +52,12 @@ def _deltas(n: int, seed: int = 1, rank: int | None = None) -> list[dict[str, to
 # --- DEFT ------------------------------------------------------------------------------------
 
 
+def _deft() -> DeftUplink:
+    return DeftUplink(CompressionConfig.from_run_config({"uplink-codec": "deft", "min-compress-numel": MIN_NUMEL}))
+
+
 def _encode_deft(alloc: bytes, delta: dict[str, torch.Tensor], rnd: int) -> bytes:
-    codecs = deft_link.client_codecs(alloc, delta, MIN_NUMEL, rnd)
+    codecs = client_codecs(alloc, delta, MIN_NUMEL, rnd)
     enc = UpdateEncoder(TopK(p=0.01), min_numel=MIN_NUMEL)
     return update_to_bytes(enc.encode(delta, base_model_version=0, codecs=codecs))
 
@@ -58,7 +65,7 @@ def _encode_deft(alloc: bytes, delta: dict[str, torch.Tensor], rnd: int) -> byte
 def test_deft_selections_are_disjoint_and_sum_to_the_density() -> None:
     model, deltas = _model(), _deltas(3)
     specs = specs_of(model)
-    planner = deft_link.DeftPlanner(MIN_NUMEL)
+    planner = _deft()
     allocs = planner.plan(1, [30, 10, 20], specs, density=0.01)
     assert sorted(allocs) == [10, 20, 30]
     union: dict[str, torch.Tensor] = {}
@@ -81,7 +88,7 @@ def test_deft_selections_are_disjoint_and_sum_to_the_density() -> None:
 def test_deft_rejects_a_client_selecting_outside_its_partitions() -> None:
     model, (delta,) = _model(), _deltas(1)
     specs = specs_of(model)
-    planner = deft_link.DeftPlanner(MIN_NUMEL)
+    planner = _deft()
     allocs = planner.plan(1, [1, 2], specs, density=0.01)
     # A greedy client sends its own top 1 % of every tensor, ignoring the allocation.
     greedy = UpdateEncoder(TopK(p=0.01), min_numel=MIN_NUMEL).encode(delta)
@@ -90,7 +97,7 @@ def test_deft_rejects_a_client_selecting_outside_its_partitions() -> None:
         planner.check(1, decoded, specs)
     with pytest.raises(PayloadError, match="no DEFT allocation"):
         planner.check(99, decoded, specs)
-    assert allocs  # node 2's allocation is untouched by node 1's rejection
+    # node 2's allocation is untouched by node 1's rejection
     planner.check(
         2,
         decode_update(update_from_bytes(_encode_deft(allocs[2], delta, 1)), specs, [TopK(p=0.01), DenseFP32()]),
@@ -110,16 +117,16 @@ def test_deft_rejects_a_client_selecting_outside_its_partitions() -> None:
 def test_deft_client_rejects_hostile_allocations(partitions: tuple, why: str) -> None:
     data = allocation_to_bytes(DeftAllocation(1, partitions))
     with pytest.raises(PayloadError, match=why):
-        deft_link.client_codecs(data, _model(), MIN_NUMEL, 1)
+        client_codecs(data, _model(), MIN_NUMEL, 1)
     with pytest.raises(PayloadError, match="round"):
-        deft_link.client_codecs(allocation_to_bytes(DeftAllocation(5, ())), _model(), MIN_NUMEL, 1)
+        client_codecs(allocation_to_bytes(DeftAllocation(5, ())), _model(), MIN_NUMEL, 1)
     with pytest.raises(PayloadError):
-        deft_link.client_codecs(b"\xff\xff\xff", _model(), MIN_NUMEL, 1)
+        client_codecs(b"\xff\xff\xff", _model(), MIN_NUMEL, 1)
 
 
 def test_deft_norms_follow_the_aggregate() -> None:
     specs = specs_of(_model())
-    planner = deft_link.DeftPlanner(MIN_NUMEL)
+    planner = _deft()
     agg = {s.name: torch.zeros(s.shape) for s in specs}
     agg["fc2.weight"] += 1.0  # all the change in one layer: it should get (nearly) all of k
     planner.observe(agg)
@@ -145,8 +152,12 @@ def _gvq_config(**kw: object) -> CompressionConfig:
     return CompressionConfig.from_run_config({**base, **kw})
 
 
+def _round(ctx: Context, cfg: dict, model: dict[str, torch.Tensor], extras: dict[str, bytes], rnd: int) -> ClientRound:
+    return ClientRound(cfg, model, MIN_NUMEL, rnd, extras, MethodState(ctx, GradiVeQUplink.method_id))
+
+
 def _client_encode(
-    coord: gradiveq_link.GradiVeQCoordinator,
+    coord: GradiVeQUplink,
     ctx: Context,
     node: int,
     rnd: int,
@@ -154,42 +165,42 @@ def _client_encode(
     delta: dict[str, torch.Tensor],
 ) -> bytes:
     """What the client mod does: keep a broadcast compressor, encode with the round's codecs."""
-    dl = ConfigRecord(coord.downlink_extras(node, rnd))
-    gradiveq_link.store_compressor(ctx, dl, model)
-    cfg = coord.uplink_codec_config(rnd)
-    if cfg["id"] == "gradiveq":
-        codecs = gradiveq_link.client_codecs(ctx, cfg, model, MIN_NUMEL)
-        enc = UpdateEncoder(DenseFP32(), min_numel=MIN_NUMEL, error_feedback=False).encode(delta, 0, codecs)
-    else:
-        enc = UpdateEncoder(DenseFP32(), min_numel=MIN_NUMEL, error_feedback=False).encode(delta, 0)
-    coord.note_node(node, ConfigRecord(gradiveq_link.client_status(ctx)))
+    extras = coord.downlink_extras(rnd, [node], specs_of(model)).get(node, {})
+    client = _round(ctx, coord.round_codec_config(rnd), model, extras, rnd)
+    GradiVeQUplink.client_receive(client)
+    base, codecs = GradiVeQUplink.client_codecs(client)
+    enc = UpdateEncoder(base, min_numel=MIN_NUMEL, error_feedback=False).encode(delta, 0, codecs)
+    coord.note_node(node, GradiVeQUplink.client_status(client.state))
     return update_to_bytes(enc)
 
 
+def _decode(coord: GradiVeQUplink, data: bytes, model: dict, rnd: int, compressed_domain: bool) -> dict:
+    coord.weighted_mean = compressed_domain  # as the strategy sets it from its inner strategy
+    return coord.decode(update_from_bytes(data), specs_of(model), model, rnd, node=1).arrays
+
+
 def test_gradiveq_phases_broadcast_and_compressed_domain_mean() -> None:
-    coord = gradiveq_link.GradiVeQCoordinator(_gvq_config())
-    model, specs = _model(), specs_of(_model())
+    coord = GradiVeQUplink(_gvq_config())
+    model = _model()
     nodes = [1, 2, 3]
     ctxs = {n: _context(n) for n in nodes}
     # Round 1: dense; the updates become PCA samples and a compressor is fitted at its end.
-    assert coord.uplink_codec_config(1) == {"id": "dense-fp32"}
+    assert coord.round_codec_config(1) == {"id": "dense-fp32"}
     for n, d in zip(nodes, _deltas(3, seed=1, rank=4), strict=True):
-        data = _client_encode(coord, ctxs[n], n, 1, model, d)
-        got = coord.decode(update_from_bytes(data), specs, model, 1, compressed_domain=True)
+        got = _decode(coord, _client_encode(coord, ctxs[n], n, 1, model, d), model, 1, True)
         torch.testing.assert_close(got["fc1.weight"], model["fc1.weight"] + d["fc1.weight"])
     assert coord.finish(1, {}, model) is None and coord.version == 1
     # Round 2: compressed; the compressor goes down once per node.
-    assert coord.uplink_codec_config(2) == {"id": "gradiveq", "version": 1}
-    assert gradiveq_link.COMPRESSOR_KEY in coord.downlink_extras(1, 2)
+    assert coord.round_codec_config(2) == {"id": "gradiveq", "version": 1}
+    assert GradiVeQUplink.COMPRESSOR_KEY in coord.downlink_extras(2, [1], specs_of(model))[1]
     deltas = _deltas(3, seed=7, rank=4)
     weights = [0.5, 0.3, 0.2]
     coeffs, full = [], []
     for n, d in zip(nodes, deltas, strict=True):
         data = _client_encode(coord, ctxs[n], n, 2, model, d)
-        assert coord.downlink_extras(n, 2) == {}  # it reported holding version 1
-        upd = update_from_bytes(data)
-        full.append(coord.decode(upd, specs, model, 2, compressed_domain=False))
-        coeffs.append(coord.decode(upd, specs, model, 2, compressed_domain=True))  # as the strategy does
+        assert coord.downlink_extras(2, [n], specs_of(model)) == {}  # it reported holding version 1
+        full.append(_decode(coord, data, model, 2, compressed_domain=False))
+        coeffs.append(_decode(coord, data, model, 2, compressed_domain=True))  # as the strategy does
     assert coeffs[0]["fc1.weight"].shape[0] == 500  # one coefficient row per slice (fan-in 800)
     # What FedAvg does with the coefficient arrays: a weighted mean; then one decompression.
     mean = {k: sum(w * c[k] for w, c in zip(weights, coeffs, strict=True)) for k in coeffs[0]}
@@ -202,45 +213,49 @@ def test_gradiveq_phases_broadcast_and_compressed_domain_mean() -> None:
     true = sum(w * d["fc1.weight"] for w, d in zip(weights, deltas, strict=True))
     err = (model_once["fc1.weight"] - model["fc1.weight"] - true).norm() / true.norm()
     assert err < 0.3, err
+    assert coord.round_metrics(2) == {"gradiveq_version": 1, "gradiveq_compressed": True}
 
 
 def test_gradiveq_rejects_stale_or_wrong_codec_updates() -> None:
-    coord = gradiveq_link.GradiVeQCoordinator(_gvq_config())
-    model, specs = _model(), specs_of(_model())
+    coord = GradiVeQUplink(_gvq_config())  # cycle: 1 dense round, 2 compressed rounds
+    model = _model()
     ctx = _context(1)
     for d in _deltas(2, seed=1, rank=4):
-        coord.decode(update_from_bytes(_client_encode(coord, ctx, 1, 1, model, d)), specs, model, 1, True)
+        _decode(coord, _client_encode(coord, ctx, 1, 1, model, d), model, 1, True)
     coord.finish(1, {}, model)
     (d,) = _deltas(1, seed=3, rank=4)
     # A client that sends SBC where GradiVeQ coefficients are due is rejected.
     sbc = update_to_bytes(UpdateEncoder(SBC(p=0.01), min_numel=MIN_NUMEL).encode(d))
     with pytest.raises(PayloadError, match="gradiveq"):
-        coord.decode(update_from_bytes(sbc), specs, model, 2, True)
-    # Coefficients made with an old compressor are rejected after a refit.
+        _decode(coord, sbc, model, 2, True)
+    # Coefficients made with an old compressor are rejected after a refit (round 4 is the next
+    # cycle's dense round; the fit happens at its end).
     good = _client_encode(coord, ctx, 1, 2, model, d)
-    coord._samples = {s.name: [d[s.name].reshape(-1)] * 2 for s in specs if s.numel >= MIN_NUMEL}
-    coord._shapes = {s.name: s.shape for s in specs}
-    coord._fit()
+    for e in _deltas(2, seed=5, rank=4):
+        _decode(coord, _client_encode(coord, ctx, 1, 4, model, e), model, 4, True)
+    coord.finish(4, {}, model)
     assert coord.version == 2
     with pytest.raises(PayloadError, match="version"):
-        coord.decode(update_from_bytes(good), specs, model, 2, True)
+        _decode(coord, good, model, 5, True)
     # A client asked for a version it does not hold says so (the mod turns it into a resync).
     with pytest.raises(PayloadError, match="not held"):
-        gradiveq_link.client_codecs(ctx, {"id": "gradiveq", "version": 2}, model, MIN_NUMEL)
+        GradiVeQUplink.client_codecs(_round(_context(2), {"id": "gradiveq", "version": 2}, model, {}, 5))
 
 
 def test_gradiveq_client_rejects_a_corrupt_compressor() -> None:
-    ctx = _context(1)
+    client = _round(
+        _context(1), {"id": "gradiveq", "version": 1}, _model(), {GradiVeQUplink.COMPRESSOR_KEY: b"\x12\x34garbage"}, 2
+    )
     with pytest.raises(PayloadError):
-        gradiveq_link.store_compressor(ctx, ConfigRecord({gradiveq_link.COMPRESSOR_KEY: b"\x12\x34garbage"}), _model())
-    assert gradiveq_link.client_status(ctx) == {}
+        GradiVeQUplink.client_receive(client)
+    assert GradiVeQUplink.client_status(client.state) == {}
 
 
 def test_gradiveq_phase_schedule() -> None:
-    coord = gradiveq_link.GradiVeQCoordinator(_gvq_config(**{"gradiveq-dense-rounds": 2, "gradiveq-refresh": 3}))
+    coord = GradiVeQUplink(_gvq_config(**{"gradiveq-dense-rounds": 2, "gradiveq-refresh": 3}))
     assert not any(coord.compressed(r) for r in range(1, 10))  # nothing fitted yet: dense
     coord.compressor = object()  # type: ignore[assignment]
     assert [coord.compressed(r) for r in range(1, 11)] == [False, False, True, True, True] * 2
-    once = gradiveq_link.GradiVeQCoordinator(_gvq_config(**{"gradiveq-dense-rounds": 2, "gradiveq-refresh": 0}))
+    once = GradiVeQUplink(_gvq_config(**{"gradiveq-dense-rounds": 2, "gradiveq-refresh": 0}))
     once.compressor = object()  # type: ignore[assignment]
     assert [once.compressed(r) for r in range(1, 7)] == [False, False, True, True, True, True]

@@ -103,11 +103,7 @@ def server_main(
             )
             if t.sparse_numel:
                 recorder.add_metrics(uplink_union_density=t.union_nnz / t.sparse_numel)
-            if wrapper.gradiveq is not None:
-                recorder.add_metrics(
-                    gradiveq_version=wrapper.gradiveq.version,
-                    gradiveq_compressed=wrapper.gradiveq.compressed(server_round),
-                )
+            recorder.add_metrics(**wrapper.round_metrics(server_round))
         return evaluate(server_round, arrays)
 
     try:

@@ -12,26 +12,25 @@ Pair it with :func:`fedcomp.flower.mod.compression_mod` on the clients.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Strategy
 
-from fedcomp.codecs import DenseFP32
 from fedcomp.errors import ConfigError, PayloadError
-from fedcomp.flower import protocol as keys
-from fedcomp.flower.deft_link import ALLOCATION_KEY, DeftPlanner
-from fedcomp.flower.gradiveq_link import GradiVeQCoordinator
+from fedcomp.flower import protocol
+from fedcomp.flower.protocol import DownlinkHeader, UplinkReport
 from fedcomp.flower.records import fp32_bytes, record_from_tensors, tensors_from_record
 from fedcomp.flower.replica import ServerReplica
 from fedcomp.flower.settings import CompressionConfig
-from fedcomp.methods.update import decode_update
+from fedcomp.methods.base import UplinkMethod
+from fedcomp.methods.registry import get_downlink, get_uplink
 from fedcomp.wire.serde import update_from_bytes
 
 log = logging.getLogger("fedcomp")
@@ -83,21 +82,21 @@ class RoundTraffic:
     train_seconds: dict[int, float] = field(default_factory=dict)
     links: dict[int, list[float]] = field(default_factory=dict)
 
-    def note_client(self, node: int, rec: ConfigRecord) -> None:
-        """Copy what the client mod reported in its uplink record (keys it did not send: skipped)."""
-        for key, store, cast in (
-            ("sbc-p", self.sbc_p, float),
-            ("local-iters", self.local_iters, int),
-            ("budget-bytes", self.budget_bytes, int),
-            ("estimated-bytes", self.estimated_bytes, int),
-            ("fits", self.fits, bool),
-            ("train-seconds", self.train_seconds, float),
-            ("encode-seconds", self.client_encode_seconds, float),
+    def note_client(self, node: int, report: UplinkReport) -> None:
+        """Copy what the client mod reported in its uplink record (values it did not send: skipped)."""
+        for value, store in (
+            (report.sbc_p, self.sbc_p),
+            (report.local_iters, self.local_iters),
+            (report.budget_bytes, self.budget_bytes),
+            (report.estimated_bytes, self.estimated_bytes),
+            (report.fits, self.fits),
+            (report.train_seconds, self.train_seconds),
+            (report.encode_seconds, self.client_encode_seconds),
         ):
-            if key in rec:
-                store[node] = cast(rec[key])  # type: ignore[call-overload]
-        if "uplink-mbps" in rec:
-            self.links[node] = [float(rec[k]) for k in ("uplink-mbps", "downlink-mbps", "latency-ms")]  # type: ignore[arg-type]
+            if value is not None:
+                store[node] = value  # type: ignore[index]
+        if report.link is not None:
+            self.links[node] = list(report.link)
 
     def add_downlink(self, node: int, nbytes: int, dense: int, mode: str) -> None:
         self.downlink[node] = self.downlink.get(node, 0) + nbytes
@@ -117,17 +116,16 @@ class CompressionStrategy(Strategy):
         self.replica: ServerReplica | None = None
         self.traffic: dict[int, RoundTraffic] = {}
         self._arrays_key: str = getattr(strategy, "arrayrecord_key", "arrays")
+        self._config_key: str = getattr(strategy, "configrecord_key", protocol.CONFIG_RECORD)
         self._target: dict[str, torch.Tensor] | None = None  # the W the replica was last synced to
         self._nodes: dict[int, tuple[int, str]] = {}  # node -> (replica version, digest) it reported
-        self._round = 0
         self._bandwidth = self.config.bandwidth_budget().to_json()
-        self._config_key: str = getattr(strategy, "configrecord_key", "config")
-        # Uplink methods the server coordinates (fedcomp.flower.deft_link / gradiveq_link).
-        self.deft = DeftPlanner(self.config.min_compress_numel) if self.config.uplink_codec == "deft" else None
-        self.gradiveq = GradiVeQCoordinator(self.config) if self.config.uplink_codec == "gradiveq" else None
-        # GradiVeQ: aggregate coefficients (not models) when the inner strategy's aggregation is
-        # FedAvg's weighted mean, which commutes with the linear decompression.
-        self.compressed_domain = type(strategy).aggregate_train is FedAvg.aggregate_train
+        self.downlink_method = get_downlink(self.config.downlink_codec)
+        #: The uplink method's server side (fedcomp.methods.registry). ``weighted_mean``: the inner
+        #: strategy aggregates by FedAvg's weighted mean, which commutes with linear methods.
+        self.uplink: UplinkMethod = get_uplink(self.config.uplink_codec)(
+            self.config, weighted_mean=aggregates_by_weighted_mean(strategy)
+        )
 
     # --- downlink ------------------------------------------------------------------------------
 
@@ -145,56 +143,42 @@ class CompressionStrategy(Strategy):
     def _traffic(self, server_round: int) -> RoundTraffic:
         return self.traffic.setdefault(server_round, RoundTraffic())
 
-    def _uplink_codec_config(self, server_round: int) -> dict:
-        if self.gradiveq is not None:
-            return self.gradiveq.uplink_codec_config(server_round)
-        return self.config.uplink_codec_at(server_round).get_config()
-
     def _with_downlink(self, messages: Iterable[Message], server_round: int, train: bool = False) -> list[Message]:
         assert self.replica is not None
         messages = list(messages)
-        out = []
         dense = fp32_bytes(self.replica.tensors)
-        uplink_codec = json.dumps(self._uplink_codec_config(server_round))
+        uplink_codec = self.uplink.round_codec_config(server_round)
+        downlink_codec = self.downlink_method.codec_config(self.config, server_round)
         extras: dict[int, dict[str, bytes]] = {}
-        if train and self.deft is not None:
-            density = self.config.topk_density.at(server_round)
+        if train:
             nodes = [m.metadata.dst_node_id for m in messages]
-            for node, data in self.deft.plan(server_round, nodes, self.replica.specs, density).items():
-                extras.setdefault(node, {})[ALLOCATION_KEY] = data
-        if train and self.gradiveq is not None:
-            for m in messages:
-                node = m.metadata.dst_node_id
-                extras.setdefault(node, {}).update(self.gradiveq.downlink_extras(node, server_round))
+            extras = self.uplink.downlink_extras(server_round, nodes, self.replica.specs)
+        out = []
         for msg in messages:
             node = msg.metadata.dst_node_id
             version, digest = self._nodes.get(node, (None, None))
             dl = self.replica.downlink_for(version, digest)
-            extra = extras.get(node, {})
-            record = ConfigRecord(
-                {
-                    "mode": dl.mode,
-                    "payloads": list(dl.payloads),
-                    "version": dl.version,
-                    "digest": dl.digest,
-                    "arrays-key": self._arrays_key,
-                    "downlink-codec": self.config.downlink_codec,
-                    "uplink-codec": uplink_codec,
-                    "error-feedback": self.config.error_feedback,
-                    "min-compress-numel": self.config.min_compress_numel,
-                    "device": self.config.client_device,
-                    "bandwidth": self._bandwidth,
-                    "config-key": self._config_key,
-                    **extra,
-                }
+            header = DownlinkHeader(
+                mode=protocol.DownlinkMode(dl.mode),
+                payloads=dl.payloads,
+                version=dl.version,
+                digest=dl.digest,
+                arrays_key=self._arrays_key,
+                config_key=self._config_key,
+                downlink_codec=downlink_codec,
+                uplink_codec=uplink_codec,
+                uplink_method=self.uplink.method_id,
+                error_feedback=self.config.error_feedback,
+                min_compress_numel=self.config.min_compress_numel,
+                device=self.config.client_device,
+                bandwidth=self._bandwidth,
+                extras=extras.get(node, {}),
             )
             # A fresh RecordDict per message: the inner strategy shares one between all messages.
             content = RecordDict({k: v for k, v in msg.content.items() if k != self._arrays_key})
-            content[keys.DOWNLINK] = record
+            content[protocol.DOWNLINK] = header.to_record()
             msg.content = content
-            self._traffic(server_round).add_downlink(
-                node, dl.nbytes + sum(len(b) for b in extra.values()), dense, dl.mode
-            )
+            self._traffic(server_round).add_downlink(node, header.nbytes, dense, dl.mode)
             out.append(msg)
         return out
 
@@ -203,7 +187,7 @@ class CompressionStrategy(Strategy):
     ) -> Iterable[Message]:
         self._sync_replica(arrays, server_round)
         config = ConfigRecord(dict(config))
-        config[keys.LOCAL_ITERS] = self.config.local_iters_at(server_round)
+        config[protocol.LOCAL_ITERS] = self.config.local_iters_at(server_round)
         msgs = self.strategy.configure_train(server_round, arrays, config, grid)
         return self._with_downlink(msgs, server_round, train=True)
 
@@ -218,59 +202,54 @@ class CompressionStrategy(Strategy):
 
     # --- uplink --------------------------------------------------------------------------------
 
-    def _note_node(self, msg: Message) -> None:
-        """Remember the replica version a client reports; forget it when it erred or lied."""
-        node = msg.metadata.src_node_id
-        rec = msg.content.config_records.get(keys.UPLINK) if msg.has_content() else None
-        if self.gradiveq is not None:
-            self.gradiveq.note_node(node, rec)
+    def _report_of(self, msg: Message) -> UplinkReport | None:
+        """The reply's uplink record, typed; None when it erred, has none, or it is malformed."""
+        if msg.has_error() or not msg.has_content():
+            return None
+        rec = msg.content.config_records.get(protocol.UPLINK)
         if rec is None:
-            self._nodes.pop(node, None)
-            return
-        version, digest = int(rec.get("replica-version", -1)), str(rec.get("replica-digest", ""))
+            return None
+        try:
+            return UplinkReport.from_record(rec)
+        except PayloadError:
+            return None
+
+    def _note_node(self, node: int, report: UplinkReport | None) -> None:
+        """Remember the replica version a client reports; forget it when it erred or lied."""
+        self.uplink.note_node(node, report.status if report is not None else None)
         assert self.replica is not None
-        if self.replica.digest_of(version) == digest:
-            self._nodes[node] = (version, digest)
+        if report is not None and self.replica.digest_of(report.replica_version) == report.replica_digest:
+            self._nodes[node] = (report.replica_version, report.replica_digest)
         else:
             self._nodes.pop(node, None)
 
     def _decode_reply(self, msg: Message, server_round: int) -> None:
-        """Replace the compressed payload in ``msg`` by ``W + delta`` (raises PayloadError)."""
-        assert self.replica is not None
-        rec = msg.content.config_records.get(keys.UPLINK)
-        if rec is None or not isinstance(rec.get("payload"), bytes):
-            raise PayloadError("", f"reply has no {keys.UPLINK} payload")
-        data: bytes = rec["payload"]  # type: ignore[assignment]
+        """Replace the compressed payload in ``msg`` by what the inner strategy aggregates
+        (``W + delta`` for most methods); raise :class:`PayloadError` on a bad reply."""
+        assert self.replica is not None and self._target is not None
+        rec = msg.content.config_records.get(protocol.UPLINK)
+        if rec is None:
+            raise PayloadError("", f"reply has no {protocol.UPLINK} record")
+        report = UplinkReport.from_record(rec)
+        if report.payload is None:
+            raise PayloadError("", f"reply has no {protocol.UPLINK} payload")
         traffic = self._traffic(server_round)
         node = msg.metadata.src_node_id
-        traffic.note_client(node, rec)
-        traffic.uplink[node] = len(data)
+        traffic.note_client(node, report)
+        traffic.uplink[node] = len(report.payload)
         traffic.dense_uplink[node] = fp32_bytes(self.replica.tensors)
         t0 = time.perf_counter()
-        update = update_from_bytes(data)
+        update = update_from_bytes(report.payload)
         if update.base_model_version != self.replica.version:
             raise PayloadError(
                 "", f"update is against version {update.base_model_version}, expected {self.replica.version}"
             )
-        assert self._target is not None
-        if self.gradiveq is not None:
-            # Coefficients (or, in uncompressed rounds, W + delta) for the inner strategy.
-            model = self.gradiveq.decode(update, self.replica.specs, self._target, server_round, self.compressed_domain)
-        else:
-            uplink_codec = self.config.uplink_codec_at(server_round)
-            delta = decode_update(update, self.replica.specs, [uplink_codec, DenseFP32()])
-            if self.deft is not None:
-                self.deft.check(node, delta, self.replica.specs)
-            if self.config.uplink_codec in ("topk", "deft"):
-                traffic.note_selection(delta, self.config.min_compress_numel)
-            # The client trained from the replica R, but its delta is applied to the exact global
-            # model W: the inner strategy then aggregates W + delta_i, so W - R (what 3LC has not
-            # yet delivered) survives into the next round's downlink. Rebasing on R would drop it
-            # every round and turn 3LC's error accumulation off.
-            model = {k: self._target[k] + delta[k] for k in self._target}
+        decoded = self.uplink.decode(update, self.replica.specs, self._target, server_round, node)
+        if self.uplink.reports_selection and decoded.delta is not None:
+            traffic.note_selection(decoded.delta, self.config.min_compress_numel)
         traffic.decode_seconds += time.perf_counter() - t0
-        content = RecordDict({k: v for k, v in msg.content.items() if k != keys.UPLINK})
-        content[self._arrays_key] = record_from_tensors(model)
+        content = RecordDict({k: v for k, v in msg.content.items() if k != protocol.UPLINK})
+        content[self._arrays_key] = record_from_tensors(decoded.arrays)
         msg.content = content
 
     def aggregate_train(
@@ -278,14 +257,14 @@ class CompressionStrategy(Strategy):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         accepted = []
         for msg in replies:
-            self._note_node(msg)
+            node = msg.metadata.src_node_id
+            self._note_node(node, self._report_of(msg))
             if msg.has_error():
                 accepted.append(msg)  # the inner strategy logs and skips it
                 continue
             try:
                 self._decode_reply(msg, server_round)
-            except Exception as exc:
-                node = msg.metadata.src_node_id
+            except Exception as exc:  # one client's bytes must never stop the round
                 if not isinstance(exc, PayloadError | ConfigError):
                     log.exception("fedcomp: unexpected error decoding node %s's update", node)
                     exc = PayloadError("", f"decoder failed: {type(exc).__name__}: {exc}")
@@ -296,38 +275,44 @@ class CompressionStrategy(Strategy):
                 continue
             accepted.append(msg)
         arrays, metrics = self.strategy.aggregate_train(server_round, accepted)
-        if arrays is not None and self._target is not None and (self.gradiveq or self.deft):
-            aggregated = tensors_from_record(arrays)
-            if self.gradiveq is not None:
-                # Compressed-domain rounds: ``aggregated`` holds mean coefficients; one decompression.
-                t0 = time.perf_counter()
-                model = self.gradiveq.finish(server_round, aggregated, self._target)
-                self._traffic(server_round).decode_seconds += time.perf_counter() - t0
-                if model is not None:
-                    aggregated = model
-                    arrays = record_from_tensors(model)
-            if self.deft is not None:
-                self.deft.observe({k: aggregated[k] - self._target[k] for k in self._target})
+        if arrays is not None and self._target is not None and _overrides(self.uplink, "finish"):
+            t0 = time.perf_counter()
+            model = self.uplink.finish(server_round, tensors_from_record(arrays), self._target)
+            self._traffic(server_round).decode_seconds += time.perf_counter() - t0
+            if model is not None:
+                arrays = record_from_tensors(model)
         return arrays, metrics
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         replies = list(replies)
         for msg in replies:
-            self._note_node(msg)
+            self._note_node(msg.metadata.src_node_id, self._report_of(msg))
         return self.strategy.aggregate_evaluate(server_round, replies)
+
+    def round_metrics(self, server_round: int) -> dict[str, Any]:
+        """The uplink method's own figures for ``server_round`` (for the results)."""
+        return self.uplink.round_metrics(server_round)
 
     def summary(self) -> None:
         c = self.config
         log.info(
-            "fedcomp: uplink %s (p=%s, %s), downlink %s (s=%s), local iterations %s",
-            c.uplink_codec,
-            c.sbc_p,
-            c.sbc_mode,
-            c.downlink_codec,
-            c.threelc_s,
+            "fedcomp: uplink %s, downlink %s, local iterations %s",
+            self.uplink.summary(c),
+            self.downlink_method.summary(c),
             c.local_iters,
         )
         self.strategy.summary()
 
     def __repr__(self) -> str:
         return f"CompressionStrategy({self.strategy!r})"
+
+
+def _overrides(method: UplinkMethod, hook: str) -> bool:
+    """Whether ``method`` has its own ``hook`` (skips converting the aggregate when not)."""
+    return getattr(type(method), hook) is not getattr(UplinkMethod, hook)
+
+
+def aggregates_by_weighted_mean(strategy: Strategy) -> bool:
+    """Whether ``strategy`` aggregates train replies by FedAvg's weighted mean of their arrays
+    (FedAvg itself and subclasses that keep its ``aggregate_train``, e.g. FedProx)."""
+    return type(strategy).aggregate_train is FedAvg.aggregate_train

@@ -27,12 +27,6 @@ from fedcomp.methods.schedules import Schedule
 if TYPE_CHECKING:
     from fedcomp.methods.bandwidth import BandwidthBudget
 
-#: "topk": each client's own top-k with values (the baseline DEFT improves on); "deft": top-k
-#: inside the partitions the server allocates (fedcomp.methods.deft); "gradiveq": PCA coefficients
-#: (fedcomp.methods.gradiveq), aggregated by the server without decompressing.
-UplinkCodec = Literal["sbc", "topk", "deft", "gradiveq", "dense-fp32", "dense-fp16", "identity"]
-DownlinkCodec = Literal["3lc", "dense-fp32", "dense-fp16", "identity"]
-
 
 class CompressionConfig(BaseModel):
     """What the strategy wrapper and the client mod need. Field aliases are the config keys."""
@@ -41,8 +35,10 @@ class CompressionConfig(BaseModel):
 
     #: False: plain (uncompressed) Flower traffic, no wrapper; the baseline to compare against.
     compress: bool = Field(True, alias="compress")
-    uplink_codec: UplinkCodec = Field("sbc", alias="uplink-codec")
-    downlink_codec: DownlinkCodec = Field("3lc", alias="downlink-codec")
+    #: An uplink method's registry id (``fedcomp.methods.registry.UPLINKS``).
+    uplink_codec: str = Field("sbc", alias="uplink-codec")
+    #: A downlink method's registry id (``fedcomp.methods.registry.DOWNLINKS``).
+    downlink_codec: str = Field("3lc", alias="downlink-codec")
     sbc_p: Schedule = Field(Schedule.parse(0.01), alias="sbc-p")
     sbc_mode: Literal["fast", "exact"] = Field("fast", alias="sbc-mode")
     threelc_s: Schedule = Field(Schedule.parse(1.0), alias="3lc-s")
@@ -86,6 +82,24 @@ class CompressionConfig(BaseModel):
     bandwidth_policy: str = Field("constant-total-sparsity", alias="bandwidth-policy")
     #: Compute seconds per local iteration the deadline assumes; 0 = measured by each client.
     seconds_per_iter: float = Field(0.0, ge=0, alias="seconds-per-iter")
+
+    @field_validator("uplink_codec")
+    @classmethod
+    def _uplink_known(cls, v: str) -> str:
+        from fedcomp.methods.registry import UPLINKS
+
+        if v not in UPLINKS:
+            raise ValueError(f"unknown uplink method (known: {sorted(UPLINKS)})")
+        return v
+
+    @field_validator("downlink_codec")
+    @classmethod
+    def _downlink_known(cls, v: str) -> str:
+        from fedcomp.methods.registry import DOWNLINKS
+
+        if v not in DOWNLINKS:
+            raise ValueError(f"unknown downlink method (known: {sorted(DOWNLINKS)})")
+        return v
 
     @field_validator("sbc_p", "threelc_s", "local_iters", "topk_density", mode="before")
     @classmethod
@@ -185,21 +199,17 @@ class CompressionConfig(BaseModel):
             raise ConfigError(format_validation_error(exc)) from None
 
     def uplink_codec_at(self, server_round: int) -> Codec:
-        """The codec clients encode with. For "deft" it is plain top-k: each client's
-        partitions come with its allocation; "gradiveq" needs the server's compressor, so the
-        strategy (``fedcomp.flower.gradiveq_link``) builds those codecs itself."""
-        if self.uplink_codec == "sbc":
-            return get_codec({"id": "sbc", "p": self.sbc_p.at(server_round), "mode": self.sbc_mode})
-        if self.uplink_codec in ("topk", "deft"):
-            return get_codec({"id": "topk", "p": self.topk_density.at(server_round)})
-        if self.uplink_codec == "gradiveq":
-            raise ConfigError("uplink-codec: 'gradiveq' codecs are built from the server's compressor")
-        return get_codec(self.uplink_codec)
+        """The codec clients encode with this round (the uplink method decides;
+        server-coordinated methods add per-tensor codecs of their own)."""
+        from fedcomp.methods.registry import UPLINKS
+
+        return get_codec(UPLINKS[self.uplink_codec].codec_config(self, server_round))
 
     def downlink_codec_at(self, server_round: int) -> Codec:
-        if self.downlink_codec == "3lc":
-            return get_codec({"id": "3lc", "s": self.threelc_s.at(server_round), "zero_run": self.threelc_zero_run})
-        return get_codec(self.downlink_codec)
+        """The codec of this round's downlink deltas."""
+        from fedcomp.methods.registry import DOWNLINKS
+
+        return get_codec(DOWNLINKS[self.downlink_codec].codec_config(self, server_round))
 
     def local_iters_at(self, server_round: int) -> int:
         return int(self.local_iters.at(server_round))

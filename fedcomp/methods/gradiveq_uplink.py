@@ -1,4 +1,4 @@
-"""GradiVeQ through the strategy wrapper and the client mod: compressors, phases, aggregation.
+"""The GradiVeQ uplink method: compressors, phases, aggregation in the compressed domain.
 
 Rounds alternate as in the paper's Fig. 6, with rounds for iterations: ``gradiveq-dense-rounds``
 uncompressed rounds (clients send dense fp32 updates; the server keeps them as PCA samples), then
@@ -10,7 +10,7 @@ to every client whose last reply did not report holding its version; clients kee
 
 In compressed rounds clients send projection coefficients. When the inner strategy aggregates by
 FedAvg's weighted mean, the server hands it the coefficients themselves and decompresses the mean
-once (:meth:`GradiVeQCoordinator.finish`): the compressor is linear (affine with the whitening
+once (:meth:`GradiVeQUplink.finish`): the compressor is linear (affine with the whitening
 vector, which a weighted mean with weights summing to one preserves), so this equals the mean of
 the decompressed updates. Any other inner strategy gets each client's decompressed model.
 
@@ -20,32 +20,39 @@ Tensors under ``min-compress-numel``, and those the fit gives no dimension, go d
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from flwr.app import ConfigRecord, Context
 
 from fedcomp.codecs import Codec, DenseFP32, TensorSpec
 from fedcomp.codecs.gradiveq import GradiVeQ, coefficients_of
 from fedcomp.errors import PayloadError
-from fedcomp.flower.settings import CompressionConfig
+from fedcomp.methods.base import ClientRound, Decoded, StateStore, UplinkMethod, extra_key
 from fedcomp.methods.gradiveq import Compressor, decompress, fit_compressor
 from fedcomp.methods.update import decode_update, specs_of
 from fedcomp.wire.payloads import EncodedUpdate
 from fedcomp.wire.serde import compressor_from_bytes, compressor_to_bytes
 
-#: Key of the compressor bytes in the downlink ConfigRecord, and of the client's state record.
-COMPRESSOR_KEY = "gradiveq-compressor"
-STATE_KEY = "fedcomp.methods.gradiveq"
-#: Key in the client's uplink record: the compressor version it holds.
-VERSION_KEY = "gradiveq-version"
+if TYPE_CHECKING:
+    from fedcomp.methods.config import CompressionConfig
 
 
-class GradiVeQCoordinator:
-    """Server side: phase of each round, PCA samples, the current compressor, aggregation."""
+class GradiVeQUplink(UplinkMethod):
+    """GradiVeQ (Yu et al. 2018): PCA coefficients of each slice, aggregated without
+    decompressing when the inner strategy's aggregation is FedAvg's weighted mean.
 
-    def __init__(self, config: CompressionConfig) -> None:
-        self.config = config
+    Server side: phase of each round, PCA samples, the current compressor, aggregation. No error
+    feedback: the paper sends projections without residuals, and what the basis cannot express
+    would pile up in the residual until the next refit."""
+
+    method_id = "gradiveq"
+    error_feedback = False
+    #: Key of the compressor bytes in the downlink extras, and of the version in the uplink status.
+    COMPRESSOR_KEY = extra_key("gradiveq", "compressor")
+    VERSION_KEY = extra_key("gradiveq", "version")
+
+    def __init__(self, config: CompressionConfig, weighted_mean: bool = True) -> None:
+        super().__init__(config, weighted_mean)
         self.compressor: Compressor | None = None
         self.version = 0
         self._wire: bytes = b""
@@ -53,6 +60,19 @@ class GradiVeQCoordinator:
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._nodes: dict[int, int] = {}  # node -> compressor version it reported holding
         self._domain: dict[int, bool] = {}  # round -> aggregated in the compressed domain
+
+    @classmethod
+    def codec_config(cls, config: CompressionConfig, server_round: int) -> dict[str, Any]:
+        """Before the server's first fit: dense (the updates are the PCA samples)."""
+        return {"id": "dense-fp32"}
+
+    @classmethod
+    def summary(cls, config: CompressionConfig) -> str:
+        c = config
+        return (
+            f"gradiveq (eps={c.gradiveq_eps}, dense rounds {c.gradiveq_dense_rounds}, "
+            f"refresh {c.gradiveq_refresh}, slice {c.gradiveq_slice or 'fan-in'})"
+        )
 
     # --- phases ---------------------------------------------------------------------------------
 
@@ -64,22 +84,28 @@ class GradiVeQCoordinator:
         """Whether clients send coefficients this round (never before the first fit)."""
         return self.compressor is not None and self._cycle_position(server_round) >= self.config.gradiveq_dense_rounds
 
-    def uplink_codec_config(self, server_round: int) -> dict[str, Any]:
+    def round_codec_config(self, server_round: int) -> dict[str, Any]:
         if self.compressed(server_round):
             return {"id": "gradiveq", "version": self.version}
         return {"id": "dense-fp32"}
 
-    def downlink_extras(self, node: int, server_round: int) -> dict[str, bytes]:
-        if self.compressed(server_round) and self._nodes.get(node) != self.version:
-            return {COMPRESSOR_KEY: self._wire}
-        return {}
+    def downlink_extras(
+        self, server_round: int, nodes: Sequence[int], specs: Sequence[TensorSpec]
+    ) -> dict[int, dict[str, bytes]]:
+        """The compressor, to the nodes that do not report holding its version."""
+        if not self.compressed(server_round):
+            return {}
+        return {n: {self.COMPRESSOR_KEY: self._wire} for n in nodes if self._nodes.get(n) != self.version}
 
-    def note_node(self, node: int, rec: ConfigRecord | None) -> None:
-        held = rec.get(VERSION_KEY) if rec is not None else None
+    def note_node(self, node: int, status: Mapping[str, int] | None) -> None:
+        held = status.get(self.VERSION_KEY) if status is not None else None
         if held is None:
             self._nodes.pop(node, None)
         else:
-            self._nodes[node] = int(held)  # type: ignore[arg-type]
+            self._nodes[node] = int(held)
+
+    def round_metrics(self, server_round: int) -> dict[str, Any]:
+        return {"gradiveq_version": self.version, "gradiveq_compressed": self.compressed(server_round)}
 
     # --- uplink ---------------------------------------------------------------------------------
 
@@ -89,8 +115,8 @@ class GradiVeQCoordinator:
         specs: Sequence[TensorSpec],
         model: Mapping[str, torch.Tensor],
         server_round: int,
-        compressed_domain: bool,
-    ) -> dict[str, torch.Tensor]:
+        node: int,
+    ) -> Decoded:
         """What the inner strategy gets for one reply (raises PayloadError on a bad update):
         ``W + delta``, or in compressed-domain rounds the coefficients (dense tensors: delta)."""
         if not self.compressed(server_round):
@@ -100,8 +126,9 @@ class GradiVeQCoordinator:
                     self._samples.setdefault(s.name, []).append(delta[s.name].reshape(-1))
                     self._shapes[s.name] = s.shape
             self._domain[server_round] = False
-            return {k: model[k] + delta[k] for k in model}
+            return Decoded({k: model[k] + delta[k] for k in model}, delta)
         assert self.compressor is not None
+        compressed_domain = self.weighted_mean
         if len(update.tensors) != len(specs):
             raise PayloadError("", f"update has {len(update.tensors)} tensors, expected {len(specs)}")
         out: dict[str, torch.Tensor] = {}
@@ -123,7 +150,7 @@ class GradiVeQCoordinator:
                 delta = dense.decode(enc, spec)
                 out[spec.name] = delta if compressed_domain else model[spec.name] + delta
         self._domain[server_round] = compressed_domain
-        return out
+        return Decoded(out)
 
     def finish(
         self, server_round: int, aggregated: Mapping[str, torch.Tensor], model: Mapping[str, torch.Tensor]
@@ -162,6 +189,39 @@ class GradiVeQCoordinator:
         self._wire = compressor_to_bytes(self.compressor.to_wire())
         self._samples = {}
 
+    # --- client ----------------------------------------------------------------------------------
+
+    @classmethod
+    def client_receive(cls, rnd: ClientRound) -> None:
+        """Validate a compressor the server sent against the replica's shapes and keep its bytes."""
+        data = rnd.extras.get(cls.COMPRESSOR_KEY)
+        if data is None:
+            return
+        comp = Compressor.from_wire(compressor_from_bytes(data), specs_of(rnd.replica))
+        rnd.state.save({"compressor": data, "version": comp.version})
+
+    @classmethod
+    def client_status(cls, state: StateStore) -> dict[str, int]:
+        held = state.load()
+        return {} if held is None else {cls.VERSION_KEY: int(held["version"])}
+
+    @classmethod
+    def client_codecs(cls, rnd: ClientRound) -> tuple[Codec, dict[str, Codec] | None]:
+        """GradiVeQ codecs for the tensors the held compressor covers (the rest go dense)."""
+        if rnd.codec_config.get("id") != "gradiveq":
+            return DenseFP32(), None  # a dense round: the updates are the next fit's samples
+        held = rnd.state.load()
+        want = int(rnd.codec_config.get("version", -1))
+        if held is None or int(held["version"]) != want:
+            raise PayloadError("", f"GradiVeQ compressor version {want} is needed and not held")
+        comp = Compressor.from_wire(compressor_from_bytes(held["compressor"]), specs_of(rnd.replica))
+        codecs: dict[str, Codec] = {
+            name: GradiVeQ(comp)
+            for name, t in rnd.replica.items()
+            if t.numel() >= rnd.min_numel and comp.compresses(name)
+        }
+        return DenseFP32(), codecs
+
 
 def fan_in(shape: Sequence[int], cap: int = 4096) -> int:
     """Values feeding one output unit (``prod(shape[1:])``), capped; a vector's own length."""
@@ -169,39 +229,3 @@ def fan_in(shape: Sequence[int], cap: int = 4096) -> int:
     for d in shape[1:] if len(shape) > 1 else shape:
         n *= int(d)
     return max(2, min(n, cap))
-
-
-# --- client side -----------------------------------------------------------------------------
-
-
-def store_compressor(context: Context, dl: ConfigRecord, replica: Mapping[str, torch.Tensor] | None) -> None:
-    """Validate a compressor the server sent against the replica's shapes and keep its bytes."""
-    data = dl.get(COMPRESSOR_KEY)
-    if data is None:
-        return
-    if not isinstance(data, bytes) or replica is None:
-        raise PayloadError("", f"{COMPRESSOR_KEY} is not bytes or came without a model")
-    comp = Compressor.from_wire(compressor_from_bytes(data), specs_of(replica))
-    context.state[STATE_KEY] = ConfigRecord({"compressor": data, "version": comp.version})
-
-
-def forget_compressor(context: Context) -> None:
-    if STATE_KEY in context.state:
-        del context.state[STATE_KEY]
-
-
-def client_status(context: Context) -> dict[str, int]:
-    rec = context.state.config_records.get(STATE_KEY)
-    return {} if rec is None else {VERSION_KEY: int(rec["version"])}  # type: ignore[arg-type]
-
-
-def client_codecs(
-    context: Context, uplink_cfg: Mapping[str, Any], replica: Mapping[str, torch.Tensor], min_numel: int
-) -> dict[str, Codec]:
-    """GradiVeQ codecs for the tensors the held compressor covers (the rest go dense)."""
-    rec = context.state.config_records.get(STATE_KEY)
-    want = int(uplink_cfg.get("version", -1))
-    if rec is None or int(rec["version"]) != want:  # type: ignore[arg-type]
-        raise PayloadError("", f"GradiVeQ compressor version {want} is needed and not held")
-    comp = Compressor.from_wire(compressor_from_bytes(rec["compressor"]), specs_of(replica))  # type: ignore[arg-type]
-    return {name: GradiVeQ(comp) for name, t in replica.items() if t.numel() >= min_numel and comp.compresses(name)}

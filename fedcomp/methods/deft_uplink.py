@@ -1,6 +1,6 @@
-"""DEFT through the strategy wrapper and the client mod: who selects where, each round.
+"""The DEFT uplink method: who selects where, each round.
 
-Server (:class:`DeftPlanner`): before a train round it partitions the compressed tensors, sizes
+Server (:class:`DeftUplink`, one instance per run): before a train round it partitions the compressed tensors, sizes
 each partition's k from the L2 norm of that partition in the previous round's aggregated update
 (the server has that aggregate; norms reported by the clients would cost uplink bytes; in the
 first round k is proportional to size) and bin-packs the partitions over the clients sampled for that round
@@ -9,7 +9,7 @@ bytes in the downlink record. After decoding a reply it checks that the client s
 inside its partitions and no more than their k: a client that sends more is rejected like any
 corrupt payload.
 
-Client (:func:`client_codecs`): validates the allocation against its replica's shapes and encodes
+Client (:meth:`DeftUplink.client_codecs`): validates the allocation against its replica's shapes and encodes
 every compressed tensor with :class:`~fedcomp.codecs.TopK` restricted to its partitions
 (Algorithm 5); what it does not send stays in its residual (error feedback).
 
@@ -21,23 +21,19 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fedcomp.codecs import Codec, TensorSpec, TopK
+from fedcomp.codecs import Codec, TensorSpec, TopK, get_codec
 from fedcomp.errors import PayloadError
-from fedcomp.methods.deft import (
-    check_allocation,
-    check_selection,
-    plan_round,
-    plan_round_from_aggregate,
-    ranges_for,
-)
-from fedcomp.wire.payloads import DeftAllocation
+from fedcomp.methods.base import ClientRound, Decoded, UplinkMethod, extra_key
+from fedcomp.methods.deft import check_allocation, check_selection, plan_round, plan_round_from_aggregate, ranges_for
+from fedcomp.wire.payloads import DeftAllocation, EncodedUpdate
 from fedcomp.wire.serde import allocation_from_bytes, allocation_to_bytes
 
-#: Key of the allocation bytes in the downlink ConfigRecord.
-ALLOCATION_KEY = "deft-allocation"
+if TYPE_CHECKING:
+    from fedcomp.methods.config import CompressionConfig
 
 Ranges = tuple[tuple[int, int, int], ...]
 
@@ -46,14 +42,34 @@ def _large(specs: Sequence[TensorSpec], min_numel: int) -> list[int]:
     return [i for i, s in enumerate(specs) if s.numel >= min_numel]
 
 
-class DeftPlanner:
-    """Server side: one allocation per round, remembered per node until its reply is checked."""
+class DeftUplink(UplinkMethod):
+    """DEFT (Gong et al. 2023): top-k inside partitions the server allocates so that no two
+    clients select the same entries; k per partition from the last aggregate's norms."""
 
-    def __init__(self, min_numel: int) -> None:
-        self.min_numel = min_numel
+    method_id = "deft"
+    reports_selection = True
+    #: Key of the allocation bytes in the downlink extras.
+    ALLOCATION_KEY = extra_key("deft", "allocation")
+
+    def __init__(self, config: CompressionConfig, weighted_mean: bool = True) -> None:
+        super().__init__(config, weighted_mean)
+        self.min_numel = config.min_compress_numel
         self.aggregate: dict[str, torch.Tensor] | None = None  # the last aggregated update
         self._ranges: dict[int, list[Ranges]] = {}
         self.last_round: int | None = None
+
+    @classmethod
+    def codec_config(cls, config: CompressionConfig, server_round: int) -> dict[str, Any]:
+        """Plain top-k; each client's partitions come with its allocation."""
+        return {"id": "topk", "p": config.topk_density.at(server_round)}
+
+    # --- server ----------------------------------------------------------------------------------
+
+    def downlink_extras(
+        self, server_round: int, nodes: Sequence[int], specs: Sequence[TensorSpec]
+    ) -> dict[int, dict[str, bytes]]:
+        density = self.config.topk_density.at(server_round)
+        return {n: {self.ALLOCATION_KEY: b} for n, b in self.plan(server_round, nodes, specs, density).items()}
 
     def plan(
         self, server_round: int, nodes: Sequence[int], specs: Sequence[TensorSpec], density: float
@@ -77,6 +93,19 @@ class DeftPlanner:
             out[node] = allocation_to_bytes(full)
         return out
 
+    def decode(
+        self,
+        update: EncodedUpdate,
+        specs: Sequence[TensorSpec],
+        model: Mapping[str, torch.Tensor],
+        server_round: int,
+        node: int,
+    ) -> Decoded:
+        decoded = super().decode(update, specs, model, server_round, node)
+        assert decoded.delta is not None
+        self.check(node, decoded.delta, specs)
+        return decoded
+
     def check(self, node: int, delta: Mapping[str, torch.Tensor], specs: Sequence[TensorSpec]) -> None:
         """Raise :class:`PayloadError` when ``node`` sent entries outside its allocation."""
         ranges = self._ranges.get(node)
@@ -85,9 +114,25 @@ class DeftPlanner:
         for i in _large(specs, self.min_numel):
             check_selection(delta[specs[i].name].reshape(-1), ranges[i], specs[i].name)
 
+    def finish(
+        self, server_round: int, aggregated: Mapping[str, torch.Tensor], model: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor] | None:
+        self.observe({k: aggregated[k] - model[k] for k in model})
+        return None
+
     def observe(self, aggregate_delta: Mapping[str, torch.Tensor]) -> None:
         """Remember the aggregated update: the next allocation's k follow its partitions' norms."""
         self.aggregate = {k: v.detach().float() for k, v in aggregate_delta.items()}
+
+    # --- client ----------------------------------------------------------------------------------
+
+    @classmethod
+    def client_codecs(cls, rnd: ClientRound) -> tuple[Codec, dict[str, Codec] | None]:
+        data = rnd.extras.get(cls.ALLOCATION_KEY)
+        if data is None:
+            raise PayloadError("", "a DEFT round came without this client's allocation")
+        overrides = client_codecs(data, rnd.replica, rnd.min_numel, rnd.server_round)
+        return get_codec(rnd.codec_config), overrides
 
 
 def client_codecs(

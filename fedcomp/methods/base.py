@@ -1,0 +1,195 @@
+"""The contract every uplink and downlink method fulfils, so the Flower layer never names one.
+
+An **uplink method** (client -> server) says which codec clients encode with each round, may send
+each client bytes of its own before training (a DEFT allocation, a GradiVeQ compressor), decodes
+each reply into what the inner strategy aggregates, and may post-process the aggregate (GradiVeQ
+decompresses the mean of coefficients once). Server-side hooks are instance methods: the wrapper
+holds one instance per run, which may keep state across rounds. Client-side hooks are class
+methods: on the client a fresh process may serve every message, so a method's client state lives
+in the :class:`StateStore` the mod hands it (backed by Flower's ``context.state``).
+
+A **downlink method** (server -> clients) only says which codec compresses each round's delta.
+
+Adding a method is one file with a subclass and one line in :mod:`fedcomp.methods.registry`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+import torch
+
+from fedcomp.codecs import Codec, DenseFP32, TensorSpec, get_codec
+from fedcomp.methods.update import decode_update
+from fedcomp.wire.payloads import EncodedUpdate
+
+if TYPE_CHECKING:
+    from fedcomp.methods.config import CompressionConfig
+
+__all__ = ["ClientRound", "Decoded", "DownlinkMethod", "StateStore", "UplinkMethod", "extra_key"]
+
+Tensors = dict[str, torch.Tensor]
+
+
+def extra_key(method_id: str, name: str) -> str:
+    """Key of a method's own value in the downlink extras or the uplink status: namespaced by
+    the method's id, so methods never collide with each other or with the protocol's fields."""
+    return f"{method_id}.{name}"
+
+
+class StateStore(Protocol):
+    """A method's own persistent values on one client (bytes, ints, floats, strings)."""
+
+    def load(self) -> dict[str, Any] | None: ...
+
+    def save(self, values: Mapping[str, Any]) -> None: ...
+
+    def clear(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class ClientRound:
+    """What a method sees on the client when a message arrives (before the app trains)."""
+
+    #: The codec config the server chose for this round's uplink.
+    codec_config: dict[str, Any]
+    replica: Mapping[str, torch.Tensor]
+    min_numel: int
+    #: The round number from the train config (None when the message has none).
+    server_round: int | None
+    #: The method's bytes for this client in the downlink (keys from ``protocol.extra_key``).
+    extras: Mapping[str, bytes]
+    state: StateStore
+
+
+@dataclass
+class Decoded:
+    """One reply, decoded: ``arrays`` for the inner strategy (normally ``W + delta``) and the
+    update itself when the method has one in model space."""
+
+    arrays: Tensors
+    delta: Tensors | None = None
+
+
+class UplinkMethod:
+    """Base class: a stateless codec, every tensor the same way (override what differs)."""
+
+    #: Registry id; also the value of the ``uplink-codec`` run-config key.
+    method_id: ClassVar[str]
+    #: Whether the client keeps residuals (error feedback) for this method.
+    error_feedback: ClassVar[bool] = True
+    #: Whether the bandwidth policy may pick this method's ``p`` per client and round.
+    adapts_p: ClassVar[bool] = False
+    #: Whether replies are sparse selections whose union the server reports (aggregate density).
+    reports_selection: ClassVar[bool] = False
+
+    def __init__(self, config: CompressionConfig, weighted_mean: bool = True) -> None:
+        """Server side. ``weighted_mean``: the inner strategy aggregates by FedAvg's weighted
+        mean of the replies' arrays (what linear methods can exploit)."""
+        self.config = config
+        self.weighted_mean = weighted_mean
+
+    # --- configuration (both sides) ------------------------------------------------------------
+
+    @classmethod
+    def codec_config(cls, config: CompressionConfig, server_round: int) -> dict[str, Any]:
+        """The codec config clients encode with in ``server_round``."""
+        raise NotImplementedError
+
+    @classmethod
+    def summary(cls, config: CompressionConfig) -> str:
+        """One line for the run's log: the method and its settings."""
+        return f"{cls.method_id} {cls.codec_config(config, 1)}"
+
+    # --- server ----------------------------------------------------------------------------------
+
+    def round_codec_config(self, server_round: int) -> dict[str, Any]:
+        """The codec config the server sends in ``server_round`` (may depend on server state)."""
+        return self.codec_config(self.config, server_round)
+
+    def downlink_extras(
+        self, server_round: int, nodes: Sequence[int], specs: Sequence[TensorSpec]
+    ) -> dict[int, dict[str, bytes]]:
+        """Bytes of its own for each node of a train round (counted as downlink traffic)."""
+        return {}
+
+    def note_node(self, node: int, status: Mapping[str, int] | None) -> None:
+        """What a client reported holding (``None``: it erred or sent nothing usable)."""
+
+    def decode(
+        self,
+        update: EncodedUpdate,
+        specs: Sequence[TensorSpec],
+        model: Mapping[str, torch.Tensor],
+        server_round: int,
+        node: int,
+    ) -> Decoded:
+        """One reply for the inner strategy; raise ``PayloadError`` on a bad update.
+
+        The client trained from the replica R, but its delta is applied to the exact global model
+        W: the inner strategy then aggregates ``W + delta_i``, so ``W - R`` (what the lossy
+        downlink has not yet delivered) survives into the next round's downlink. Rebasing on R
+        would drop it every round and turn 3LC's error accumulation off.
+        """
+        codec = get_codec(self.round_codec_config(server_round))
+        delta = decode_update(update, specs, [codec, DenseFP32()])
+        return Decoded({k: model[k] + delta[k] for k in model}, delta)
+
+    def finish(
+        self, server_round: int, aggregated: Mapping[str, torch.Tensor], model: Mapping[str, torch.Tensor]
+    ) -> Tensors | None:
+        """After the inner strategy aggregated: a replacement for its result, or None."""
+        return None
+
+    def round_metrics(self, server_round: int) -> dict[str, Any]:
+        """Per-round figures of the method's own for the results (JSON-able)."""
+        return {}
+
+    # --- client ----------------------------------------------------------------------------------
+
+    @classmethod
+    def client_receive(cls, rnd: ClientRound) -> None:
+        """Every message, before the app runs: validate and keep the method's downlink bytes.
+        Raise ``PayloadError`` when they are unusable (the client then asks for a resync)."""
+
+    @classmethod
+    def client_codecs(cls, rnd: ClientRound) -> tuple[Codec, dict[str, Codec] | None]:
+        """Train messages: the default codec and per-tensor overrides (None: no overrides)."""
+        return get_codec(rnd.codec_config), None
+
+    @classmethod
+    def client_status(cls, state: StateStore) -> dict[str, int]:
+        """Small values the client reports in every reply (keys from ``protocol.extra_key``)."""
+        return {}
+
+    @classmethod
+    def client_forget(cls, state: StateStore) -> None:
+        """Drop the method's client state (after an error that needs a resync)."""
+        state.clear()
+
+    @classmethod
+    def with_p(cls, codec_config: Mapping[str, Any], p: float) -> dict[str, Any]:
+        """The codec config with the bandwidth policy's ``p`` (methods with ``adapts_p``)."""
+        raise NotImplementedError(f"{cls.method_id} does not adapt p")
+
+    @classmethod
+    def p_of(cls, codec_config: Mapping[str, Any]) -> float:
+        """The ``p`` in a codec config (methods with ``adapts_p``)."""
+        raise NotImplementedError(f"{cls.method_id} does not adapt p")
+
+
+class DownlinkMethod:
+    """A downlink method: the codec of each round's replica delta, shared by all clients."""
+
+    #: Registry id; also the value of the ``downlink-codec`` run-config key.
+    method_id: ClassVar[str]
+
+    @classmethod
+    def codec_config(cls, config: CompressionConfig, server_round: int) -> dict[str, Any]:
+        raise NotImplementedError
+
+    @classmethod
+    def summary(cls, config: CompressionConfig) -> str:
+        return f"{cls.method_id} {cls.codec_config(config, 1)}"

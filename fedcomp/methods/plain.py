@@ -1,0 +1,64 @@
+"""Uplink methods that are one codec applied to every tensor, with no server coordination:
+SBC (the default), per-client top-k, dense fp32/fp16 and identity."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from fedcomp.methods.base import UplinkMethod
+
+if TYPE_CHECKING:
+    from fedcomp.methods.config import CompressionConfig
+
+__all__ = ["DenseFP16Uplink", "DenseFP32Uplink", "IdentityUplink", "SBCUplink", "TopKUplink"]
+
+
+class SBCUplink(UplinkMethod):
+    """Sparse Binary Compression: top-p per side, one mean per tensor, Golomb positions."""
+
+    method_id = "sbc"
+    adapts_p = True
+
+    @classmethod
+    def codec_config(cls, config: CompressionConfig, server_round: int) -> dict[str, Any]:
+        return {"id": "sbc", "p": config.sbc_p.at(server_round), "mode": config.sbc_mode}
+
+    @classmethod
+    def with_p(cls, codec_config: Mapping[str, Any], p: float) -> dict[str, Any]:
+        return {**codec_config, "p": float(min(0.5, max(p, 1e-12)))}
+
+    @classmethod
+    def p_of(cls, codec_config: Mapping[str, Any]) -> float:
+        return float(codec_config["p"])
+
+
+class TopKUplink(UplinkMethod):
+    """Each client's own top-k by magnitude with values (the baseline DEFT improves on)."""
+
+    method_id = "topk"
+    reports_selection = True
+
+    @classmethod
+    def codec_config(cls, config: CompressionConfig, server_round: int) -> dict[str, Any]:
+        return {"id": "topk", "p": config.topk_density.at(server_round)}
+
+
+class _Fixed(UplinkMethod):
+    """A codec without parameters: the method id is the codec id."""
+
+    @classmethod
+    def codec_config(cls, config: CompressionConfig, server_round: int) -> dict[str, Any]:
+        return {"id": cls.method_id}
+
+
+class DenseFP32Uplink(_Fixed):
+    method_id = "dense-fp32"
+
+
+class DenseFP16Uplink(_Fixed):
+    method_id = "dense-fp16"
+
+
+class IdentityUplink(_Fixed):
+    method_id = "identity"
