@@ -59,18 +59,10 @@ class Codec(ABC):
         """Compress ``tensor`` and also return what the receiver will decode (same shape and
         device; float32, or the tensor's dtype for the identity codec). Error feedback needs that reconstruction; codecs that can produce it
         while encoding save a decode."""
-        if tensor.dtype not in WIRE_DTYPES:
-            raise TypeError(f"tensor {name!r}: dtype {tensor.dtype} is not supported")
+        check_wire_dtype(tensor, name)
         flat = self._flatten(tensor)
         payload, recon = self._encode(flat, name)
-        enc = EncodedTensor(
-            name=name,
-            shape=tuple(int(d) for d in tensor.shape),
-            dtype=WIRE_DTYPES[tensor.dtype],
-            codec_id=self.codec_id,
-            codec_version=self.version,
-            payload=payload,
-        )
+        enc = self._envelope(tensor, name, payload)
         if recon is None:
             recon = self._decode(payload, TensorSpec(name, enc.shape), flat.device)
         return enc, recon.reshape(tensor.shape)
@@ -124,7 +116,7 @@ class Codec(ABC):
             raise ConfigError(f"{cls.codec_id}: {exc}") from None
 
     def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and other.get_config() == self.get_config()  # type: ignore[attr-defined]
+        return isinstance(other, Codec) and type(other) is type(self) and other.get_config() == self.get_config()
 
     def __hash__(self) -> int:
         return hash(repr(sorted(self.get_config().items())))
@@ -132,6 +124,18 @@ class Codec(ABC):
     def __repr__(self) -> str:
         params = ", ".join(f"{k}={v!r}" for k, v in self._params().items())
         return f"{type(self).__name__}({params})"
+
+    def _envelope(self, tensor: torch.Tensor, name: str, payload: Payload) -> EncodedTensor:
+        """``payload`` with what the receiver checks it against: ``tensor``'s name, shape and wire
+        dtype, and this codec's id and version."""
+        return EncodedTensor(
+            name=name,
+            shape=tuple(int(d) for d in tensor.shape),
+            dtype=WIRE_DTYPES[tensor.dtype],
+            codec_id=self.codec_id,
+            codec_version=self.version,
+            payload=payload,
+        )
 
     # --- what subclasses implement ------------------------------------------------------------
 
@@ -154,6 +158,12 @@ class Codec(ABC):
         Must validate everything in ``payload`` against ``spec`` before allocating, and raise
         :class:`PayloadError` naming ``spec.name`` on any inconsistency.
         """
+
+
+def check_wire_dtype(tensor: torch.Tensor, name: str) -> None:
+    """Raise TypeError unless ``tensor``'s dtype has a wire name (what every encoder checks first)."""
+    if tensor.dtype not in WIRE_DTYPES:
+        raise TypeError(f"tensor {name!r}: dtype {tensor.dtype} is not supported")
 
 
 def expect_payload(payload: Payload, kind: type, name: str) -> None:

@@ -28,10 +28,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedcomp.codecs.base import Codec, TensorSpec, expect_payload
+from fedcomp.codecs.base import Codec, TensorSpec, check_wire_dtype, expect_payload
 from fedcomp.codecs.golomb import decode_positions, encode_positions, golomb_b
 from fedcomp.errors import ConfigError, PayloadError
-from fedcomp.wire.payloads import WIRE_DTYPES, EncodedTensor, Payload, SBCPayload
+from fedcomp.wire.payloads import EncodedTensor, Payload, SBCPayload
 
 MODES = ("exact", "fast")
 
@@ -105,17 +105,9 @@ class SBC(Codec):
     def encode(self, tensor: torch.Tensor, name: str = "") -> EncodedTensor:
         """Compress ``tensor``: :meth:`Codec.encode` without building the dense reconstruction
         (a full-size tensor that only error feedback needs; it would cost as much as a clone)."""
-        if tensor.dtype not in WIRE_DTYPES:
-            raise TypeError(f"tensor {name!r}: dtype {tensor.dtype} is not supported")
+        check_wire_dtype(tensor, name)
         payload, _ = self._payload(self._flatten(tensor), name)
-        return EncodedTensor(
-            name=name,
-            shape=tuple(int(d) for d in tensor.shape),
-            dtype=WIRE_DTYPES[tensor.dtype],
-            codec_id=self.codec_id,
-            codec_version=self.version,
-            payload=payload,
-        )
+        return self._envelope(tensor, name, payload)
 
     def _encode(self, flat: torch.Tensor, name: str) -> tuple[Payload, torch.Tensor | None]:
         payload, idx = self._payload(flat, name)
