@@ -36,6 +36,7 @@ from fedcomp.app.fl import (
 from fedcomp.app.models import LeNet5Caffe, resolve_device, train_local
 from fedcomp.app.results import RunRecorder
 from fedcomp.errors import ConfigError
+from fedcomp.flower import protocol
 from fedcomp.flower.records import digest, tensors_from_record
 from fedcomp.flower.strategy import CompressionStrategy
 
@@ -112,7 +113,7 @@ def server_main(
             initial_arrays=arrays,
             num_rounds=cfg.num_server_rounds,
             timeout=cfg.round_timeout,
-            train_config=ConfigRecord({"local-iters": comp.local_iters_at(1), "lr": cfg.lr}),
+            train_config=ConfigRecord({protocol.LOCAL_ITERS: comp.local_iters_at(1), "lr": cfg.lr}),
             evaluate_fn=evaluate_fn,
         )
     except BaseException as err:
@@ -142,15 +143,15 @@ def client_train(msg: Message, context: Context, extra_keys: Iterable[str] = ())
         data_dir=cfg.resolved_data_dir(),
     )
     model = LeNet5Caffe()
-    model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
-    config = msg.content["config"]
-    server_round = int(config.get("server-round", 0))
+    model.load_state_dict(msg.content.array_records["arrays"].to_torch_state_dict())
+    config = msg.content.config_records[protocol.CONFIG_RECORD]
+    server_round = _int(config.get(protocol.SERVER_ROUND, 0))
     gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + pid * 1_009 + server_round)
     loss = train_local(
         model,
         (data.x, data.y),
-        iterations=int(config.get("local-iters", cfg.compression.local_iters_at(max(server_round, 1)))),
-        lr=float(config.get("lr", cfg.lr)),
+        iterations=_int(config.get(protocol.LOCAL_ITERS, cfg.compression.local_iters_at(max(server_round, 1)))),
+        lr=_float(config.get("lr", cfg.lr)),
         optimizer=cfg.optimizer,
         device=cfg.device,
         batch_size=cfg.batch_size,
@@ -163,3 +164,15 @@ def client_train(msg: Message, context: Context, extra_keys: Iterable[str] = ())
         }
     )
     return Message(content=content, reply_to=msg)
+
+
+def _int(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"train config: expected a number, got {value!r}")
+    return int(value)
+
+
+def _float(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"train config: expected a number, got {value!r}")
+    return float(value)

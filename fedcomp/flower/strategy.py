@@ -94,7 +94,7 @@ class RoundTraffic:
             (report.encode_seconds, self.client_encode_seconds),
         ):
             if value is not None:
-                store[node] = value  # type: ignore[index]
+                store[node] = value  # type: ignore[index,assignment]
         if report.link is not None:
             self.links[node] = list(report.link)
 

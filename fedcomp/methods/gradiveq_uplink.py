@@ -147,8 +147,8 @@ class GradiVeQUplink(UplinkMethod):
                         self.compressor, spec.name, coeffs, spec.numel
                     ).reshape(spec.shape)
             else:
-                delta = dense.decode(enc, spec)
-                out[spec.name] = delta if compressed_domain else model[spec.name] + delta
+                dense_delta = dense.decode(enc, spec)
+                out[spec.name] = dense_delta if compressed_domain else model[spec.name] + dense_delta
         self._domain[server_round] = compressed_domain
         return Decoded(out)
 
