@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,79 +28,14 @@ from fedcomp.flower.protocol import DownlinkHeader, UplinkReport
 from fedcomp.flower.records import fp32_bytes, record_from_tensors, tensors_from_record
 from fedcomp.flower.replica import ServerReplica
 from fedcomp.flower.settings import CompressionConfig
+from fedcomp.flower.traffic import RoundTraffic, metric_record
 from fedcomp.methods.base import UplinkMethod
 from fedcomp.methods.registry import get_downlink, get_uplink
 from fedcomp.wire.serde import update_from_bytes
 
+__all__ = ["CompressionConfig", "CompressionStrategy", "RoundTraffic", "aggregates_by_weighted_mean"]
+
 log = logging.getLogger("fedcomp")
-
-
-@dataclass
-class RoundTraffic:
-    """Bytes per client (node id) and direction for one round, as they crossed the wire."""
-
-    uplink: dict[int, int] = field(default_factory=dict)
-    downlink: dict[int, int] = field(default_factory=dict)
-    dense_uplink: dict[int, int] = field(default_factory=dict)
-    dense_downlink: dict[int, int] = field(default_factory=dict)
-    downlink_mode: dict[int, str] = field(default_factory=dict)
-    rejected: dict[int, str] = field(default_factory=dict)
-    encode_seconds: float = 0.0  # server-side downlink compression time
-    client_encode_seconds: dict[int, float] = field(default_factory=dict)  # each client's uplink encode
-    # "topk"/"deft" uplinks: entries of the compressed tensors that any client sent (the union of
-    # the selections) and how many entries those tensors have: the aggregate density.
-    _union: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
-
-    def note_selection(self, delta: dict[str, torch.Tensor], min_numel: int) -> None:
-        for name, t in delta.items():
-            if t.numel() < min_numel:
-                continue
-            mask = t.reshape(-1) != 0
-            if name in self._union:
-                self._union[name] |= mask
-            else:
-                self._union[name] = mask
-
-    @property
-    def union_nnz(self) -> int:
-        return int(sum(int(m.sum()) for m in self._union.values()))
-
-    @property
-    def sparse_numel(self) -> int:
-        return int(sum(m.numel() for m in self._union.values()))
-
-    decode_seconds: float = 0.0  # server-side uplink decompression time
-    # What each client reported doing (fedcomp.methods.bandwidth): the SBC p and local iterations it used,
-    # its byte budget (absent: none), the policy's estimate, whether it fit, its training time
-    # and its link (uplink Mbit/s, downlink Mbit/s, latency ms).
-    sbc_p: dict[int, float] = field(default_factory=dict)
-    local_iters: dict[int, int] = field(default_factory=dict)
-    budget_bytes: dict[int, int] = field(default_factory=dict)
-    estimated_bytes: dict[int, int] = field(default_factory=dict)
-    fits: dict[int, bool] = field(default_factory=dict)
-    train_seconds: dict[int, float] = field(default_factory=dict)
-    links: dict[int, list[float]] = field(default_factory=dict)
-
-    def note_client(self, node: int, report: UplinkReport) -> None:
-        """Copy what the client mod reported in its uplink record (values it did not send: skipped)."""
-        for value, store in (
-            (report.sbc_p, self.sbc_p),
-            (report.local_iters, self.local_iters),
-            (report.budget_bytes, self.budget_bytes),
-            (report.estimated_bytes, self.estimated_bytes),
-            (report.fits, self.fits),
-            (report.train_seconds, self.train_seconds),
-            (report.encode_seconds, self.client_encode_seconds),
-        ):
-            if value is not None:
-                store[node] = value  # type: ignore[index,assignment]
-        if report.link is not None:
-            self.links[node] = list(report.link)
-
-    def add_downlink(self, node: int, nbytes: int, dense: int, mode: str) -> None:
-        self.downlink[node] = self.downlink.get(node, 0) + nbytes
-        self.dense_downlink[node] = self.dense_downlink.get(node, 0) + dense
-        self.downlink_mode[node] = mode
 
 
 class CompressionStrategy(Strategy):
@@ -274,6 +208,7 @@ class CompressionStrategy(Strategy):
                 log.warning("fedcomp: rejected the update of node %s in round %s: %s", node, server_round, exc)
                 continue
             accepted.append(msg)
+            self._traffic(server_round).accepted += 1
         arrays, metrics = self.strategy.aggregate_train(server_round, accepted)
         if arrays is not None and self._target is not None and _overrides(self.uplink, "finish"):
             t0 = time.perf_counter()
@@ -281,26 +216,43 @@ class CompressionStrategy(Strategy):
             self._traffic(server_round).decode_seconds += time.perf_counter() - t0
             if model is not None:
                 arrays = record_from_tensors(model)
-        return arrays, metrics
+        return arrays, self._with_figures(server_round, metrics, "train")
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         replies = list(replies)
         for msg in replies:
             self._note_node(msg.metadata.src_node_id, self._report_of(msg))
-        return self.strategy.aggregate_evaluate(server_round, replies)
+        metrics = self.strategy.aggregate_evaluate(server_round, replies)
+        return None if metrics is None else self._with_figures(server_round, metrics, "evaluate")
+
+    def _with_figures(self, server_round: int, metrics: MetricRecord | None, phase: str) -> MetricRecord:
+        """The inner strategy's metrics plus this round's compression figures (``fedcomp.*``
+        keys, see :mod:`fedcomp.flower.traffic`), so Flower's round log and the ``Result`` of
+        ``strategy.start`` show them; one log line per train round."""
+        t = self._traffic(server_round)
+        figures = metric_record(t, self.traffic)
+        if phase == "train":
+            log.info(
+                "fedcomp: round %s: uplink %s B (x%.1f), downlink %s B (x%.1f), %s replies accepted, %s rejected",
+                server_round,
+                figures["fedcomp.uplink-bytes"],
+                figures["fedcomp.uplink-ratio"],
+                figures["fedcomp.downlink-bytes"],
+                figures["fedcomp.downlink-ratio"],
+                t.accepted,
+                len(t.rejected),
+            )
+        out = MetricRecord(dict(metrics) if metrics is not None else {})
+        for k, v in figures.items():
+            out[k] = v
+        return out
 
     def round_metrics(self, server_round: int) -> dict[str, Any]:
         """The uplink method's own figures for ``server_round`` (for the results)."""
         return self.uplink.round_metrics(server_round)
 
     def summary(self) -> None:
-        c = self.config
-        log.info(
-            "fedcomp: uplink %s, downlink %s, local iterations %s",
-            self.uplink.summary(c),
-            self.downlink_method.summary(c),
-            c.local_iters,
-        )
+        log.info("fedcomp: compressing both ways: %s", self.config.describe())
         self.strategy.summary()
 
     def __repr__(self) -> str:

@@ -6,6 +6,7 @@ the run at start with a message naming the key.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -26,6 +27,9 @@ from fedcomp.methods.schedules import Schedule
 
 if TYPE_CHECKING:
     from fedcomp.methods.bandwidth import BandwidthBudget
+
+
+log = logging.getLogger("fedcomp")
 
 
 class CompressionConfig(BaseModel):
@@ -194,9 +198,22 @@ class CompressionConfig(BaseModel):
         :class:`ConfigError` naming the bad key(s)."""
         keys = cls.keys()
         try:
-            return cls.model_validate({k: v for k, v in run_config.items() if k in keys})
+            config = cls.model_validate({k: v for k, v in run_config.items() if k in keys})
         except ValidationError as exc:
             raise ConfigError(format_validation_error(exc)) from None
+        if not keys & set(run_config):
+            log.info("fedcomp: the run config sets no compression keys; defaults: %s", config.describe())
+        return config
+
+    def describe(self) -> str:
+        """One line: the methods and the settings that matter for them."""
+        from fedcomp.methods.registry import DOWNLINKS, UPLINKS
+
+        up, down = UPLINKS[self.uplink_codec], DOWNLINKS[self.downlink_codec]
+        return (
+            f"uplink {up.summary(self)}, downlink {down.summary(self)}, local iterations {self.local_iters}, "
+            f"error feedback {self.error_feedback}, tensors under {self.min_compress_numel} values dense"
+        )
 
     def uplink_codec_at(self, server_round: int) -> Codec:
         """The codec clients encode with this round (the uplink method decides;

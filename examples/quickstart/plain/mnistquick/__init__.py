@@ -1,0 +1,1 @@
+"""mnistquick: a Flower / PyTorch app in the style of Flower's quickstart."""

@@ -1,0 +1,139 @@
+"""What crossed the wire, per round, and the figures the wrapper reports through Flower.
+
+:class:`RoundTraffic` holds one round's bytes per client and direction as the wire carried them,
+plus what each client reported. :func:`metric_record` turns it into the ``fedcomp.*`` entries the
+wrapper adds to the MetricRecords it returns, so any Flower app sees them in Flower's round log
+and in the ``Result`` that ``strategy.start`` returns. The keys are stable:
+
+======================================  ==========================================================
+``fedcomp.uplink-bytes``                this round's train replies: compressed bytes on the wire
+``fedcomp.uplink-dense-bytes``          what they would be as dense fp32 models
+``fedcomp.uplink-ratio``                dense / compressed (0 when nothing was sent)
+``fedcomp.downlink-bytes``              this round's downlinks so far (train, and evaluate in the
+                                        evaluate record), extras such as a DEFT allocation included
+``fedcomp.downlink-dense-bytes``        what they would be as dense fp32 models
+``fedcomp.downlink-ratio``              dense / compressed
+``fedcomp.total-bytes``                 both directions over the whole run so far
+``fedcomp.total-dense-bytes``           the same as dense fp32
+``fedcomp.total-ratio``                 dense / compressed over the whole run so far
+``fedcomp.replies-accepted``            train replies decoded and handed to the inner strategy
+``fedcomp.replies-rejected``            train replies rejected (corrupt, stale, hostile)
+``fedcomp.server-codec-seconds``        server time compressing the downlink and decoding replies
+``fedcomp.client-encode-seconds``       the clients' uplink encode time, summed
+======================================  ==========================================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from fedcomp.flower.protocol import UplinkReport
+
+__all__ = ["RoundTraffic", "metric_record", "totals"]
+
+
+@dataclass
+class RoundTraffic:
+    """Bytes per client (node id) and direction for one round, as they crossed the wire."""
+
+    uplink: dict[int, int] = field(default_factory=dict)
+    downlink: dict[int, int] = field(default_factory=dict)
+    dense_uplink: dict[int, int] = field(default_factory=dict)
+    dense_downlink: dict[int, int] = field(default_factory=dict)
+    downlink_mode: dict[int, str] = field(default_factory=dict)
+    rejected: dict[int, str] = field(default_factory=dict)
+    accepted: int = 0  # train replies decoded and handed to the inner strategy
+    encode_seconds: float = 0.0  # server-side downlink compression time
+    client_encode_seconds: dict[int, float] = field(default_factory=dict)  # each client's uplink encode
+    # "topk"/"deft" uplinks: entries of the compressed tensors that any client sent (the union of
+    # the selections) and how many entries those tensors have: the aggregate density.
+    _union: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def note_selection(self, delta: dict[str, torch.Tensor], min_numel: int) -> None:
+        for name, t in delta.items():
+            if t.numel() < min_numel:
+                continue
+            mask = t.reshape(-1) != 0
+            if name in self._union:
+                self._union[name] |= mask
+            else:
+                self._union[name] = mask
+
+    @property
+    def union_nnz(self) -> int:
+        return int(sum(int(m.sum()) for m in self._union.values()))
+
+    @property
+    def sparse_numel(self) -> int:
+        return int(sum(m.numel() for m in self._union.values()))
+
+    decode_seconds: float = 0.0  # server-side uplink decompression time
+    # What each client reported doing (fedcomp.methods.bandwidth): the SBC p and local iterations it used,
+    # its byte budget (absent: none), the policy's estimate, whether it fit, its training time
+    # and its link (uplink Mbit/s, downlink Mbit/s, latency ms).
+    sbc_p: dict[int, float] = field(default_factory=dict)
+    local_iters: dict[int, int] = field(default_factory=dict)
+    budget_bytes: dict[int, int] = field(default_factory=dict)
+    estimated_bytes: dict[int, int] = field(default_factory=dict)
+    fits: dict[int, bool] = field(default_factory=dict)
+    train_seconds: dict[int, float] = field(default_factory=dict)
+    links: dict[int, list[float]] = field(default_factory=dict)
+
+    def note_client(self, node: int, report: UplinkReport) -> None:
+        """Copy what the client mod reported in its uplink record (values it did not send: skipped)."""
+        for value, store in (
+            (report.sbc_p, self.sbc_p),
+            (report.local_iters, self.local_iters),
+            (report.budget_bytes, self.budget_bytes),
+            (report.estimated_bytes, self.estimated_bytes),
+            (report.fits, self.fits),
+            (report.train_seconds, self.train_seconds),
+            (report.encode_seconds, self.client_encode_seconds),
+        ):
+            if value is not None:
+                store[node] = value  # type: ignore[index,assignment]
+        if report.link is not None:
+            self.links[node] = list(report.link)
+
+    def add_downlink(self, node: int, nbytes: int, dense: int, mode: str) -> None:
+        self.downlink[node] = self.downlink.get(node, 0) + nbytes
+        self.dense_downlink[node] = self.dense_downlink.get(node, 0) + dense
+        self.downlink_mode[node] = mode
+
+
+def totals(traffic: Mapping[int, RoundTraffic]) -> tuple[int, int]:
+    """Bytes on the wire and their dense-fp32 equivalent over every round so far, both ways."""
+    sent = dense = 0
+    for t in traffic.values():
+        sent += sum(t.uplink.values()) + sum(t.downlink.values())
+        dense += sum(t.dense_uplink.values()) + sum(t.dense_downlink.values())
+    return sent, dense
+
+
+def _ratio(dense: int, sent: int) -> float:
+    return float(dense) / sent if sent > 0 else 0.0
+
+
+def metric_record(t: RoundTraffic, run: Mapping[int, RoundTraffic]) -> dict[str, int | float]:
+    """This round's figures as ``fedcomp.*`` metrics (see the module docstring)."""
+    up, up_dense = sum(t.uplink.values()), sum(t.dense_uplink.values())
+    down, down_dense = sum(t.downlink.values()), sum(t.dense_downlink.values())
+    total, total_dense = totals(run)
+    return {
+        "fedcomp.uplink-bytes": up,
+        "fedcomp.uplink-dense-bytes": up_dense,
+        "fedcomp.uplink-ratio": _ratio(up_dense, up),
+        "fedcomp.downlink-bytes": down,
+        "fedcomp.downlink-dense-bytes": down_dense,
+        "fedcomp.downlink-ratio": _ratio(down_dense, down),
+        "fedcomp.total-bytes": total,
+        "fedcomp.total-dense-bytes": total_dense,
+        "fedcomp.total-ratio": _ratio(total_dense, total),
+        "fedcomp.replies-accepted": t.accepted,
+        "fedcomp.replies-rejected": len(t.rejected),
+        "fedcomp.server-codec-seconds": float(t.encode_seconds + t.decode_seconds),
+        "fedcomp.client-encode-seconds": float(sum(t.client_encode_seconds.values())),
+    }
