@@ -35,7 +35,8 @@ from fedcomp.net.links import LinkProfile, link_of, parse_link_profiles
 from fedcomp.wire.payloads import TORCH_DTYPES
 from fedcomp.wire.serde import update_from_bytes, update_to_bytes
 
-log = logging.getLogger("fedcomp")
+# A child of Flower's logger: our lines go wherever Flower sends its own (the run log, the console).
+log = logging.getLogger("flwr").getChild("fedcomp")
 
 #: Error code of a reply that asks the server for a full resync (``protocol.ErrorCode.RESYNC``).
 RESYNC_ERROR_CODE = int(ErrorCode.RESYNC)

@@ -35,7 +35,8 @@ from fedcomp.wire.serde import update_from_bytes
 
 __all__ = ["CompressionConfig", "CompressionStrategy", "RoundTraffic", "aggregates_by_weighted_mean"]
 
-log = logging.getLogger("fedcomp")
+# A child of Flower's logger: our lines go wherever Flower sends its own (the run log, the console).
+log = logging.getLogger("flwr").getChild("fedcomp")
 
 
 class CompressionStrategy(Strategy):

@@ -29,7 +29,8 @@ if TYPE_CHECKING:
     from fedcomp.methods.bandwidth import BandwidthBudget
 
 
-log = logging.getLogger("fedcomp")
+# A child of Flower's logger: our lines go wherever Flower sends its own (the run log, the console).
+log = logging.getLogger("flwr").getChild("fedcomp")
 
 
 class CompressionConfig(BaseModel):
