@@ -101,6 +101,10 @@ def server_main(
                 client_train_seconds=_by_node(t.train_seconds),
                 client_links=_by_node(t.links),
                 client_encode_seconds=_by_node(t.client_encode_seconds),
+                # Diagnostics (fedcomp.flower.traffic.RoundTraffic).
+                replica_lag=t.replica_lag,
+                downlink_delivered=t.downlink_delivered,
+                client_residual_ratio=_by_node(t.residual_ratio),
             )
             if t.sparse_numel:
                 recorder.add_metrics(uplink_union_density=t.union_nnz / t.sparse_numel)

@@ -229,6 +229,8 @@ def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable
             encode_seconds=seconds,
             train_seconds=float(train_seconds),
             device=str(device),
+            residual_norm=_norm(st.residual),
+            update_norm=_norm(delta),
             status=status,
             **_bandwidth_report(context, plan, method, train_seconds),
         )
@@ -238,6 +240,10 @@ def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable
         reply.content[protocol.UPLINK] = UplinkReport(st.version, st.digest(), status=status).to_record()
     st.save()
     return reply
+
+
+def _norm(tensors: Mapping[str, torch.Tensor]) -> float:
+    return float(sum(float(t.double().pow(2).sum()) for t in tensors.values())) ** 0.5
 
 
 # --- bandwidth awareness (fedcomp.methods.bandwidth) ---------------------------------------------

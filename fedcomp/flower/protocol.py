@@ -250,6 +250,9 @@ class UplinkReport:
     fits: bool | None = None
     #: The client's link: uplink Mbit/s, downlink Mbit/s, latency ms.
     link: tuple[float, float, float] | None = None
+    #: Diagnostics: L2 norms of the residual kept after encoding and of the local update.
+    residual_norm: float | None = None
+    update_norm: float | None = None
     #: A method's own status values (keys from :func:`extra_key`).
     status: dict[str, int] = field(default_factory=dict)
 
@@ -268,6 +271,8 @@ class UplinkReport:
             ("budget-bytes", self.budget_bytes),
             ("estimated-bytes", self.estimated_bytes),
             ("fits", self.fits),
+            ("residual-norm", self.residual_norm),
+            ("update-norm", self.update_norm),
         ):
             if value is not None:
                 out[key] = value
@@ -296,6 +301,8 @@ class UplinkReport:
             "budget-bytes",
             "estimated-bytes",
             "fits",
+            "residual-norm",
+            "update-norm",
             *cls._LINK,
         }
         status = {}
@@ -322,6 +329,8 @@ class UplinkReport:
             budget_bytes=_opt(rec, "budget-bytes", int, w),
             estimated_bytes=_opt(rec, "estimated-bytes", int, w),
             fits=_opt(rec, "fits", bool, w),
+            residual_norm=num("residual-norm"),
+            update_norm=num("update-norm"),
             link=link,  # type: ignore[arg-type]
             status=status,
         )

@@ -70,9 +70,17 @@ class CompressionStrategy(Strategy):
         if self.replica is None:
             self.replica = ServerReplica(target, self.config.delta_log_size, self.config.min_compress_numel)
         elif self._target is None or any(not torch.equal(target[k], self._target[k]) for k in target):
+            t = self._traffic(server_round)
+            before = _distance(target, self.replica.tensors)
             t0 = time.perf_counter()
             self.replica.advance(target, self.config.downlink_codec_at(server_round))
-            self._traffic(server_round).encode_seconds += time.perf_counter() - t0
+            t.encode_seconds += time.perf_counter() - t0
+            # Diagnostics: how far the clients' replica R trails the model W, relative to how far
+            # W moved this round, and how much of the outstanding W - R this downlink closed.
+            after = _distance(target, self.replica.tensors)
+            moved = _distance(target, self._target) if self._target is not None else 0.0
+            t.replica_lag = after / moved if moved > 0 else 0.0
+            t.downlink_delivered = 1.0 - after / before if before > 0 else 1.0
         self._target = target
 
     def _traffic(self, server_round: int) -> RoundTraffic:
@@ -258,6 +266,11 @@ class CompressionStrategy(Strategy):
 
     def __repr__(self) -> str:
         return f"CompressionStrategy({self.strategy!r})"
+
+
+def _distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """L2 norm of ``a - b`` over every tensor (float64 accumulation)."""
+    return float(sum(float((a[k].double() - b[k].double()).pow(2).sum()) for k in a)) ** 0.5
 
 
 def _overrides(method: UplinkMethod, hook: str) -> bool:

@@ -20,6 +20,9 @@ and in the ``Result`` that ``strategy.start`` returns. The keys are stable:
 ``fedcomp.replies-rejected``            train replies rejected (corrupt, stale, hostile)
 ``fedcomp.server-codec-seconds``        server time compressing the downlink and decoding replies
 ``fedcomp.client-encode-seconds``       the clients' uplink encode time, summed
+``fedcomp.replica-lag``                 ||W - R|| / ||W - W_prev|| after the downlink (when it moved)
+``fedcomp.downlink-delivered``          share of the outstanding W - R this round's downlink closed
+``fedcomp.residual-ratio-mean``         mean over clients of ||residual|| / ||update|| after encoding
 ======================================  ==========================================================
 """
 
@@ -46,6 +49,14 @@ class RoundTraffic:
     downlink_mode: dict[int, str] = field(default_factory=dict)
     rejected: dict[int, str] = field(default_factory=dict)
     accepted: int = 0  # train replies decoded and handed to the inner strategy
+    #: Diagnostics. ``replica_lag``: ||W - R|| / ||W - W_prev|| after this round's downlink (how
+    #: far the model clients train from trails the server's model, in rounds of movement);
+    #: ``downlink_delivered``: 1 - ||W - R_after|| / ||W - R_before||, the share of the outstanding
+    #: difference the downlink closed; ``residual_ratio``: each client's ||residual|| / ||update||
+    #: after encoding (what error feedback holds back, relative to what it trained).
+    replica_lag: float | None = None
+    downlink_delivered: float | None = None
+    residual_ratio: dict[int, float] = field(default_factory=dict)
     encode_seconds: float = 0.0  # server-side downlink compression time
     client_encode_seconds: dict[int, float] = field(default_factory=dict)  # each client's uplink encode
     # "topk"/"deft" uplinks: entries of the compressed tensors that any client sent (the union of
@@ -95,6 +106,8 @@ class RoundTraffic:
         ):
             if value is not None:
                 store[node] = value  # type: ignore[index,assignment]
+        if report.residual_norm is not None and report.update_norm:
+            self.residual_ratio[node] = report.residual_norm / report.update_norm
         if report.link is not None:
             self.links[node] = list(report.link)
 
@@ -136,4 +149,11 @@ def metric_record(t: RoundTraffic, run: Mapping[int, RoundTraffic]) -> dict[str,
         "fedcomp.replies-rejected": len(t.rejected),
         "fedcomp.server-codec-seconds": float(t.encode_seconds + t.decode_seconds),
         "fedcomp.client-encode-seconds": float(sum(t.client_encode_seconds.values())),
+        **({"fedcomp.replica-lag": t.replica_lag} if t.replica_lag is not None else {}),
+        **({"fedcomp.downlink-delivered": t.downlink_delivered} if t.downlink_delivered is not None else {}),
+        **(
+            {"fedcomp.residual-ratio-mean": sum(t.residual_ratio.values()) / len(t.residual_ratio)}
+            if t.residual_ratio
+            else {}
+        ),
     }
