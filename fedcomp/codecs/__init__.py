@@ -8,6 +8,7 @@ from fedcomp.codecs.base import Codec, TensorSpec
 from fedcomp.codecs.dense import DenseFP16, DenseFP32, Identity
 from fedcomp.codecs.gradiveq import GradiVeQ
 from fedcomp.codecs.sbc import SBC
+from fedcomp.codecs.stc import STC
 from fedcomp.codecs.threelc import ThreeLC
 from fedcomp.codecs.topk import TopK
 from fedcomp.errors import ConfigError
@@ -15,6 +16,7 @@ from fedcomp.errors import ConfigError
 __all__ = [
     "CODECS",
     "SBC",
+    "STC",
     "Codec",
     "DenseFP16",
     "DenseFP32",
@@ -27,7 +29,9 @@ __all__ = [
 ]
 
 #: Every codec a config may name, by ``codec_id``.
-CODECS: dict[str, type[Codec]] = {c.codec_id: c for c in (SBC, ThreeLC, TopK, DenseFP32, DenseFP16, Identity, GradiVeQ)}
+CODECS: dict[str, type[Codec]] = {
+    c.codec_id: c for c in (SBC, STC, ThreeLC, TopK, DenseFP32, DenseFP16, Identity, GradiVeQ)
+}
 
 
 def get_codec(config: dict[str, Any] | str) -> Codec:

@@ -15,6 +15,7 @@ from fedcomp.methods.deft_uplink import DeftUplink
 from fedcomp.methods.downlinks import DenseFP16Downlink, DenseFP32Downlink, IdentityDownlink, ThreeLCDownlink
 from fedcomp.methods.gradiveq_uplink import GradiVeQUplink
 from fedcomp.methods.plain import DenseFP16Uplink, DenseFP32Uplink, IdentityUplink, SBCUplink, TopKUplink
+from fedcomp.methods.stc import STCUplink
 
 __all__ = ["DOWNLINKS", "UPLINKS", "get_downlink", "get_uplink", "register_downlink", "register_uplink"]
 
@@ -22,6 +23,7 @@ UPLINKS: dict[str, type[UplinkMethod]] = {
     m.method_id: m
     for m in (
         SBCUplink,
+        STCUplink,
         TopKUplink,
         DeftUplink,
         GradiVeQUplink,

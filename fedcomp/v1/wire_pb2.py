@@ -24,35 +24,37 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x66\x65\x64\x63omp/v1/wire.proto\x12\nfedcomp.v1\"G\n\nSBCPayload\x12\x0c\n\x04mean\x18\x01 \x01(\x02\x12\x10\n\x08golomb_b\x18\x02 \x01(\r\x12\x0b\n\x03nnz\x18\x03 \x01(\x04\x12\x0c\n\x04\x62its\x18\x04 \x01(\x0c\"N\n\x0eThreeLCPayload\x12\r\n\x05scale\x18\x01 \x01(\x02\x12\r\n\x05numel\x18\x02 \x01(\x04\x12\x10\n\x08zero_run\x18\x03 \x01(\x08\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"A\n\x0c\x44\x65nsePayload\x12#\n\x08\x65ncoding\x18\x01 \x01(\x0e\x32\x11.fedcomp.v1.DType\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"w\n\rSparsePayload\x12\x10\n\x08golomb_b\x18\x01 \x01(\r\x12\x0b\n\x03nnz\x18\x02 \x01(\x04\x12\x0c\n\x04\x62its\x18\x03 \x01(\x0c\x12)\n\x0evalue_encoding\x18\x04 \x01(\x0e\x32\x11.fedcomp.v1.DType\x12\x0e\n\x06values\x18\x05 \x01(\x0c\"d\n\x0fGradiVeQPayload\x12\x1a\n\x12\x63ompressor_version\x18\x01 \x01(\x04\x12\x12\n\nslice_size\x18\x02 \x01(\r\x12\x0b\n\x03\x64im\x18\x03 \x01(\r\x12\x14\n\x0c\x63oefficients\x18\x04 \x01(\x0c\"\xe5\x02\n\x10\x43ompressedTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x04\x12 \n\x05\x64type\x18\x03 \x01(\x0e\x32\x11.fedcomp.v1.DType\x12\x10\n\x08\x63odec_id\x18\x04 \x01(\t\x12\x15\n\rcodec_version\x18\x05 \x01(\r\x12%\n\x03sbc\x18\n \x01(\x0b\x32\x16.fedcomp.v1.SBCPayloadH\x00\x12.\n\x08three_lc\x18\x0b \x01(\x0b\x32\x1a.fedcomp.v1.ThreeLCPayloadH\x00\x12)\n\x05\x64\x65nse\x18\x0c \x01(\x0b\x32\x18.fedcomp.v1.DensePayloadH\x00\x12+\n\x06sparse\x18\r \x01(\x0b\x32\x19.fedcomp.v1.SparsePayloadH\x00\x12/\n\x08gradiveq\x18\x0e \x01(\x0b\x32\x1b.fedcomp.v1.GradiVeQPayloadH\x00\x42\t\n\x07payload\"u\n\x10\x43ompressedUpdate\x12\x16\n\x0e\x66ormat_version\x18\x01 \x01(\r\x12\x1a\n\x12\x62\x61se_model_version\x18\x02 \x01(\x04\x12-\n\x07tensors\x18\x03 \x03(\x0b\x32\x1c.fedcomp.v1.CompressedTensor\"`\n\rGradiVeQBasis\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nslice_size\x18\x02 \x01(\r\x12\x0b\n\x03\x64im\x18\x03 \x01(\r\x12\r\n\x05\x62\x61sis\x18\x04 \x01(\x0c\x12\x11\n\twhitening\x18\x05 \x01(\x0c\"Q\n\x12GradiVeQCompressor\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12*\n\x07tensors\x18\x02 \x03(\x0b\x32\x19.fedcomp.v1.GradiVeQBasis\"G\n\rDeftPartition\x12\x0e\n\x06tensor\x18\x01 \x01(\r\x12\r\n\x05start\x18\x02 \x01(\x04\x12\x0c\n\x04stop\x18\x03 \x01(\x04\x12\t\n\x01k\x18\x04 \x01(\x04\"N\n\x0e\x44\x65\x66tAllocation\x12\r\n\x05round\x18\x01 \x01(\x04\x12-\n\npartitions\x18\x02 \x03(\x0b\x32\x19.fedcomp.v1.DeftPartition*k\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x11\n\rDTYPE_FLOAT64\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x66\x65\x64\x63omp/v1/wire.proto\x12\nfedcomp.v1\"G\n\nSBCPayload\x12\x0c\n\x04mean\x18\x01 \x01(\x02\x12\x10\n\x08golomb_b\x18\x02 \x01(\r\x12\x0b\n\x03nnz\x18\x03 \x01(\x04\x12\x0c\n\x04\x62its\x18\x04 \x01(\x0c\"T\n\nSTCPayload\x12\n\n\x02mu\x18\x01 \x01(\x02\x12\x10\n\x08golomb_b\x18\x02 \x01(\r\x12\x0b\n\x03nnz\x18\x03 \x01(\x04\x12\x0c\n\x04\x62its\x18\x04 \x01(\x0c\x12\r\n\x05signs\x18\x05 \x01(\x0c\"N\n\x0eThreeLCPayload\x12\r\n\x05scale\x18\x01 \x01(\x02\x12\r\n\x05numel\x18\x02 \x01(\x04\x12\x10\n\x08zero_run\x18\x03 \x01(\x08\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"A\n\x0c\x44\x65nsePayload\x12#\n\x08\x65ncoding\x18\x01 \x01(\x0e\x32\x11.fedcomp.v1.DType\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"w\n\rSparsePayload\x12\x10\n\x08golomb_b\x18\x01 \x01(\r\x12\x0b\n\x03nnz\x18\x02 \x01(\x04\x12\x0c\n\x04\x62its\x18\x03 \x01(\x0c\x12)\n\x0evalue_encoding\x18\x04 \x01(\x0e\x32\x11.fedcomp.v1.DType\x12\x0e\n\x06values\x18\x05 \x01(\x0c\"d\n\x0fGradiVeQPayload\x12\x1a\n\x12\x63ompressor_version\x18\x01 \x01(\x04\x12\x12\n\nslice_size\x18\x02 \x01(\r\x12\x0b\n\x03\x64im\x18\x03 \x01(\r\x12\x14\n\x0c\x63oefficients\x18\x04 \x01(\x0c\"\x8c\x03\n\x10\x43ompressedTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x04\x12 \n\x05\x64type\x18\x03 \x01(\x0e\x32\x11.fedcomp.v1.DType\x12\x10\n\x08\x63odec_id\x18\x04 \x01(\t\x12\x15\n\rcodec_version\x18\x05 \x01(\r\x12%\n\x03sbc\x18\n \x01(\x0b\x32\x16.fedcomp.v1.SBCPayloadH\x00\x12.\n\x08three_lc\x18\x0b \x01(\x0b\x32\x1a.fedcomp.v1.ThreeLCPayloadH\x00\x12)\n\x05\x64\x65nse\x18\x0c \x01(\x0b\x32\x18.fedcomp.v1.DensePayloadH\x00\x12+\n\x06sparse\x18\r \x01(\x0b\x32\x19.fedcomp.v1.SparsePayloadH\x00\x12/\n\x08gradiveq\x18\x0e \x01(\x0b\x32\x1b.fedcomp.v1.GradiVeQPayloadH\x00\x12%\n\x03stc\x18\x0f \x01(\x0b\x32\x16.fedcomp.v1.STCPayloadH\x00\x42\t\n\x07payload\"u\n\x10\x43ompressedUpdate\x12\x16\n\x0e\x66ormat_version\x18\x01 \x01(\r\x12\x1a\n\x12\x62\x61se_model_version\x18\x02 \x01(\x04\x12-\n\x07tensors\x18\x03 \x03(\x0b\x32\x1c.fedcomp.v1.CompressedTensor\"`\n\rGradiVeQBasis\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nslice_size\x18\x02 \x01(\r\x12\x0b\n\x03\x64im\x18\x03 \x01(\r\x12\r\n\x05\x62\x61sis\x18\x04 \x01(\x0c\x12\x11\n\twhitening\x18\x05 \x01(\x0c\"Q\n\x12GradiVeQCompressor\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12*\n\x07tensors\x18\x02 \x03(\x0b\x32\x19.fedcomp.v1.GradiVeQBasis\"G\n\rDeftPartition\x12\x0e\n\x06tensor\x18\x01 \x01(\r\x12\r\n\x05start\x18\x02 \x01(\x04\x12\x0c\n\x04stop\x18\x03 \x01(\x04\x12\t\n\x01k\x18\x04 \x01(\x04\"N\n\x0e\x44\x65\x66tAllocation\x12\r\n\x05round\x18\x01 \x01(\x04\x12-\n\npartitions\x18\x02 \x03(\x0b\x32\x19.fedcomp.v1.DeftPartition*k\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x11\n\rDTYPE_FLOAT64\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'fedcomp.v1.wire_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=1293
-  _globals['_DTYPE']._serialized_end=1400
+  _globals['_DTYPE']._serialized_start=1418
+  _globals['_DTYPE']._serialized_end=1525
   _globals['_SBCPAYLOAD']._serialized_start=37
   _globals['_SBCPAYLOAD']._serialized_end=108
-  _globals['_THREELCPAYLOAD']._serialized_start=110
-  _globals['_THREELCPAYLOAD']._serialized_end=188
-  _globals['_DENSEPAYLOAD']._serialized_start=190
-  _globals['_DENSEPAYLOAD']._serialized_end=255
-  _globals['_SPARSEPAYLOAD']._serialized_start=257
-  _globals['_SPARSEPAYLOAD']._serialized_end=376
-  _globals['_GRADIVEQPAYLOAD']._serialized_start=378
-  _globals['_GRADIVEQPAYLOAD']._serialized_end=478
-  _globals['_COMPRESSEDTENSOR']._serialized_start=481
-  _globals['_COMPRESSEDTENSOR']._serialized_end=838
-  _globals['_COMPRESSEDUPDATE']._serialized_start=840
-  _globals['_COMPRESSEDUPDATE']._serialized_end=957
-  _globals['_GRADIVEQBASIS']._serialized_start=959
-  _globals['_GRADIVEQBASIS']._serialized_end=1055
-  _globals['_GRADIVEQCOMPRESSOR']._serialized_start=1057
-  _globals['_GRADIVEQCOMPRESSOR']._serialized_end=1138
-  _globals['_DEFTPARTITION']._serialized_start=1140
-  _globals['_DEFTPARTITION']._serialized_end=1211
-  _globals['_DEFTALLOCATION']._serialized_start=1213
-  _globals['_DEFTALLOCATION']._serialized_end=1291
+  _globals['_STCPAYLOAD']._serialized_start=110
+  _globals['_STCPAYLOAD']._serialized_end=194
+  _globals['_THREELCPAYLOAD']._serialized_start=196
+  _globals['_THREELCPAYLOAD']._serialized_end=274
+  _globals['_DENSEPAYLOAD']._serialized_start=276
+  _globals['_DENSEPAYLOAD']._serialized_end=341
+  _globals['_SPARSEPAYLOAD']._serialized_start=343
+  _globals['_SPARSEPAYLOAD']._serialized_end=462
+  _globals['_GRADIVEQPAYLOAD']._serialized_start=464
+  _globals['_GRADIVEQPAYLOAD']._serialized_end=564
+  _globals['_COMPRESSEDTENSOR']._serialized_start=567
+  _globals['_COMPRESSEDTENSOR']._serialized_end=963
+  _globals['_COMPRESSEDUPDATE']._serialized_start=965
+  _globals['_COMPRESSEDUPDATE']._serialized_end=1082
+  _globals['_GRADIVEQBASIS']._serialized_start=1084
+  _globals['_GRADIVEQBASIS']._serialized_end=1180
+  _globals['_GRADIVEQCOMPRESSOR']._serialized_start=1182
+  _globals['_GRADIVEQCOMPRESSOR']._serialized_end=1263
+  _globals['_DEFTPARTITION']._serialized_start=1265
+  _globals['_DEFTPARTITION']._serialized_end=1336
+  _globals['_DEFTALLOCATION']._serialized_start=1338
+  _globals['_DEFTALLOCATION']._serialized_end=1416
 # @@protoc_insertion_point(module_scope)

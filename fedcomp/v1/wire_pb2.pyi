@@ -32,6 +32,20 @@ class SBCPayload(_message.Message):
     bits: bytes
     def __init__(self, mean: _Optional[float] = ..., golomb_b: _Optional[int] = ..., nnz: _Optional[int] = ..., bits: _Optional[bytes] = ...) -> None: ...
 
+class STCPayload(_message.Message):
+    __slots__ = ("mu", "golomb_b", "nnz", "bits", "signs")
+    MU_FIELD_NUMBER: _ClassVar[int]
+    GOLOMB_B_FIELD_NUMBER: _ClassVar[int]
+    NNZ_FIELD_NUMBER: _ClassVar[int]
+    BITS_FIELD_NUMBER: _ClassVar[int]
+    SIGNS_FIELD_NUMBER: _ClassVar[int]
+    mu: float
+    golomb_b: int
+    nnz: int
+    bits: bytes
+    signs: bytes
+    def __init__(self, mu: _Optional[float] = ..., golomb_b: _Optional[int] = ..., nnz: _Optional[int] = ..., bits: _Optional[bytes] = ..., signs: _Optional[bytes] = ...) -> None: ...
+
 class ThreeLCPayload(_message.Message):
     __slots__ = ("scale", "numel", "zero_run", "data")
     SCALE_FIELD_NUMBER: _ClassVar[int]
@@ -79,7 +93,7 @@ class GradiVeQPayload(_message.Message):
     def __init__(self, compressor_version: _Optional[int] = ..., slice_size: _Optional[int] = ..., dim: _Optional[int] = ..., coefficients: _Optional[bytes] = ...) -> None: ...
 
 class CompressedTensor(_message.Message):
-    __slots__ = ("name", "shape", "dtype", "codec_id", "codec_version", "sbc", "three_lc", "dense", "sparse", "gradiveq")
+    __slots__ = ("name", "shape", "dtype", "codec_id", "codec_version", "sbc", "three_lc", "dense", "sparse", "gradiveq", "stc")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +104,7 @@ class CompressedTensor(_message.Message):
     DENSE_FIELD_NUMBER: _ClassVar[int]
     SPARSE_FIELD_NUMBER: _ClassVar[int]
     GRADIVEQ_FIELD_NUMBER: _ClassVar[int]
+    STC_FIELD_NUMBER: _ClassVar[int]
     name: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: DType
@@ -100,7 +115,8 @@ class CompressedTensor(_message.Message):
     dense: DensePayload
     sparse: SparsePayload
     gradiveq: GradiVeQPayload
-    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec_id: _Optional[str] = ..., codec_version: _Optional[int] = ..., sbc: _Optional[_Union[SBCPayload, _Mapping]] = ..., three_lc: _Optional[_Union[ThreeLCPayload, _Mapping]] = ..., dense: _Optional[_Union[DensePayload, _Mapping]] = ..., sparse: _Optional[_Union[SparsePayload, _Mapping]] = ..., gradiveq: _Optional[_Union[GradiVeQPayload, _Mapping]] = ...) -> None: ...
+    stc: STCPayload
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec_id: _Optional[str] = ..., codec_version: _Optional[int] = ..., sbc: _Optional[_Union[SBCPayload, _Mapping]] = ..., three_lc: _Optional[_Union[ThreeLCPayload, _Mapping]] = ..., dense: _Optional[_Union[DensePayload, _Mapping]] = ..., sparse: _Optional[_Union[SparsePayload, _Mapping]] = ..., gradiveq: _Optional[_Union[GradiVeQPayload, _Mapping]] = ..., stc: _Optional[_Union[STCPayload, _Mapping]] = ...) -> None: ...
 
 class CompressedUpdate(_message.Message):
     __slots__ = ("format_version", "base_model_version", "tensors")

@@ -32,6 +32,18 @@ class SBCPayload:
 
 
 @dataclass(frozen=True)
+class STCPayload:
+    """Shared magnitude mu, Golomb parameter, count of kept positions, the position bitstream
+    (``SBCPayload.bits`` layout) and one sign bit per position (1 = negative, MSB-first)."""
+
+    mu: float
+    golomb_b: int
+    nnz: int
+    bits: bytes
+    signs: bytes
+
+
+@dataclass(frozen=True)
 class ThreeLCPayload:
     """3LC scale m, element count, zero-run flag and the base-3^5 bytes."""
 
@@ -70,7 +82,7 @@ class GradiVeQPayload:
     coefficients: bytes
 
 
-Payload = SBCPayload | ThreeLCPayload | DensePayload | SparsePayload | GradiVeQPayload
+Payload = SBCPayload | ThreeLCPayload | DensePayload | SparsePayload | GradiVeQPayload | STCPayload
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from fedcomp.wire.payloads import (
     Payload,
     SBCPayload,
     SparsePayload,
+    STCPayload,
     ThreeLCPayload,
 )
 
@@ -57,6 +58,8 @@ def tensor_to_proto(t: EncodedTensor) -> pb.CompressedTensor:
     p = t.payload
     if isinstance(p, SBCPayload):
         msg.sbc.CopyFrom(pb.SBCPayload(mean=p.mean, golomb_b=p.golomb_b, nnz=p.nnz, bits=p.bits))
+    elif isinstance(p, STCPayload):
+        msg.stc.CopyFrom(pb.STCPayload(mu=p.mu, golomb_b=p.golomb_b, nnz=p.nnz, bits=p.bits, signs=p.signs))
     elif isinstance(p, ThreeLCPayload):
         msg.three_lc.CopyFrom(pb.ThreeLCPayload(scale=p.scale, numel=p.numel, zero_run=p.zero_run, data=p.data))
     elif isinstance(p, DensePayload):
@@ -94,6 +97,9 @@ def tensor_from_proto(msg: pb.CompressedTensor) -> EncodedTensor:
     if kind == "sbc":
         s = msg.sbc
         payload = SBCPayload(mean=s.mean, golomb_b=s.golomb_b, nnz=s.nnz, bits=s.bits)
+    elif kind == "stc":
+        st = msg.stc
+        payload = STCPayload(mu=st.mu, golomb_b=st.golomb_b, nnz=st.nnz, bits=st.bits, signs=st.signs)
     elif kind == "three_lc":
         s3 = msg.three_lc
         payload = ThreeLCPayload(scale=s3.scale, numel=s3.numel, zero_run=s3.zero_run, data=s3.data)

@@ -37,7 +37,7 @@ def toy() -> Iterator[type[UplinkMethod]]:
 
 
 def test_builtin_methods_are_registered_by_their_ids() -> None:
-    assert set(UPLINKS) == {"sbc", "topk", "deft", "gradiveq", "dense-fp32", "dense-fp16", "identity"}
+    assert set(UPLINKS) == {"sbc", "stc", "topk", "deft", "gradiveq", "dense-fp32", "dense-fp16", "identity"}
     assert set(DOWNLINKS) == {"3lc", "dense-fp32", "dense-fp16", "identity"}
     for mid, cls in UPLINKS.items():
         assert cls.method_id == mid and get_uplink(mid) is cls
