@@ -68,8 +68,7 @@ def server_main(
         raise ConfigError("local-iters: a per-round schedule needs compress = true (the wrapper applies it)")
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
-    torch.manual_seed(cfg.seed)
-    model = LeNet5Caffe()
+    model = initial_model_of(cfg.seed)
     test = load_dataset(cfg.dataset, cfg.resolved_data_dir()).test  # fail before round 1
     arrays = ArrayRecord(model.state_dict())
 
@@ -129,6 +128,23 @@ def server_main(
 
 def _by_node(values: dict) -> dict[str, object]:
     return {str(k): v for k, v in sorted(values.items())}
+
+
+def initial_model_of(seed: int) -> LeNet5Caffe:
+    """The run's initial model, the same on the server and every client (seeded; the global RNG
+    of the caller is left as it was)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return LeNet5Caffe()
+
+
+def client_initial_model(context: Context) -> dict[str, torch.Tensor]:
+    """For ``make_compression_mod(initial_model=...)``: this run's version-0 model, built on the
+    client (with ``seeded-initial-model = true`` the server then sends no initial model)."""
+    seed = context.run_config.get("seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ConfigError(f"seed: must be an integer (got {seed!r})")
+    return dict(initial_model_of(seed).state_dict())
 
 
 def client_train(msg: Message, context: Context, extra_keys: Iterable[str] = ()) -> Message:

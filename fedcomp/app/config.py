@@ -28,6 +28,11 @@ RESULTS_DIR_ENV = "FEDCOMP_RESULTS_DIR"
 
 Dataset = Literal["digits", "mnist", "fashion-mnist"]
 
+#: Where the reference app's compression defaults differ from the library's: its ClientApp builds
+#: the seeded initial model itself (``fedcomp.app.apps.client_initial_model``), so no initial
+#: model needs to cross the wire; an arbitrary user's app cannot, so the library keeps it off.
+APP_COMPRESSION_DEFAULTS: dict[str, Any] = {"seeded-initial-model": True}
+
 
 class AppConfig(BaseModel):
     """Run config of the fedcomp Flower app. Field aliases are the kebab-case run-config keys."""
@@ -66,7 +71,7 @@ class AppConfig(BaseModel):
     round_timeout: float = Field(3600.0, alias="round-timeout", gt=0)
     #: Codecs, schedules (local iterations, p, s) and the other compression keys; validated by
     #: :class:`fedcomp.flower.settings.CompressionConfig`, from the same flat run config.
-    compression: CompressionConfig = Field(default_factory=CompressionConfig)
+    compression: CompressionConfig = Field(default_factory=lambda: CompressionConfig(**APP_COMPRESSION_DEFAULTS))
 
     @field_validator("run_name")
     @classmethod
@@ -86,7 +91,9 @@ class AppConfig(BaseModel):
         """
         skip = set(ignore)
         comp_keys = CompressionConfig.keys()
-        compression = CompressionConfig.from_run_config({k: v for k, v in run_config.items() if k in comp_keys})
+        compression = CompressionConfig.from_run_config(
+            {**APP_COMPRESSION_DEFAULTS, **{k: v for k, v in run_config.items() if k in comp_keys}}
+        )
         data = {k: v for k, v in run_config.items() if k not in skip and k not in comp_keys}
         try:
             return cls.model_validate({**data, "compression": compression})

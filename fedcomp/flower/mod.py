@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from flwr.app import ConfigRecord, Context, Error, Message, RecordDict
 from flwr.app.message_type import MessageType  # type: ignore[import-not-found]
-from flwr.clientapp.typing import ClientAppCallable  # type: ignore[import-not-found]
+from flwr.clientapp.typing import ClientAppCallable, Mod  # type: ignore[import-not-found]
 
 from fedcomp.codecs import DenseFP32, TensorSpec, get_codec
 from fedcomp.errors import ConfigError, PayloadError
@@ -112,8 +112,19 @@ class ClientState:
         state[protocol.STATE_RESIDUAL] = record_from_tensors(self.residual)
 
 
-def _apply_downlink(st: ClientState, dl: DownlinkHeader) -> None:
-    """Bring ``st.replica`` to the version the server sent; raise PayloadError when impossible."""
+#: Builds the initial model (version 0) on the client, as the server built it from the run's seed.
+InitialModel = Callable[[Context], Mapping[str, torch.Tensor]]
+
+
+def _apply_downlink(st: ClientState, dl: DownlinkHeader, initial: Mapping[str, torch.Tensor] | None = None) -> None:
+    """Bring ``st.replica`` to the version the server sent; raise PayloadError when impossible.
+
+    ``initial``: this client's own version-0 model, used when it holds no replica yet and the
+    server sent a chain from version 0 or nothing (``seeded-initial-model``).
+    """
+    if st.replica is None and initial is not None and dl.mode is not DownlinkMode.FULL:
+        st.replica = {k: v.detach().to(device=st.device, dtype=torch.float32).clone() for k, v in initial.items()}
+        st.version = 0
     if dl.mode is DownlinkMode.FULL:
         if len(dl.payloads) != 1:
             raise PayloadError("", "a full resync carries exactly one payload")
@@ -149,8 +160,29 @@ def _resync(msg: Message, reason: str) -> Message:
     return Message(Error(code=int(ErrorCode.RESYNC), reason=f"fedcomp resync needed: {reason}"), reply_to=msg)
 
 
+def make_compression_mod(initial_model: InitialModel | None = None) -> Mod:
+    """A compression mod; with ``initial_model``, the client builds version 0 of the model itself
+    (pair with ``seeded-initial-model = true`` on the server), so its first downlink carries the
+    deltas since then instead of the whole model.
+
+        app = ClientApp(mods=[make_compression_mod(initial_model=lambda ctx: my_seeded_model(ctx))])
+    """
+
+    def mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
+        return _compression_mod(msg, context, call_next, initial_model)
+
+    mod.__name__ = mod.__qualname__ = "compression_mod"
+    return mod
+
+
 def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
     """Decompress the model going in, compress the update coming out (see the module docstring)."""
+    return _compression_mod(msg, context, call_next, None)
+
+
+def _compression_mod(
+    msg: Message, context: Context, call_next: ClientAppCallable, initial_model: InitialModel | None
+) -> Message:
     if not msg.has_content() or protocol.DOWNLINK not in msg.content.config_records:
         return call_next(msg, context)
     try:
@@ -161,7 +193,8 @@ def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable
     device = pick_device(dl.device)
     st = ClientState(context, device)
     try:
-        _apply_downlink(st, dl)
+        initial = initial_model(context) if initial_model is not None and st.replica is None else None
+        _apply_downlink(st, dl, initial)
     except PayloadError as exc:
         st.replica, st.version = None, None
         st.save()

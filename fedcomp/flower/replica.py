@@ -39,7 +39,12 @@ class Downlink:
 
 
 class ServerReplica:
-    """Replica R at ``version``, its digests, and the last ``max_log`` compressed deltas."""
+    """Replica R at ``version``, its digests, and the newest compressed deltas.
+
+    The log keeps at most ``max_log`` deltas and, newest first, only as many as add up to the
+    dense fp32 size of the model: a longer chain would never be sent (a full replica is cheaper),
+    so the log's memory is bounded by one model's size whatever ``max_log`` is.
+    """
 
     def __init__(self, initial: dict[str, torch.Tensor], max_log: int, min_numel: int) -> None:
         self.tensors = {k: v.detach().to(torch.float32).clone() for k, v in initial.items()}
@@ -49,6 +54,7 @@ class ServerReplica:
         self._log: deque[tuple[int, bytes]] = deque(maxlen=max_log)  # (version produced, bytes)
         self._digests: dict[int, str] = {0: digest(self.tensors)}
         self._full: tuple[int, bytes] | None = None
+        self._log_bytes_cap = 4 * sum(t.numel() for t in self.tensors.values())
 
     @property
     def digest(self) -> str:
@@ -66,6 +72,8 @@ class ServerReplica:
         apply_delta(self.tensors, data, self.specs, codec, self.version)
         self.version += 1
         self._log.append((self.version, data))
+        while sum(len(b) for _, b in self._log) > self._log_bytes_cap:
+            self._log.popleft()
         self._digests[self.version] = digest(self.tensors)
         oldest = self.version - len(self._log)
         self._digests = {v: d for v, d in self._digests.items() if v >= oldest}

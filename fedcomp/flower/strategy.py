@@ -54,6 +54,10 @@ class CompressionStrategy(Strategy):
         self._config_key: str = getattr(strategy, "configrecord_key", protocol.CONFIG_RECORD)
         self._target: dict[str, torch.Tensor] | None = None  # the W the replica was last synced to
         self._nodes: dict[int, tuple[int, str]] = {}  # node -> (replica version, digest) it reported
+        # seeded-initial-model: nodes assumed to hold version 0 (never heard from), and nodes
+        # that failed that assumption once (they get full replicas like any unknown client).
+        self._assumed_seeded: set[int] = set()
+        self._not_seeded: set[int] = set()
         self._bandwidth = self.config.bandwidth_budget().to_json()
         self.downlink_method = get_downlink(self.config.downlink_codec)
         #: The uplink method's server side (fedcomp.methods.registry). ``weighted_mean``: the inner
@@ -99,7 +103,7 @@ class CompressionStrategy(Strategy):
         out = []
         for msg in messages:
             node = msg.metadata.dst_node_id
-            version, digest = self._nodes.get(node, (None, None))
+            version, digest = self._known_state(node)
             dl = self.replica.downlink_for(version, digest)
             header = DownlinkHeader(
                 mode=protocol.DownlinkMode(dl.mode),
@@ -157,6 +161,16 @@ class CompressionStrategy(Strategy):
         except PayloadError:
             return None
 
+    def _known_state(self, node: int) -> tuple[int | None, str | None]:
+        """The replica version and digest ``node`` holds, as far as the server knows."""
+        assert self.replica is not None
+        if node in self._nodes:
+            return self._nodes[node]
+        if self.config.seeded_initial_model and node not in self._not_seeded:
+            self._assumed_seeded.add(node)
+            return 0, self.replica.digest_of(0)
+        return None, None
+
     def _note_node(self, node: int, report: UplinkReport | None) -> None:
         """Remember the replica version a client reports; forget it when it erred or lied."""
         self.uplink.note_node(node, report.status if report is not None else None)
@@ -165,6 +179,9 @@ class CompressionStrategy(Strategy):
             self._nodes[node] = (report.replica_version, report.replica_digest)
         else:
             self._nodes.pop(node, None)
+            if node in self._assumed_seeded:
+                self._not_seeded.add(node)  # it could not build version 0: full replicas from now
+        self._assumed_seeded.discard(node)
 
     def _decode_reply(self, msg: Message, server_round: int) -> None:
         """Replace the compressed payload in ``msg`` by what the inner strategy aggregates

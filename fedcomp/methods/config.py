@@ -51,7 +51,14 @@ class CompressionConfig(BaseModel):
     local_iters: Schedule = Field(Schedule.parse(10), alias="local-iters")
     error_feedback: bool = Field(True, alias="error-feedback")
     min_compress_numel: int = Field(1000, ge=0, alias="min-compress-numel")
-    delta_log_size: int = Field(8, ge=0, le=1000, alias="delta-log-size")
+    #: Most downlink deltas kept for clients that missed rounds; the log is also capped at one
+    #: dense model's bytes (a longer chain would cost more than the full model).
+    delta_log_size: int = Field(256, ge=0, le=100_000, alias="delta-log-size")
+    #: Clients build the initial model (version 0) themselves, as the server did, from the run's
+    #: seed (``make_compression_mod(initial_model=...)``): a client's first downlink is then the
+    #: chain of deltas since version 0 (nothing in round 1) instead of the full model. A client
+    #: whose own initial model differs asks for a resync once and gets the full model.
+    seeded_initial_model: bool = Field(False, alias="seeded-initial-model")
     client_device: Literal["auto", "cpu", "cuda"] = Field("auto", alias="client-device")
     # --- "topk" and "deft" uplinks (fedcomp.methods.deft) ---
     #: Fraction of the (compressed) model's entries selected per round: per client for "topk";

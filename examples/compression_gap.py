@@ -1,0 +1,429 @@
+"""What compression costs the model: accuracy against total bytes, dense FedAvg vs compressed.
+
+One command, cached, that runs the reference task (LeNet5-Caffe, MNIST, 10 local Adam steps of
+batch 32 per round, a fresh Adam each round, the server model evaluated on the 10k test set)
+under IID and label-skewed (Dirichlet) partitions, with every client training each round or a
+sampled fraction of them, for dense FedAvg and each compressed setting:
+
+    python examples/compression_gap.py                   # the full grid (about an hour on 2 cores)
+    python examples/compression_gap.py --quick           # a smoke run: few rounds, two settings
+    python examples/compression_gap.py --only sbc1-3lc,default --partition dirichlet
+
+The compressed runs go through the library's real code path in one process -- the
+``CompressionStrategy`` wrapper around Flower's ``FedAvg`` on the server and ``compression_mod``
+on each client, exchanging real Flower messages with real protobuf payloads -- only the Flower
+transport (SuperLink, SuperNodes) is skipped, which changes no byte. Bytes are counted both ways
+as the wire carries them, the initial model included (round 1's downlink is each client's first
+full replica) and every downlink counted once per receiving client; the dense baseline's are
+``4 x parameters`` per message. Emulated time at a link speed adds per round the slowest sampled
+client's compute, codec time and bytes over its link (one link per client, no contention).
+
+Results are cached per setting in ``examples/results/compression_gap/`` (delete a file to rerun
+it); ``--write-docs`` rewrites the table and plots in ``docs/RESULTS.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import math
+import random
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg, Strategy
+
+from fedcomp.app.data import DataError, load_dataset, load_partition
+from fedcomp.app.models import LeNet5Caffe, evaluate, train_local
+from fedcomp.flower.mod import compression_mod
+from fedcomp.flower.records import tensors_from_record
+from fedcomp.flower.settings import CompressionConfig
+from fedcomp.flower.strategy import CompressionStrategy
+
+HERE = Path(__file__).resolve().parent
+CACHE = HERE / "results" / "compression_gap"
+
+#: Named settings: run-config keys of CompressionConfig (None: dense FedAvg, no wrapper).
+SETTINGS: dict[str, dict[str, Any] | None] = {
+    "dense": None,
+    "sbc1-3lc": {"sbc-p": 0.01, "3lc-s": 1.0},  # the defaults before this experiment
+    "sbc5-3lc": {"sbc-p": 0.05, "3lc-s": 1.0},
+    "sbc1-exact": {"sbc-p": 0.01, "downlink-codec": "dense-fp32"},  # the downlink's share of the gap
+    "sbc5-3lc-warm": {"sbc-p": "list:0.5,0.2,0.1,0.05", "3lc-s": 1.0},  # DGC-style warm-up to 5 %
+    "default": {},  # whatever CompressionConfig's defaults are now
+}
+
+
+@dataclass(frozen=True)
+class Task:
+    """Everything that makes a run; its hash names the cache file."""
+
+    setting: str
+    compression: dict[str, Any] | None
+    partition: str = "dirichlet"
+    alpha: float = 0.3
+    clients: int = 10
+    per_round: int = 10
+    rounds: int = 60
+    local_iters: int = 10
+    batch_size: int = 32
+    lr: float = 1e-3
+    seed: int = 0
+    dataset: str = "mnist"
+    eval_every: int = 5
+
+    def key(self) -> str:
+        blob = json.dumps(asdict(self), sort_keys=True).encode()
+        return (
+            f"{self.setting}-{self.partition}-{self.per_round}of{self.clients}-{hashlib.sha256(blob).hexdigest()[:10]}"
+        )
+
+
+@dataclass
+class Record:
+    """One round: test accuracy (when evaluated), bytes both ways, times."""
+
+    round: int
+    accuracy: float | None
+    uplink_bytes: int
+    downlink_bytes: int
+    compute_s: float  # slowest sampled client's training time this round
+    codec_s: float  # slowest client's encode + the server's codec time this round
+    max_client_bytes: int  # the most bytes one client moved this round (down + up)
+    diagnostics: dict[str, float] = field(default_factory=dict)
+
+
+class _Grid(Grid):
+    """The nodes sampled for this round; the driver below carries the messages itself."""
+
+    def __init__(self, nodes: list[int]) -> None:
+        self.nodes = nodes
+
+    def get_node_ids(self) -> list[int]:  # type: ignore[override]
+        return list(self.nodes)
+
+    def set_run(self, run_id: Any) -> None:
+        raise NotImplementedError
+
+    @property
+    def run(self) -> Any:  # type: ignore[override]
+        raise NotImplementedError
+
+    def create_message(self, *args: Any, **kwargs: Any) -> Message:
+        raise NotImplementedError
+
+    def push_messages(self, messages: Any) -> Any:
+        raise NotImplementedError
+
+    def pull_messages(self, message_ids: Any) -> Any:
+        raise NotImplementedError
+
+    def send_and_receive(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+
+def _flower_identity() -> None:
+    """Flower builds Messages only inside a run; give this process the identity a run has."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for attr, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 1)):
+        setattr(TaskIdentity, attr, value)
+
+
+def run(task: Task, data_dir: str | None) -> dict[str, Any]:
+    """One run of ``task``; returns its result dict (also cached)."""
+    _flower_identity()
+    torch.manual_seed(task.seed)
+    model = LeNet5Caffe()
+    params = sum(p.numel() for p in model.state_dict().values())
+    test = load_dataset(task.dataset, data_dir).test
+    parts = {
+        node: load_partition(
+            task.dataset,
+            node,
+            task.clients,
+            scheme=task.partition,
+            alpha=task.alpha,
+            seed=task.seed,
+            data_dir=data_dir,
+        )
+        for node in range(task.clients)
+    }
+    inner = FedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=1, min_available_nodes=1)
+    strategy: Strategy = inner
+    wrapper: CompressionStrategy | None = None
+    if task.compression is not None:
+        wrapper = CompressionStrategy(inner, CompressionConfig.from_run_config(task.compression))
+        strategy = wrapper
+    contexts = {
+        n: Context(
+            run_id=1,
+            node_id=n,
+            node_config={"partition-id": n, "num-partitions": task.clients},
+            state=RecordDict(),
+            run_config={},
+        )
+        for n in parts
+    }
+    timing: dict[int, float] = {}
+
+    def client_app(msg: Message, ctx: Context) -> Message:
+        net = LeNet5Caffe()
+        net.load_state_dict(msg.content.array_records["arrays"].to_torch_state_dict())
+        cfg = msg.content.config_records["config"]
+        rnd, node = int(cfg["server-round"]), ctx.node_id  # type: ignore[arg-type]
+        data = parts[node]
+        t0 = time.perf_counter()
+        train_local(
+            net,
+            (data.x, data.y),
+            iterations=int(cfg.get("local-iters", task.local_iters)),  # type: ignore[arg-type]
+            lr=task.lr,
+            batch_size=task.batch_size,
+            generator=torch.Generator().manual_seed(task.seed * 1_000_003 + node * 1_009 + rnd),
+        )
+        timing[node] = time.perf_counter() - t0
+        content = RecordDict(
+            {"arrays": ArrayRecord(net.state_dict()), "metrics": MetricRecord({"num-examples": len(data)})}
+        )
+        return Message(content, reply_to=msg)
+
+    sampler = random.Random(task.seed)
+    arrays = ArrayRecord(model.state_dict())
+    history: list[Record] = []
+    acc0 = evaluate(model, test.x, test.y)[1]
+    history.append(Record(0, acc0, 0, 0, 0.0, 0.0, 0))
+    t_start = time.perf_counter()
+    for rnd in range(1, task.rounds + 1):
+        nodes = sorted(sampler.sample(range(task.clients), task.per_round))
+        config = ConfigRecord({"local-iters": task.local_iters})
+        msgs = list(strategy.configure_train(rnd, arrays, config, _Grid(nodes)))
+        replies, per_client = [], {}
+        timing.clear()
+        for m in msgs:
+            node = m.metadata.dst_node_id
+            if wrapper is None:
+                # Plain FedAvg: the client gets the model and returns one, both dense fp32.
+                reply = client_app(m, contexts[node])
+                per_client[node] = (4 * params, 4 * params, 0.0)
+            else:
+                reply = compression_mod(m, contexts[node], client_app)
+            replies.append(reply)
+        new, _ = strategy.aggregate_train(rnd, replies)
+        if new is not None:
+            arrays = new
+        up = down = 0
+        codec_s = 0.0
+        diag: dict[str, float] = {}
+        if wrapper is None:
+            up = down = 4 * params * len(nodes)
+            max_bytes = 8 * params
+        else:
+            t = wrapper.traffic[rnd]
+            up, down = sum(t.uplink.values()), sum(t.downlink.values())
+            max_bytes = max(t.uplink.get(n, 0) + t.downlink.get(n, 0) for n in nodes)
+            codec_s = max(t.client_encode_seconds.values(), default=0.0) + t.encode_seconds + t.decode_seconds
+            if t.replica_lag is not None:
+                diag["replica_lag"] = t.replica_lag
+            if t.downlink_delivered is not None:
+                diag["downlink_delivered"] = t.downlink_delivered
+            if t.residual_ratio:
+                diag["residual_ratio"] = sum(t.residual_ratio.values()) / len(t.residual_ratio)
+            if t.rejected:
+                diag["rejected"] = float(len(t.rejected))
+        acc = None
+        if rnd % task.eval_every == 0 or rnd == task.rounds or rnd in (1, 10, 25, 30):
+            net = LeNet5Caffe()
+            net.load_state_dict(arrays.to_torch_state_dict())
+            acc = evaluate(net, test.x, test.y)[1]
+        history.append(Record(rnd, acc, up, down, max(timing.values(), default=0.0), codec_s, max_bytes, diag))
+        if acc is not None:
+            total = sum(h.uplink_bytes + h.downlink_bytes for h in history)
+            print(
+                f"  {task.setting:>12} round {rnd:3d}: acc {acc:.4f}  total {total / 1e6:8.2f} MB"
+                f"  ({time.perf_counter() - t_start:.0f} s)",
+                flush=True,
+            )
+    final = tensors_from_record(arrays)
+    return {
+        "task": asdict(task),
+        "params": params,
+        "history": [asdict(h) for h in history],
+        "final_norm": float(sum(float(v.double().pow(2).sum()) for v in final.values())) ** 0.5,
+        "seconds": time.perf_counter() - t_start,
+    }
+
+
+def cached_run(task: Task, data_dir: str | None, refresh: bool = False) -> dict[str, Any]:
+    path = CACHE / f"{task.key()}.json"
+    if path.exists() and not refresh:
+        return json.loads(path.read_text())
+    result = run(task, data_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    return result
+
+
+# --- reading results ---------------------------------------------------------------------------
+
+
+def accuracy_at(result: Mapping[str, Any], rnd: int) -> float | None:
+    for h in result["history"]:
+        if h["round"] == rnd:
+            return h["accuracy"]
+    return None
+
+
+def total_bytes(result: Mapping[str, Any], upto: int | None = None) -> int:
+    return sum(h["uplink_bytes"] + h["downlink_bytes"] for h in result["history"] if upto is None or h["round"] <= upto)
+
+
+def first_round_reaching(result: Mapping[str, Any], target: float) -> int | None:
+    for h in result["history"]:
+        if h["accuracy"] is not None and h["accuracy"] >= target:
+            return int(h["round"])
+    return None
+
+
+def emulated_seconds(result: Mapping[str, Any], upto: int, mbps: float) -> float:
+    """Compute + codec time + the slowest client's bytes over a ``mbps`` link, rounds 1..upto."""
+    out = 0.0
+    for h in result["history"]:
+        if 1 <= h["round"] <= upto:
+            out += h["compute_s"] + h["codec_s"] + h["max_client_bytes"] * 8 / (mbps * 1e6)
+    return out
+
+
+def table(results: Mapping[str, Mapping[str, Any]], rounds: tuple[int, ...], mbps: float = 10.0) -> str:
+    """Markdown: accuracy at ``rounds``, total bytes, ratio to dense, time to dense's target."""
+    dense = results.get("dense")
+    last = max(rounds)
+    target_round = 30 if 30 in rounds else last
+    target = None
+    if dense is not None and accuracy_at(dense, target_round) is not None:
+        target = float(accuracy_at(dense, target_round)) - 0.01  # type: ignore[arg-type]
+    head = "| setting | " + " | ".join(f"acc r{r}" for r in rounds) + " | total MB | bytes vs dense |"
+    head += f" round reaching {target:.4f} | emulated time to it at {mbps:g} Mbit/s vs dense |" if target else ""
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    d_time = None
+    if dense is not None and target is not None:
+        r = first_round_reaching(dense, target)
+        d_time = emulated_seconds(dense, r, mbps) if r is not None else None
+    for name, res in results.items():
+        accs = [accuracy_at(res, r) for r in rounds]
+        cells = [f"{a:.4f}" if a is not None else "–" for a in accs]
+        mb = total_bytes(res) / 1e6
+        ratio = total_bytes(dense) / total_bytes(res) if dense is not None else math.nan
+        row = f"| {name} | " + " | ".join(cells) + f" | {mb:.2f} | x{ratio:.1f} |"
+        if target is not None:
+            r = first_round_reaching(res, target)
+            speed = "–"
+            if r is not None and d_time:
+                speed = f"x{d_time / emulated_seconds(res, r, mbps):.1f}"
+            row += f" {r if r is not None else 'not reached'} | {speed} |"
+        lines.append(row)
+    return "\n".join(lines)
+
+
+def plot(groups: Mapping[str, Mapping[str, Mapping[str, Any]]], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(groups), figsize=(5.5 * len(groups), 4.2), squeeze=False)
+    for ax, (title, results) in zip(axes[0], groups.items(), strict=True):
+        for name, res in results.items():
+            pts = []
+            total = 0
+            for h in res["history"]:
+                total += h["uplink_bytes"] + h["downlink_bytes"]
+                if h["accuracy"] is not None and h["round"] > 0:
+                    pts.append((total / 1e6, h["accuracy"]))
+            ax.plot(*zip(*pts, strict=True), marker=".", label=name)
+        ax.set_xscale("log")
+        ax.set_ylim(0.8, 1.0)
+        ax.set_xlabel("total bytes, both directions, initial model included (MB)")
+        ax.set_ylabel("test accuracy")
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="6 rounds, dense and the default setting only")
+    ap.add_argument("--only", default="", help=f"comma-separated settings (known: {', '.join(SETTINGS)})")
+    ap.add_argument("--partition", choices=["iid", "dirichlet", "both"], default="both")
+    ap.add_argument("--participation", choices=["full", "sampled", "both"], default="full",
+                    help="full: 10 clients, all train; sampled: 100 clients, 10 per round")  # fmt: skip
+    ap.add_argument("--rounds", type=int, default=0, help="default: 60 (Dirichlet), 25 (IID), 30 (sampled)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--data-dir", default=None, help="folder holding mnist/ (default: $FEDCOMP_DATA_DIR)")
+    ap.add_argument("--refresh", action="store_true", help="rerun even when cached")
+    ap.add_argument("--write-docs", action="store_true", help="write the tables and plot into docs/")
+    args = ap.parse_args(argv)
+    names = [n for n in args.only.split(",") if n] or (["dense", "default"] if args.quick else list(SETTINGS))
+    unknown = [n for n in names if n not in SETTINGS]
+    if unknown:
+        print(f"error: --only: unknown setting(s) {unknown}; known: {list(SETTINGS)}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(1)
+    logging.getLogger("flwr").setLevel(logging.WARNING)  # Flower's per-round INFO lines
+    partitions = ["iid", "dirichlet"] if args.partition == "both" else [args.partition]
+    modes = ["full", "sampled"] if args.participation == "both" else [args.participation]
+    groups: dict[str, dict[str, dict[str, Any]]] = {}
+    out = []
+    for mode in modes:
+        for part in partitions:
+            clients, per_round = (10, 10) if mode == "full" else (100, 10)
+            rounds = args.rounds or (
+                6 if args.quick else (30 if mode == "sampled" else (60 if part == "dirichlet" else 25))
+            )
+            title = f"MNIST {part}{' (Dirichlet 0.3)' if part == 'dirichlet' else ''}, {per_round} of {clients} clients per round"
+            results = {}
+            for name in names:
+                task = Task(name, SETTINGS[name], part, 0.3, clients, per_round, rounds, seed=args.seed)
+                print(f"{title}: {name}", flush=True)
+                try:
+                    results[name] = cached_run(task, args.data_dir, args.refresh)
+                except DataError as err:
+                    print(f"error: {err} (set FEDCOMP_DATA_DIR or --data-dir)", file=sys.stderr)
+                    return 2
+            groups[title] = results
+            shown = tuple(r for r in (1, 5, 10, 25, 30, 45, 60) if r <= rounds)
+            out.append(f"### {title}, {rounds} rounds\n\n{table(results, shown)}\n")
+    text = "\n".join(out)
+    print("\n" + text)
+    fig = plot(groups, CACHE / "accuracy_vs_bytes.png")
+    print(f"plot: {fig}")
+    if args.write_docs:
+        figures = HERE.parent / "docs" / "figures"
+        figures.mkdir(parents=True, exist_ok=True)
+        (figures / "compression_gap.png").write_bytes(fig.read_bytes())
+        (HERE.parent / "docs" / "compression_gap.md").write_text(
+            "# What compression costs the model\n\n`python examples/compression_gap.py"
+            + (f" --participation {args.participation}" if args.participation != "full" else "")
+            + "` (see its docstring for the setup).\n\n"
+            + text
+            + "\n![accuracy vs bytes](figures/compression_gap.png)\n"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
