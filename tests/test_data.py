@@ -62,8 +62,8 @@ def test_iid_covers_every_index_once(n: int, k: int) -> None:
     _covers_exactly_once(parts, n)
     assert max(map(len, parts)) - min(map(len, parts)) <= 1
     again = iid_partition(n, k, seed=1)
-    assert all(np.array_equal(a, b) for a, b in zip(parts, again))
-    assert not all(np.array_equal(a, b) for a, b in zip(parts, iid_partition(n, k, seed=2)))
+    assert all(np.array_equal(a, b) for a, b in zip(parts, again, strict=True))
+    assert not all(np.array_equal(a, b) for a, b in zip(parts, iid_partition(n, k, seed=2), strict=True))
 
 
 @pytest.mark.parametrize("alpha", [0.1, 0.5, 100.0])
@@ -73,7 +73,7 @@ def test_dirichlet_covers_every_index_once(alpha: float) -> None:
     _covers_exactly_once(parts, len(labels))
     assert min(map(len, parts)) >= 10
     again = dirichlet_partition(labels, 10, alpha, seed=3)
-    assert all(np.array_equal(a, b) for a, b in zip(parts, again))
+    assert all(np.array_equal(a, b) for a, b in zip(parts, again, strict=True))
 
 
 def _label_skew(labels: np.ndarray, parts: list[np.ndarray]) -> float:

@@ -142,6 +142,7 @@ def _check_clean(data: dict) -> None:
 
 
 @pytest.mark.flower
+@pytest.mark.slow  # real SuperLink + SuperNodes: 10 s to 90 s on 2 cores
 def test_local_deployment_learns_records_bytes_and_stops_everything(tmp_path: Path) -> None:
     # Node 0 uploads at 0.2 Mbit/s, node 1 at 100 Mbit/s (their --node-config); with a 0.5 s
     # deadline each node's bandwidth policy picks its own p.
@@ -157,7 +158,10 @@ def test_local_deployment_learns_records_bytes_and_stops_everything(tmp_path: Pa
     rounds = data["rounds"]
     assert [r["round"] for r in rounds] == [0, 1, 2]
     acc = [r["accuracy"] for r in rounds]
-    assert acc[2] > acc[1] > acc[0] and acc[2] > 0.5, acc
+    # Measured 0.182, 0.670, 0.845 (the same code as the simulations; here the processes and
+    # links are real). Set 2.5 points under: a node's update lost each round, or one node
+    # training from a stale replica, costs more than that after 2 rounds.
+    assert acc[2] > 0.82 and acc[2] > acc[1] > acc[0], acc
     for r in rounds[1:]:
         assert r["num_clients"] == 2
         assert all(b > 0 for b in r["clients"]["uplink_bytes"]), r["clients"]
@@ -179,6 +183,7 @@ def test_local_deployment_learns_records_bytes_and_stops_everything(tmp_path: Pa
 
 
 @pytest.mark.flower
+@pytest.mark.slow  # real SuperLink + SuperNodes: 10 s to 90 s on 2 cores
 def test_a_supernode_killed_mid_run_the_run_goes_on(tmp_path: Path) -> None:
     """SIGKILL one of three SuperNodes once round 1 is recorded: round 2 waits at most
     ``round-timeout`` (or until the SuperLink marks it offline: no heartbeat for 2 x 30 s) for it
@@ -203,12 +208,15 @@ def test_a_supernode_killed_mid_run_the_run_goes_on(tmp_path: Path) -> None:
     assert sum(b > 0 for b in r1["clients"]["uplink_bytes"]) == 3
     assert sum(b > 0 for b in r2["clients"]["uplink_bytes"]) == 2, r2["clients"]  # the dead node sent nothing
     assert r2["num_examples"] == 2 * 500  # the survivors' data (1500 digits / 3)
-    assert r2["accuracy"] > data["rounds"][0]["accuracy"] + 0.2
+    # Measured 0.182, 0.391, 0.697: round 2 still learns from the two survivors' updates. A
+    # round 2 that lost its updates (e.g. aborted on the missing reply) would stay at 0.39.
+    assert r2["accuracy"] > 0.67, [r["accuracy"] for r in data["rounds"]]
     _check_clean(data)
     print(f"killed-node run: {elapsed:.1f}s, round 2 took {r2['round_time_s']:.1f}s")
 
 
 @pytest.mark.flower
+@pytest.mark.slow  # real SuperLink + SuperNodes: 10 s to 90 s on 2 cores
 def test_unreachable_superlink_fails_fast(tmp_path: Path) -> None:
     (port,) = free_ports(1)  # nothing listens there
     t0 = time.monotonic()
@@ -229,6 +237,7 @@ def test_unreachable_superlink_fails_fast(tmp_path: Path) -> None:
 
 
 @pytest.mark.flower
+@pytest.mark.slow  # real SuperLink + SuperNodes: 10 s to 90 s on 2 cores
 def test_real_shaped_links_in_network_namespaces(tmp_path: Path) -> None:
     """Part D: SuperLink and SuperNodes in namespaces of their own, veth pairs shaped with tc.
     Node 0's 1 Mbit/s link must carry round 1's full model (1.72 MB: >= 13.8 s down) and only a

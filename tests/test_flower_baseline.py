@@ -8,7 +8,8 @@ import pytest
 
 from fedcomp.testing.flower import alive_pids, find_marked_pids, run_simulation
 
-pytestmark = pytest.mark.flower
+# Real `flwr run` simulations (10 s to a minute each on 2 cores): out of the fast lane.
+pytestmark = [pytest.mark.flower, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[1]
 ROUND_KEYS = {
@@ -38,8 +39,10 @@ def test_digits_simulation_learns_and_records(tmp_path: Path) -> None:
         assert r.keys() >= ROUND_KEYS, ROUND_KEYS - r.keys()
 
     acc = [r["accuracy"] for r in rounds]
-    assert acc[3] > acc[0] and acc[3] > acc[1], acc
-    assert acc[3] > 0.5, acc
+    # Measured 0.182, 0.832, 0.923, 0.943. A server that never applies the clients' models stays
+    # at 0.18; one that keeps a single client's model instead of the mean (the same 3 x 10 Adam
+    # steps on one third of the data) reaches 0.86 (measured in-process).
+    assert acc[3] > 0.92, acc
 
     assert rounds[0]["uplink_bytes"] == rounds[0]["downlink_bytes"] == 0
     for r in rounds[1:]:
@@ -50,7 +53,10 @@ def test_digits_simulation_learns_and_records(tmp_path: Path) -> None:
         assert r["downlink_bytes"] == r["dense_downlink_bytes"] == clients * LENET5_FP32_BYTES
         assert r["uplink_compression"] == r["downlink_compression"] == 1.0
         assert r["num_examples"] == 1500  # the digits training set, split over the clients
-        assert r["train_loss"] > 0
+    # The clients' training loss (the mean over their local steps) falls round after round:
+    # each round starts from the last round's aggregate. Measured 1.69, 0.58, 0.35.
+    losses = [r["train_loss"] for r in rounds[1:]]
+    assert losses[0] > losses[1] > losses[2], losses
     assert (tmp_path / "results" / "baseline" / "results.json").is_file()
     # Nothing of the run lives on: SuperLink, SuperExec, simulation, Ray.
     assert len(results["_simulation"]["pids"]) >= 3

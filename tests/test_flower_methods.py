@@ -9,7 +9,8 @@ import pytest
 
 from fedcomp.testing.flower import run_simulation
 
-pytestmark = pytest.mark.flower
+# Real `flwr run` simulations (10 s to a minute each on 2 cores): out of the fast lane.
+pytestmark = [pytest.mark.flower, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[1]
 LENET5_FP32_BYTES = 431_080 * 4
@@ -26,16 +27,19 @@ def test_deft_trains_with_disjoint_selections_at_the_set_density(tmp_path: Path)
     res = _run(tmp_path, "deft", **{"num-server-rounds": 4, "uplink-codec": "deft", "topk-density": 0.01})
     rounds = res["rounds"]
     acc = [r["accuracy"] for r in rounds]
-    # Stated accuracy: digits, 3 clients x 10 local iterations, 4 rounds, 1 % in all -> > 0.6
-    # (measured 0.79; dense FedAvg reaches ~0.93 there).
-    assert acc[4] > 0.6 and acc[4] > acc[0] + 0.3, acc
+    # Digits, 3 clients x 10 local iterations, 4 rounds, 1 % in all: measured 0.259, 0.458,
+    # 0.687, 0.791. The same run without the clients' residuals (error-feedback = false) reaches
+    # 0.566: what a client leaves unsent must come back in later rounds.
+    assert acc[4] > 0.76, acc
     for r in rounds[1:]:
         assert r["rejected"] == {}
         # All clients together send 1 % of the compressed tensors' entries, never more: the
         # selections do not overlap (plain per-client top-k would give up to 3 %).
         assert r["uplink_union_density"] == pytest.approx(0.01, abs=2e-4)
         assert r["uplink_bytes"] == r["payload_uplink_bytes"]
-        assert r["uplink_compression"] > 100, r["uplink_compression"]
+        # Measured 142.7x to 144.6x. Plain per-client top-k at 1 % each (the clients not splitting
+        # the budget) measured 65.6x in the same run.
+        assert r["uplink_compression"] > 120, r["uplink_compression"]
         assert len(r["client_encode_seconds"]) == 3
 
 
@@ -53,8 +57,12 @@ def test_gradiveq_fits_broadcasts_and_aggregates_coefficients(tmp_path: Path) ->
         assert rounds[r]["uplink_compression"] == pytest.approx(1.0, rel=0.01)
     for r in (3, 4):
         assert rounds[r]["rejected"] == {}
-        assert rounds[r]["uplink_compression"] > 5, rounds[r]["uplink_compression"]
-    # The compressor goes down once, in round 3, to each client; round 4 carries only 3LC deltas.
-    assert rounds[3]["downlink_bytes"] > rounds[4]["downlink_bytes"] + 3 * 10_000
-    # Stated accuracy: > 0.85 after 4 rounds (measured 0.93).
-    assert rounds[4]["accuracy"] > 0.85, rounds[4]["accuracy"]
+        # Measured 12.4x: per slice of d values, k coefficients (k chosen by gradiveq-eps) in
+        # place of d. A dense fallback would be 1x, an fp16 one 2x.
+        assert rounds[r]["uplink_compression"] > 10, rounds[r]["uplink_compression"]
+    # The compressor goes down once, in round 3, to each client; round 4 carries only 3LC deltas
+    # (measured 1.14 MB then 0.12 MB for the 3 clients: ~340 kB of compressor each).
+    assert rounds[3]["downlink_bytes"] > rounds[4]["downlink_bytes"] + 3 * 300_000
+    # Measured 0.832, 0.919 (the dense rounds), 0.933, 0.923 (compressed). Dense FedAvg reaches
+    # 0.94 in 3 rounds; a wrong basis or a wrongly decompressed mean would fall well below.
+    assert rounds[4]["accuracy"] > 0.90, [r["accuracy"] for r in res["rounds"]]

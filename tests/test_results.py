@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import io
 import json
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+import pytest
+from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord, RecordDict
+from flwr.serverapp import Grid
 
+from fedcomp.app.apps import server_main
 from fedcomp.app.fl import MeteredGrid, arrayrecord_nbytes, payload_nbytes
 from fedcomp.app.models import LeNet5Caffe
 from fedcomp.app.results import RunRecorder
+
+
+def _timestamp(text: str) -> dt.datetime:
+    return dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
 
 
 def test_recorder_writes_rounds_and_prints_a_table(tmp_path: Path) -> None:
@@ -41,7 +49,11 @@ def test_recorder_writes_rounds_and_prints_a_table(tmp_path: Path) -> None:
         "ids": ["7", "12"], "uplink_bytes": [10, 30], "downlink_bytes": [100, 100],
         "dense_uplink_bytes": [400, 400], "dense_downlink_bytes": [400, 400],
     }  # fmt: skip
-    assert data["summary"]["final_accuracy"] == 0.8
+    assert data["summary"]["final_accuracy"] == data["summary"]["best_accuracy"] == 0.8
+    # Totals are sums over the rounds (round 0 moved nothing).
+    assert data["summary"]["total_uplink_bytes"] == 40 and data["summary"]["total_downlink_bytes"] == 200
+    assert data["summary"]["total_dense_uplink_bytes"] == data["summary"]["total_dense_downlink_bytes"] == 800
+    assert data["error"] is None and _timestamp(data["finished_at"]) >= _timestamp(data["started_at"])
     table = out.getvalue().splitlines()
     assert "round" in table[1] and table[2].split()[0] == "0" and table[3].split()[0] == "1"
 
@@ -97,3 +109,53 @@ def test_metered_grid_reports_both_directions(tmp_path: Path) -> None:
     assert entry["clients"]["uplink_bytes"] == [model_bytes, model_bytes, 0]  # 13 failed
     assert entry["dense_uplink_bytes"] == 2 * model_bytes
     assert entry["dense_downlink_bytes"] == 3 * model_bytes
+
+
+class _LostSuperLinkGrid(Grid):
+    """Two SuperNodes are connected, but every message the ServerApp sends fails, as when the
+    SuperLink goes away mid-run."""
+
+    def get_node_ids(self):
+        return [11, 12]
+
+    def send_and_receive(self, messages, *, timeout=None):
+        raise ConnectionError("SuperLink went away")
+
+    def push_messages(self, messages):
+        raise ConnectionError("SuperLink went away")
+
+    def pull_messages(self, message_ids):
+        raise ConnectionError("SuperLink went away")
+
+    def create_message(self, *args, **kwargs):
+        raise NotImplementedError
+
+    @property
+    def run(self):
+        raise NotImplementedError
+
+    def set_run(self, run_id):
+        pass
+
+
+def test_a_server_app_that_crashes_is_recorded_as_failed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real ServerApp body (fedcomp.app.apps.server_main, compression on) on a Grid whose
+    sends fail: round 0 (the initial model's evaluation) is recorded, then round 1's send raises;
+    results.json must say "failed", carry the error, keep round 0 and save no final model."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    # What Flower sets in a real ServerApp process; Messages cannot be built without it.
+    for attr in ("_run_id", "_node_id", "_task_id"):
+        monkeypatch.setattr(TaskIdentity, attr, 1)
+    run_config = {"dataset": "digits", "num-server-rounds": 2, "results-dir": str(tmp_path), "run-name": "crash"}
+    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=run_config)
+    with pytest.raises(ConnectionError, match="SuperLink went away"):
+        server_main(_LostSuperLinkGrid(), context)  # the error still reaches Flower
+    data = json.loads((tmp_path / "crash" / "results.json").read_text())
+    assert data["status"] == "failed"
+    assert data["error"] == "ConnectionError: SuperLink went away"
+    assert _timestamp(data["finished_at"]) >= _timestamp(data["started_at"])
+    assert [r["round"] for r in data["rounds"]] == [0]
+    assert data["summary"]["final_accuracy"] == data["rounds"][0]["accuracy"]
+    assert data["summary"]["total_uplink_bytes"] == data["summary"]["total_downlink_bytes"] == 0
+    assert not (tmp_path / "crash" / "final_model.pt").exists()
