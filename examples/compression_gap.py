@@ -42,9 +42,10 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Strategy
 
+from fedcomp.app.config import APP_COMPRESSION_DEFAULTS
 from fedcomp.app.data import DataError, load_dataset, load_partition
 from fedcomp.app.models import LeNet5Caffe, evaluate, train_local
-from fedcomp.flower.mod import compression_mod
+from fedcomp.flower.mod import make_compression_mod
 from fedcomp.flower.records import tensors_from_record
 from fedcomp.flower.settings import CompressionConfig
 from fedcomp.flower.strategy import CompressionStrategy
@@ -59,7 +60,9 @@ SETTINGS: dict[str, dict[str, Any] | None] = {
     "sbc5-3lc": {"sbc-p": 0.05, "3lc-s": 1.0},
     "sbc1-exact": {"sbc-p": 0.01, "downlink-codec": "dense-fp32"},  # the downlink's share of the gap
     "sbc5-3lc-warm": {"sbc-p": "list:0.5,0.2,0.1,0.05", "3lc-s": 1.0},  # DGC-style warm-up to 5 %
-    "default": {},  # whatever CompressionConfig's defaults are now
+    "stc5-3lc": {"uplink-codec": "stc", "sbc-p": 0.05, "3lc-s": 1.0},
+    # The reference app's defaults (fedcomp.app.config: the library's plus the seeded initial model).
+    "default": dict(APP_COMPRESSION_DEFAULTS),
 }
 
 
@@ -161,9 +164,13 @@ def run(task: Task, data_dir: str | None) -> dict[str, Any]:
     inner = FedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=1, min_available_nodes=1)
     strategy: Strategy = inner
     wrapper: CompressionStrategy | None = None
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    mod = make_compression_mod()
     if task.compression is not None:
         wrapper = CompressionStrategy(inner, CompressionConfig.from_run_config(task.compression))
         strategy = wrapper
+        if wrapper.config.seeded_initial_model:
+            mod = make_compression_mod(initial_model=lambda ctx: initial)  # clients build it too
     contexts = {
         n: Context(
             run_id=1,
@@ -216,7 +223,7 @@ def run(task: Task, data_dir: str | None) -> dict[str, Any]:
                 reply = client_app(m, contexts[node])
                 per_client[node] = (4 * params, 4 * params, 0.0)
             else:
-                reply = compression_mod(m, contexts[node], client_app)
+                reply = mod(m, contexts[node], client_app)
             replies.append(reply)
         new, _ = strategy.aggregate_train(rnd, replies)
         if new is not None:
