@@ -7,6 +7,8 @@ import os
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from fedcomp.codecs import Codec, TensorSpec, get_codec
 from fedcomp.wire import serde
@@ -73,10 +75,17 @@ def devices() -> list[str]:
     return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
-def check_rejects(codec: Codec, spec: TensorSpec, cases: dict[str, object], not_on_wire: tuple[str, ...] = ()) -> None:
+def check_rejects(
+    codec: Codec,
+    spec: TensorSpec,
+    cases: dict[str, object],
+    not_on_wire: tuple[str, ...] = (),
+    reasons: dict[str, str] | None = None,
+) -> None:
     """Every bad encoding in ``cases`` raises :class:`PayloadError` naming ``spec``'s tensor,
     decoded directly and, except the cases protobuf cannot carry (``not_on_wire``), after a
-    trip through real protobuf bytes."""
+    trip through real protobuf bytes. ``reasons`` gives, by case, the exact reason expected
+    (what an operator reads in the server log)."""
     import pytest
 
     from fedcomp.errors import PayloadError
@@ -85,6 +94,29 @@ def check_rejects(codec: Codec, spec: TensorSpec, cases: dict[str, object], not_
         with pytest.raises(PayloadError, match=f"'{spec.name}'") as info:
             codec.decode(bad, spec)  # type: ignore[arg-type]
         assert info.value.tensor == spec.name, why
+        if reasons and why in reasons:
+            assert info.value.reason == reasons[why], why
         if why not in not_on_wire:
             with pytest.raises(PayloadError):
                 codec.decode(serde.tensor_from_bytes(serde.tensor_to_bytes(bad)), spec)  # type: ignore[arg-type]
+
+
+class LargestTensor(TorchDispatchMode):
+    """While active, records the most elements of any tensor a torch operation makes.
+
+    A deterministic stand-in for "decoding a hostile payload is cheap": instead of timing the
+    decoder (a flaky assertion on a shared machine), bound what it allocates by what the payload
+    can legitimately expand to. Tensors made outside torch's dispatcher (``frombuffer``) are the
+    payload's own bytes and are not counted.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out

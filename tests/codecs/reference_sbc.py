@@ -100,3 +100,30 @@ def sbc_exact(values: list[float], p: float) -> tuple[float, int, int, bytes]:
         chosen, mean = sorted(smallest), -round_to_float32(mu_minus)
     b = golomb_b(len(chosen) / n)
     return mean, b, len(chosen), encode_positions(chosen, b)
+
+
+def sbc_fast(values: list[float], p: float, sample: list[int]) -> tuple[float, int, int, bytes]:
+    """Fast mode on float32 ``values`` with the sampled positions ``sample``: (mean, b, nnz, bits).
+
+    The thresholds are the sample's r-th smallest and r-th largest values (r = max(1, round(p *
+    len(sample)))); each side keeps every value at or beyond its threshold. A side that keeps
+    nothing or more than 2 k values (k = max(1, round(p * n))) means exact mode instead; else the
+    side with the larger mean magnitude wins (the positive one on a tie), as in exact mode.
+    """
+    n = len(values)
+    k = max(1, round(p * n))
+    picked = sorted(values[i] for i in sample)
+    r = max(1, round(p * len(sample)))
+    thr_lo, thr_hi = picked[r - 1], picked[len(sample) - r]
+    hi = [i for i in range(n) if values[i] >= thr_hi]
+    lo = [i for i in range(n) if values[i] <= thr_lo]
+    if not (0 < len(hi) <= 2 * k and 0 < len(lo) <= 2 * k):
+        return sbc_exact(values, p)
+    mu_plus = sum(Fraction(values[i]) for i in hi) / len(hi)
+    mu_minus = -sum(Fraction(values[i]) for i in lo) / len(lo)
+    if mu_plus >= mu_minus:
+        chosen, mean = hi, round_to_float32(mu_plus)
+    else:
+        chosen, mean = lo, -round_to_float32(mu_minus)
+    b = golomb_b(len(chosen) / n)
+    return mean, b, len(chosen), encode_positions(chosen, b)

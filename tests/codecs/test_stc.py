@@ -178,7 +178,8 @@ def test_round_trip(codec, tensor, device):
     n = x.numel()
     flat_x, flat_d = x.reshape(-1), dec.reshape(-1)
     kept = flat_d != 0
-    if not n:
+    if not n:  # nothing to select: an empty message
+        assert codec.encode(x, "t").payload.nnz == 0
         return
     k = min(n, max(1, round(codec.p * n)))
     nonzero = int((flat_x != 0).sum())
@@ -487,7 +488,8 @@ def test_fuzz_bit_flips_never_escape_payload_error(case, seed):
     rng = np.random.default_rng(seed)
     field = "bits" if rng.random() < 0.5 or not payload.signs else "signs"
     data = bytearray(getattr(payload, field))
-    if not data:
+    if not data:  # no bit to flip: only an all-zero tensor sends nothing
+        assert payload.nnz == 0 and not bool(x.any())
         return
     j = int(rng.integers(0, 8 * len(data)))
     data[j // 8] ^= 0x80 >> (j % 8)
