@@ -86,8 +86,8 @@ def test_measured_compute_time_shrinks_the_next_rounds_upload(tmp_path: Path) ->
             best[node] = min(measured, best.get(node, measured))
     r1, r2 = rounds[1], rounds[2]
     for node in nodes:
-        # The compute it measured in round 1 (20 iterations: >= 20 ms, measured 0.3 s to 2.3 s)
-        # outweighs round 2's smaller download (a 3LC delta instead of the full model: 14 ms
-        # less at 1 Gbit/s): a smaller budget, so a smaller p.
+        # Round 2 reserves the compute measured in round 1 (20 iterations: >= 20 ms, measured
+        # 0.3 s to 2.3 s); the downloads of the two rounds differ by at most a model, 14 ms at
+        # 1 Gbit/s: a smaller budget, so a smaller p.
         assert r2["client_budget_bytes"][node] < r1["client_budget_bytes"][node]
         assert r2["client_sbc_p"][node] < r1["client_sbc_p"][node] < 0.1  # inside [p-min, p-max]: p is free
