@@ -61,6 +61,8 @@ SETTINGS: dict[str, dict[str, Any] | None] = {
     "sbc1-exact": {"sbc-p": 0.01, "downlink-codec": "dense-fp32"},  # the downlink's share of the gap
     "sbc5-3lc-warm": {"sbc-p": "list:0.5,0.2,0.1,0.05", "3lc-s": 1.0},  # DGC-style warm-up to 5 %
     "stc5-3lc": {"uplink-codec": "stc", "sbc-p": 0.05, "3lc-s": 1.0},
+    "sbc5-3lcx2": {"sbc-p": 0.05, "3lc-s": 1.0, "downlink-passes": 2},  # a second pass on what 3LC missed
+    "sbc1-3lcx2": {"sbc-p": 0.01, "3lc-s": 1.0, "downlink-passes": 2},
     # The reference app's defaults (fedcomp.app.config: the library's plus the seeded initial model).
     "default": dict(APP_COMPRESSION_DEFAULTS),
 }

@@ -75,14 +75,20 @@ class CompressionStrategy(Strategy):
             self.replica = ServerReplica(target, self.config.delta_log_size, self.config.min_compress_numel)
         elif self._target is None or any(not torch.equal(target[k], self._target[k]) for k in target):
             t = self._traffic(server_round)
-            before = _distance(target, self.replica.tensors)
+            before = after = _distance(target, self.replica.tensors)
+            moved = _distance(target, self._target) if self._target is not None else 0.0
+            codec = self.config.downlink_codec_at(server_round)
             t0 = time.perf_counter()
-            self.replica.advance(target, self.config.downlink_codec_at(server_round))
+            for _ in range(self.config.downlink_passes):
+                # One delta version per pass: every up-to-date client gets the passes as a chain.
+                self.replica.advance(target, codec)
+                t.downlink_passes += 1
+                after = _distance(target, self.replica.tensors)
+                if after == 0.0 or (moved > 0 and after / moved <= self.config.replica_lag_max):
+                    break
             t.encode_seconds += time.perf_counter() - t0
             # Diagnostics: how far the clients' replica R trails the model W, relative to how far
             # W moved this round, and how much of the outstanding W - R this downlink closed.
-            after = _distance(target, self.replica.tensors)
-            moved = _distance(target, self._target) if self._target is not None else 0.0
             t.replica_lag = after / moved if moved > 0 else 0.0
             t.downlink_delivered = 1.0 - after / before if before > 0 else 1.0
         self._target = target

@@ -20,6 +20,7 @@ and in the ``Result`` that ``strategy.start`` returns. The keys are stable:
 ``fedcomp.replies-rejected``            train replies rejected (corrupt, stale, hostile)
 ``fedcomp.server-codec-seconds``        server time compressing the downlink and decoding replies
 ``fedcomp.client-encode-seconds``       the clients' uplink encode time, summed
+``fedcomp.downlink-passes``             downlink deltas made this round (``downlink-passes``)
 ``fedcomp.replica-lag``                 ||W - R|| / ||W - W_prev|| after the downlink (when it moved)
 ``fedcomp.downlink-delivered``          share of the outstanding W - R this round's downlink closed
 ``fedcomp.residual-ratio-mean``         mean over clients of ||residual|| / ||update|| after encoding
@@ -55,6 +56,7 @@ class RoundTraffic:
     #: difference the downlink closed; ``residual_ratio``: each client's ||residual|| / ||update||
     #: after encoding (what error feedback holds back, relative to what it trained).
     replica_lag: float | None = None
+    downlink_passes: int = 0  # delta versions made this round (``downlink-passes``)
     downlink_delivered: float | None = None
     residual_ratio: dict[int, float] = field(default_factory=dict)
     encode_seconds: float = 0.0  # server-side downlink compression time
@@ -149,6 +151,7 @@ def metric_record(t: RoundTraffic, run: Mapping[int, RoundTraffic]) -> dict[str,
         "fedcomp.replies-rejected": len(t.rejected),
         "fedcomp.server-codec-seconds": float(t.encode_seconds + t.decode_seconds),
         "fedcomp.client-encode-seconds": float(sum(t.client_encode_seconds.values())),
+        "fedcomp.downlink-passes": t.downlink_passes,
         **({"fedcomp.replica-lag": t.replica_lag} if t.replica_lag is not None else {}),
         **({"fedcomp.downlink-delivered": t.downlink_delivered} if t.downlink_delivered is not None else {}),
         **(

@@ -54,6 +54,13 @@ class CompressionConfig(BaseModel):
     #: Most downlink deltas kept for clients that missed rounds; the log is also capped at one
     #: dense model's bytes (a longer chain would cost more than the full model).
     delta_log_size: int = Field(256, ge=0, le=100_000, alias="delta-log-size")
+    #: Most downlink passes per round: after the first delta, the server compresses what is still
+    #: missing of ``W - R`` again (each pass is one more delta version, so clients apply a chain
+    #: of them), until ``replica-lag-max`` is met. 3LC's max-based scale rounds most of a spiky
+    #: aggregate to zero; a second pass recovers much of it (docs/compression_gap.md).
+    downlink_passes: int = Field(1, ge=1, le=8, alias="downlink-passes")
+    #: Stop the passes once ||W - R|| / ||W - W_prev|| is at most this; 0 = always all passes.
+    replica_lag_max: float = Field(0.0, ge=0, alias="replica-lag-max")
     #: Clients build the initial model (version 0) themselves, as the server did, from the run's
     #: seed (``make_compression_mod(initial_model=...)``): a client's first downlink is then the
     #: chain of deltas since version 0 (nothing in round 1) instead of the full model. A client
