@@ -87,7 +87,11 @@ class Task:
     eval_every: int = 5
 
     def key(self) -> str:
-        blob = json.dumps(asdict(self), sort_keys=True).encode()
+        """Names the cache file: the resolved settings (so a changed library default reruns)."""
+        fields = asdict(self)
+        if self.compression is not None:
+            fields["compression"] = CompressionConfig.from_run_config(self.compression).to_run_config()
+        blob = json.dumps(fields, sort_keys=True, default=str).encode()
         return (
             f"{self.setting}-{self.partition}-{self.per_round}of{self.clients}-{hashlib.sha256(blob).hexdigest()[:10]}"
         )
@@ -274,6 +278,13 @@ def run(task: Task, data_dir: str | None) -> dict[str, Any]:
 
 def cached_run(task: Task, data_dir: str | None, refresh: bool = False) -> dict[str, Any]:
     path = CACHE / f"{task.key()}.json"
+    if not path.exists() and not refresh:
+        # A result cached under another file name for the very same run (e.g. an older key).
+        for other in CACHE.glob(f"{task.setting}-*.json"):
+            stored = json.loads(other.read_text())
+            if Task(**stored["task"]).key() == task.key():
+                other.rename(path)
+                break
     if path.exists() and not refresh:
         return json.loads(path.read_text())
     result = run(task, data_dir)
