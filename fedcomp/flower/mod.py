@@ -241,6 +241,17 @@ def _compression_mod(
             raise ConfigError(f"the ClientApp's train reply has no ArrayRecord {dl.arrays_key!r}")
         trained = tensors_from_record(trained_rec, device)
         delta = {k: trained[k] - st.replica[k] for k in st.replica}
+        bad = [k for k, d in delta.items() if not bool(torch.isfinite(d).all())]
+        if bad:
+            # Local training diverged: send nothing, keep replica and residual as they were.
+            log.warning("fedcomp: the local update is not finite in %s; not sent", bad[:3])
+            return Message(
+                Error(
+                    code=int(ErrorCode.LOCAL_UPDATE_REJECTED),
+                    reason=f"fedcomp: the local update is not finite (tensors {bad[:3]}); training diverged?",
+                ),
+                reply_to=msg,
+            )
         base_codec, overrides = codecs
         if plan is not None and plan.codec_config is not None:
             base_codec = get_codec(plan.codec_config)  # p as the bandwidth policy chose it

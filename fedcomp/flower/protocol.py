@@ -72,6 +72,9 @@ class ErrorCode(IntEnum):
     #: The client cannot rebuild the model (digest mismatch, missing replica or compressor):
     #: the server forgets what it knew of this client and sends a full replica next time.
     RESYNC = FlowerErrorCode.MOD_FAILED_PRECONDITION
+    #: The client's own update is unusable (not finite: its training diverged). Its replica and
+    #: residual are kept as they were; it takes part again next round.
+    LOCAL_UPDATE_REJECTED = FlowerErrorCode.CLIENT_APP_RAISED_EXCEPTION
 
 
 class DownlinkMode(StrEnum):

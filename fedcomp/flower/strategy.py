@@ -13,6 +13,7 @@ Pair it with :func:`fedcomp.flower.mod.compression_mod` on the clients.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -211,12 +212,42 @@ class CompressionStrategy(Strategy):
                 "", f"update is against version {update.base_model_version}, expected {self.replica.version}"
             )
         decoded = self.uplink.decode(update, self.replica.specs, self._target, server_round, node)
+        self._check_values(decoded.delta if decoded.delta is not None else decoded.arrays)
         if self.uplink.reports_selection and decoded.delta is not None:
             traffic.note_selection(decoded.delta, self.config.min_compress_numel)
         traffic.decode_seconds += time.perf_counter() - t0
         content = RecordDict({k: v for k, v in msg.content.items() if k != protocol.UPLINK})
+        self._check_structure(content)
         content[self._arrays_key] = record_from_tensors(decoded.arrays)
         msg.content = content
+
+    def _check_values(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Every decoded value finite, and the update within ``max-update-norm``."""
+        for name, t in tensors.items():
+            if not bool(torch.isfinite(t).all()):
+                raise PayloadError(name, "decoded values are not all finite")
+        bound = self.config.max_update_norm
+        if bound > 0:
+            norm = float(sum(float(t.double().pow(2).sum()) for t in tensors.values())) ** 0.5
+            if norm > bound:
+                raise PayloadError("", f"update norm {norm:.4g} exceeds max-update-norm {bound:g}")
+
+    def _check_structure(self, content: RecordDict) -> None:
+        """What the inner strategy will read: no ArrayRecord of the client's own (the wrapper puts
+        the decoded model in), exactly one MetricRecord, and a weight in (0, max-num-examples]."""
+        if content.array_records:
+            raise PayloadError("", f"reply carries ArrayRecord(s) {sorted(content.array_records)} beside its update")
+        if len(content.metric_records) != 1:
+            raise PayloadError("", f"reply has {len(content.metric_records)} MetricRecords, expected 1")
+        key = getattr(self.strategy, "weighted_by_key", None)
+        if key is None:
+            return
+        metrics = next(iter(content.metric_records.values()))
+        weight = metrics.get(key)
+        if isinstance(weight, bool) or not isinstance(weight, int | float) or not math.isfinite(weight):
+            raise PayloadError("", f"reply's {key!r} is missing or not a number ({weight!r})")
+        if not 0 < weight <= self.config.max_num_examples:
+            raise PayloadError("", f"reply's {key!r} = {weight} is outside (0, {self.config.max_num_examples}]")
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -224,7 +255,8 @@ class CompressionStrategy(Strategy):
         accepted = []
         for msg in replies:
             node = msg.metadata.src_node_id
-            self._note_node(node, self._report_of(msg))
+            if _needs_resync_bookkeeping(msg):
+                self._note_node(node, self._report_of(msg))
             if msg.has_error():
                 accepted.append(msg)  # the inner strategy logs and skips it
                 continue
@@ -253,7 +285,8 @@ class CompressionStrategy(Strategy):
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         replies = list(replies)
         for msg in replies:
-            self._note_node(msg.metadata.src_node_id, self._report_of(msg))
+            if _needs_resync_bookkeeping(msg):
+                self._note_node(msg.metadata.src_node_id, self._report_of(msg))
         metrics = self.strategy.aggregate_evaluate(server_round, replies)
         return None if metrics is None else self._with_figures(server_round, metrics, "evaluate")
 
@@ -289,6 +322,13 @@ class CompressionStrategy(Strategy):
 
     def __repr__(self) -> str:
         return f"CompressionStrategy({self.strategy!r})"
+
+
+def _needs_resync_bookkeeping(msg: Message) -> bool:
+    """Whether a reply tells the server something about the client's replica: any content reply,
+    and an error that asks for a resync. Other errors (the app failed, its update diverged) leave
+    the client's replica as it was, so the server keeps what it knew: no full model next time."""
+    return not msg.has_error() or msg.error.code == int(protocol.ErrorCode.RESYNC)
 
 
 def _distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

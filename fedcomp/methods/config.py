@@ -61,6 +61,11 @@ class CompressionConfig(BaseModel):
     downlink_passes: int = Field(1, ge=1, le=8, alias="downlink-passes")
     #: Stop the passes once ||W - R|| / ||W - W_prev|| is at most this; 0 = always all passes.
     replica_lag_max: float = Field(0.0, ge=0, alias="replica-lag-max")
+    #: A train reply's example count (the inner strategy's weight) must lie in (0, this]; one
+    #: client claiming 1e15 examples would otherwise own the average.
+    max_num_examples: int = Field(1_000_000_000, ge=1, alias="max-num-examples")
+    #: Reject an update whose L2 norm exceeds this (0: no bound).
+    max_update_norm: float = Field(0.0, ge=0, alias="max-update-norm")
     #: Clients build the initial model (version 0) themselves, as the server did, from the run's
     #: seed (``make_compression_mod(initial_model=...)``): a client's first downlink is then the
     #: chain of deltas since version 0 (nothing in round 1) instead of the full model. A client

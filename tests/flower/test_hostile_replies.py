@@ -1,0 +1,120 @@
+"""Replies that would have ended a run or skewed the model are rejected one by one, the round goes
+on with the others, and a client whose own training diverged keeps its state and its place."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
+
+from fedcomp.codecs import DenseFP32
+from fedcomp.flower import protocol
+from fedcomp.methods.update import UpdateEncoder
+from fedcomp.wire.serde import update_from_bytes, update_to_bytes
+from tests.flower.helpers import (  # noqa: F401  (server_identity: autouse fixture)
+    Client,
+    make_strategy,
+    mode_of,
+    server_identity,
+    tiny_model,
+    train_round,
+    with_fields,
+)
+
+
+def _replace_content(reply: Message, **records: Any) -> Message:
+    content = RecordDict(dict(reply.content.items()))
+    for k, v in records.items():
+        if v is None:
+            del content[k]
+        else:
+            content[k] = v
+    reply.content = content
+    return reply
+
+
+def _nan_payload(reply: Message) -> Message:
+    up = reply.content.config_records[protocol.UPLINK]
+    update = update_from_bytes(up["payload"])  # type: ignore[arg-type]
+    tensors = {t.name: torch.zeros(t.shape) for t in update.tensors}
+    first = next(iter(tensors))
+    tensors[first][0] = float("nan")
+    enc = UpdateEncoder(DenseFP32(), min_numel=0, error_feedback=False).encode(tensors, update.base_model_version)
+    return _replace_content(reply, **{protocol.UPLINK: with_fields(up, payload=update_to_bytes(enc))})
+
+
+def _metrics(value: Any) -> Any:
+    def tamper(reply: Message) -> Message:
+        return _replace_content(reply, metrics=None if value is None else MetricRecord({"num-examples": value}))
+
+    return tamper
+
+
+TAMPERS = {
+    "nan-in-a-dense-tensor": (_nan_payload, "not all finite"),
+    "extra-array-record": (lambda r: _replace_content(r, extra=ArrayRecord({"x": torch.zeros(3)})), "ArrayRecord"),
+    "no-metric-record": (_metrics(None), "MetricRecords"),
+    "negative-examples": (_metrics(-10), "outside"),
+    "huge-examples": (_metrics(10**15), "outside"),
+    "examples-not-a-number": (_metrics([1, 2]), "not a number"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TAMPERS))
+def test_a_hostile_reply_is_rejected_and_the_round_goes_on(case: str) -> None:
+    tamper, why = TAMPERS[case]
+    strategy = make_strategy(**{"uplink-codec": "dense-fp32"})
+    clients = {n: Client(n) for n in (1, 2, 3)}
+    model = tiny_model()
+    new, _ = train_round(strategy, clients, 1, model, tamper=lambda n, r: tamper(r) if n == 2 else r)
+    t = strategy.traffic[1]
+    assert list(t.rejected) == [2] and why in t.rejected[2], t.rejected
+    assert t.accepted == 2 and new is not None
+    assert all(bool(torch.isfinite(v).all()) for v in new.values())
+    # The rejected client's replica state is intact: a chain next round, not a full model.
+    _, log = train_round(strategy, clients, 2, new)
+    assert mode_of(log.downlinks[2]) == "chain"
+
+
+def test_an_update_over_the_norm_bound_is_rejected() -> None:
+    strategy = make_strategy(**{"max-update-norm": 1e-6})
+    clients = {n: Client(n) for n in (1, 2)}
+    _, _ = train_round(strategy, clients, 1, tiny_model())
+    assert set(strategy.traffic[1].rejected) == {1, 2}
+    assert all("max-update-norm" in why for why in strategy.traffic[1].rejected.values())
+
+
+class DivergingClient(Client):
+    """Training that produces NaN in round 2."""
+
+    def app(self, msg: Message, ctx: Any) -> Message:
+        reply = super().app(msg, ctx)
+        cfg = msg.content.config_records["config"]
+        if int(cfg[protocol.SERVER_ROUND]) == 2:  # type: ignore[arg-type]
+            arrays = reply.content.array_records["arrays"].to_torch_state_dict()
+            first = next(iter(arrays))
+            arrays[first].view(-1)[0] = float("nan")
+            reply.content["arrays"] = ArrayRecord(arrays)
+        return reply
+
+
+def test_a_diverged_client_sends_an_error_keeps_its_state_and_comes_back() -> None:
+    strategy = make_strategy()
+    clients: dict[int, Client] = {1: Client(1), 2: DivergingClient(2)}
+    model = tiny_model()
+    new, _ = train_round(strategy, clients, 1, model)
+    assert new is not None
+    residual = clients[2].ctx.state.array_records[protocol.STATE_RESIDUAL].to_torch_state_dict()
+    new2, log = train_round(strategy, clients, 2, new)
+    reply = log.replies[2]
+    assert reply.has_error() and reply.error.code == int(protocol.ErrorCode.LOCAL_UPDATE_REJECTED)
+    assert "not finite" in reply.error.reason
+    assert strategy.traffic[2].accepted == 1 and new2 is not None
+    # Residual untouched by the failed round; the server still knows its replica: a chain next.
+    after = clients[2].ctx.state.array_records[protocol.STATE_RESIDUAL].to_torch_state_dict()
+    assert all(torch.equal(residual[k], after[k]) for k in residual)
+    _, log = train_round(strategy, clients, 3, new2)
+    assert mode_of(log.downlinks[2]) == "chain" and not log.replies[2].has_error()
+    assert strategy.traffic[3].accepted == 2
