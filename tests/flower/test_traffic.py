@@ -93,7 +93,11 @@ def test_add_downlink_accumulates_train_and_evaluate_downlinks() -> None:
     t = RoundTraffic()
     t.add_downlink(1, 100, 4000, "full")
     t.add_downlink(2, 0, 4000, "none")
-    assert (t.downlink, t.dense_downlink, t.downlink_mode) == ({1: 100, 2: 0}, {1: 4000, 2: 4000}, {1: "full", 2: "none"})
+    assert (t.downlink, t.dense_downlink, t.downlink_mode) == (
+        {1: 100, 2: 0},
+        {1: 4000, 2: 4000},
+        {1: "full", 2: "none"},
+    )
     t.add_downlink(1, 7, 4000, "chain")  # the evaluate downlink of the same round
     assert t.downlink == {1: 107, 2: 0}
     assert t.dense_downlink == {1: 8000, 2: 4000}
