@@ -10,16 +10,28 @@ from typing import Any
 
 import pytest
 import torch
+from flwr.app import ConfigRecord
 from pydantic import ValidationError
 
 from fedcomp.codecs import SBC, DenseFP32, ThreeLC, get_codec
-from fedcomp.errors import ConfigError
+from fedcomp.errors import ConfigError, PayloadError
+from fedcomp.flower import protocol
+from fedcomp.flower.records import record_from_tensors
 from fedcomp.methods import registry
 from fedcomp.methods.base import ClientRound, DownlinkMethod, UplinkMethod, extra_key
 from fedcomp.methods.config import CompressionConfig, format_validation_error
+from fedcomp.methods.deft_uplink import DeftUplink
 from fedcomp.methods.downlinks import DenseFP16Downlink, DenseFP32Downlink, IdentityDownlink, ThreeLCDownlink
+from fedcomp.methods.gradiveq_uplink import GradiVeQUplink
 from fedcomp.methods.plain import DenseFP16Uplink, DenseFP32Uplink, IdentityUplink, SBCUplink, TopKUplink
 from fedcomp.methods.update import UpdateEncoder, specs_of
+from tests.flower.helpers import (  # noqa: F401 (server_identity: autouse fixture)
+    Client,
+    FixedGrid,
+    make_strategy,
+    server_identity,
+    tiny_model,
+)
 
 
 def _config(**run_config: Any) -> CompressionConfig:
@@ -350,3 +362,37 @@ def test_bandwidth_budget_carries_every_setting() -> None:
     assert (b.round_deadline_s, b.uplink_budget_bytes, b.p_min, b.p_max) == (2.5, 900, 0.002, 0.2)
     assert (b.local_iters_min, b.local_iters_max, b.adapt_local_iters) == (2, 50, True)
     assert (b.policy, b.link_profiles, b.seconds_per_iter) == ("constant-total-sparsity", "10,20,5", 0.25)
+
+
+# --- DEFT and GradiVeQ entry points -------------------------------------------------------------------
+
+
+def test_a_deft_train_round_needs_the_clients_allocation() -> None:
+    rnd = ClientRound(
+        codec_config={"id": "topk", "p": 0.05},
+        replica={"w": torch.zeros(2000)},
+        min_numel=1000,
+        server_round=1,
+        extras={},
+        state=_Store(),
+    )
+    with pytest.raises(PayloadError) as info:
+        DeftUplink.client_codecs(rnd)
+    assert str(info.value) == "payload: a DEFT round came without this client's allocation"
+
+
+def test_a_deft_allocation_for_another_round_is_refused() -> None:
+    strategy, client = make_strategy(**{"uplink-codec": "deft", "topk-density": 0.05}), Client(1)
+    (msg,) = strategy.configure_train(2, record_from_tensors(tiny_model()), ConfigRecord({}), FixedGrid([1]))
+    config = dict(msg.content.config_records["config"])
+    config[protocol.SERVER_ROUND] = 3  # a replayed or misrouted allocation
+    msg.content["config"] = ConfigRecord(config)
+    reply = client.handle(msg)
+    assert reply.has_error() and reply.error.code == int(protocol.ErrorCode.RESYNC)
+    assert "round" in reply.error.reason
+    assert client.calls == 0
+
+
+def test_gradiveq_clients_send_dense_until_the_server_fits() -> None:
+    assert GradiVeQUplink.codec_config(_config(), 1) == {"id": "dense-fp32"}
+    assert GradiVeQUplink.codec_config(_config(), 7) == {"id": "dense-fp32"}
