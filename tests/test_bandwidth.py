@@ -227,7 +227,7 @@ def _round_trip(run_config: dict, node_config: dict) -> tuple[Message, Compressi
 
 
 def test_mod_picks_p_and_iterations_and_the_strategy_records_them() -> None:
-    run_config = {"uplink-budget-bytes": 6000, "sbc-p-min": 0.0005, "sbc-p-max": 0.2, "adapt-local-iters": True,
+    run_config = {"sbc-p": 0.01, "uplink-budget-bytes": 6000, "sbc-p-min": 0.0005, "sbc-p-max": 0.2, "adapt-local-iters": True,
                   "local-iters-max": 1000, "link-profiles": "10,10,20"}  # fmt: skip
     reply, strategy, seen = _round_trip(run_config, {"partition-id": 0, "num-partitions": 1})
     up = reply.content.config_records[keys.UPLINK]
@@ -246,7 +246,7 @@ def test_mod_picks_p_and_iterations_and_the_strategy_records_them() -> None:
 
 def test_mod_without_a_budget_keeps_the_schedule_and_still_reports() -> None:
     reply, _, seen = _round_trip(
-        {}, {"partition-id": 0, "num-partitions": 1, "uplink-mbps": 5.0, "downlink-mbps": 50.0}
+        {"sbc-p": 0.01}, {"partition-id": 0, "num-partitions": 1, "uplink-mbps": 5.0, "downlink-mbps": 50.0}
     )
     up = reply.content.config_records[keys.UPLINK]
     assert up["sbc-p"] == 0.01 and up["local-iters"] == seen["local-iters"] == 10
