@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from flwr.app import ConfigRecord, Context, RecordDict
+from flwr.app import Context, RecordDict
 
 from fedcomp.app.models import LeNet5Caffe
 from fedcomp.codecs import SBC, DenseFP32, TopK
