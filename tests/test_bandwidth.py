@@ -37,6 +37,7 @@ from fedcomp.methods.bandwidth import (
 from fedcomp.methods.update import UpdateEncoder
 from fedcomp.net.links import LinkProfile, link_of, parse_link_profiles
 from fedcomp.wire.serde import update_to_bytes
+from tests.flower.helpers import FixedGrid
 
 TENSORS = tuple((k, v.numel()) for k, v in LeNet5Caffe().state_dict().items())
 MIN_NUMEL = 1000
@@ -202,16 +203,10 @@ def _server_identity(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _round_trip(run_config: dict, node_config: dict) -> tuple[Message, CompressionStrategy, dict]:
     comp = CompressionConfig.from_run_config(run_config)
-    strategy = CompressionStrategy(FedAvg(), comp)
+    strategy = CompressionStrategy(FedAvg(min_available_nodes=1, min_train_nodes=1), comp)
     model = LeNet5Caffe()
     arrays = ArrayRecord(model.state_dict())
-    strategy._sync_replica(arrays, 1)
-    out = Message(
-        RecordDict({"arrays": arrays, "config": ConfigRecord({"local-iters": 10, "lr": 0.001})}),
-        dst_node_id=7,
-        message_type="train",
-    )
-    (out,) = strategy._with_downlink([out], 1)
+    (out,) = strategy.configure_train(1, arrays, ConfigRecord({"lr": 0.001}), FixedGrid([7]))
     context = Context(run_id=1, node_id=7, node_config=node_config, state=RecordDict(), run_config={})
     seen: dict = {}
 
