@@ -119,8 +119,51 @@ def test_fast_mode_matches_reference(case, sample_size):
     """Tensors larger than the sample: thresholds from the sample, a pass over the tensor, the
     exact-mode fallback, byte for byte as the plain-Python reference says."""
     x, p = case
+    check_fast_against_reference(x, p, min(sample_size, x.numel() - 1))
+
+
+@pytest.mark.parametrize(
+    "kind, n, p, sample_size",
+    [
+        ("normal", 5000, 0.01, 500),  # r = 5 of 500: the two partitions of the sample
+        ("normal", 20000, 0.001, 600),  # r = 1: the sample's minimum and maximum
+        ("student", 5000, 0.01, 2000),
+        ("normal", 3000, 0.5, 3),  # 2 r > s: the sample is sorted
+        ("normal", 50, 0.25, 2),  # the smallest sample that is partitioned
+        ("normal", 50, 0.01, 1),
+        ("negative", 4000, 0.05, 300),
+    ],
+)
+def test_fast_mode_matches_reference_at_fixed_sizes(kind, n, p, sample_size):
+    x = seeded(n, 7, kind) if kind in ("normal", "student") else make_tensor(kind, n, 7)
+    check_fast_against_reference(x, p, sample_size)
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_fast_mode_side_size_limits(sign):
+    """A side of one entry is kept; a side of more than 2 k (here 2.5 k, ties) means exact mode."""
+    n, s = 1000, 100  # p = 0.01: k = 10 and r = 1, the thresholds are the sample's extremes
+    at = _sample_positions(n, s, "cpu").tolist()
+    x = seeded(n, 3) * 0.1
+    x[at[10]], x[at[20]] = -5.0 * sign, 3.0 * sign  # each side: one entry, at its threshold
+    one = SBC(0.01, "fast", sample_size=s).encode(x, "t").payload
+    assert (one.nnz, one.mean) == (1, -5.0 * sign)
+    y = torch.zeros(n)
+    y[:25], y[500:515] = sign, -2.0 * sign  # 25 ties at one threshold, 15 at the other
+    many = SBC(0.01, "fast", sample_size=900).encode(y, "t")
+    assert many == SBC(0.01, "exact").encode(y, "t") and many.payload.nnz == 10
+    for case in ((x, 0.01, s), (y, 0.01, 900)):
+        check_fast_against_reference(*case)
+
+
+def test_encode_names_the_tensor():
+    assert SBC().encode(seeded(10)).name == ""  # the default name
+    with pytest.raises(TypeError, match="'w'"):
+        SBC().encode(torch.zeros(3, dtype=torch.int32), "w")
+
+
+def check_fast_against_reference(x, p, sample_size):
     n = x.numel()
-    sample_size = min(sample_size, n - 1)
     enc = SBC(p, "fast", sample_size=sample_size).encode(x, "t")
     sample = _sample_positions(n, sample_size, "cpu").tolist()
     mean, b, nnz, bits = ref.sbc_fast([float(v) for v in x.tolist()], p, sample)
