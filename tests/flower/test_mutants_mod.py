@@ -330,3 +330,14 @@ def test_the_mod_remembers_the_fastest_seconds_per_local_iteration() -> None:
         assert stored == pytest.approx(min(measured), rel=1e-12)
         assert w_next is not None
         w = w_next
+
+
+def test_with_a_budget_the_policys_estimate_is_reported() -> None:
+    strategy, client = make_strategy(**{"uplink-budget-bytes": 3000, "link-profiles": "10,10,20"}), Client(1)
+    _, log = train_round(strategy, {1: client}, 1, tiny_model())
+    report = protocol.UplinkReport.from_record(log.uplinks[1])
+    assert isinstance(report.estimated_bytes, int) and report.estimated_bytes > 0
+    assert report.payload is not None
+    assert abs(report.estimated_bytes - len(report.payload)) < 0.5 * len(report.payload)
+    assert report.budget_bytes == 3000 and report.fits is True
+    assert strategy.traffic[1].estimated_bytes == {1: report.estimated_bytes}
