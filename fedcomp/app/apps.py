@@ -186,13 +186,12 @@ def client_train(msg: Message, context: Context, extra_keys: Iterable[str] = ())
     return Message(content=content, reply_to=msg)
 
 
-def _int(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(f"train config: expected a number, got {value!r}")
-    return int(value)
-
-
 def _float(value: object) -> float:
+    """A train-config number (bools and non-numbers are a configuration error)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ConfigError(f"train config: expected a number, got {value!r}")
     return float(value)
+
+
+def _int(value: object) -> int:
+    return int(_float(value))

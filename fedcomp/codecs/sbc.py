@@ -52,6 +52,20 @@ def default_sample_size(p: float) -> int:
     return math.ceil(256.0 / p)
 
 
+def check_selection_params(p: float, mode: str, sample_size: int | None, p_max: float) -> tuple[float, str, int]:
+    """Validated ``(p, mode, sample_size)`` of a codec that keeps a fraction ``p`` of a tensor by
+    magnitude, exactly or from a sampled threshold (SBC, STC); raise :class:`ConfigError`."""
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 < float(p) <= p_max:
+        raise ConfigError(f"p: must be in (0, {p_max:g}], got {p!r}")
+    if mode not in MODES:
+        raise ConfigError(f"mode: must be one of {list(MODES)}, got {mode!r}")
+    if sample_size is None:
+        sample_size = default_sample_size(float(p))
+    if isinstance(sample_size, bool) or not isinstance(sample_size, int) or sample_size < 1:
+        raise ConfigError(f"sample_size: must be a positive integer, got {sample_size!r}")
+    return float(p), mode, int(sample_size)
+
+
 class SBC(Codec):
     """Sparse Binary Compression of one tensor (fraction ``p`` per side; Algorithm 2).
 
@@ -85,17 +99,7 @@ class SBC(Codec):
     version = 1
 
     def __init__(self, p: float = 0.01, mode: str = "fast", sample_size: int | None = None) -> None:
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 < float(p) <= 0.5:
-            raise ConfigError(f"p: must be in (0, 0.5], got {p!r}")
-        if mode not in MODES:
-            raise ConfigError(f"mode: must be one of {list(MODES)}, got {mode!r}")
-        if sample_size is None:
-            sample_size = default_sample_size(float(p))
-        if isinstance(sample_size, bool) or not isinstance(sample_size, int) or sample_size < 1:
-            raise ConfigError(f"sample_size: must be a positive integer, got {sample_size!r}")
-        self.p = float(p)
-        self.mode = mode
-        self.sample_size = int(sample_size)
+        self.p, self.mode, self.sample_size = check_selection_params(p, mode, sample_size, p_max=0.5)
 
     def _params(self) -> dict[str, Any]:
         return {"p": self.p, "mode": self.mode, "sample_size": self.sample_size}

@@ -38,13 +38,11 @@ from fedcomp.codecs.sbc import (
     _sample_positions,
     _threshold_select_cpu,
     _threshold_select_torch,
-    default_sample_size,
+    check_selection_params,
 )
 from fedcomp.codecs.topk import topk_positions
-from fedcomp.errors import ConfigError, PayloadError
+from fedcomp.errors import PayloadError
 from fedcomp.wire.payloads import EncodedTensor, Payload, STCPayload
-
-MODES = ("exact", "fast")
 
 
 class STC(Codec):
@@ -72,17 +70,7 @@ class STC(Codec):
     version = 1
 
     def __init__(self, p: float = 0.01, mode: str = "exact", sample_size: int | None = None) -> None:
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 < float(p) <= 1.0:
-            raise ConfigError(f"p: must be in (0, 1], got {p!r}")
-        if mode not in MODES:
-            raise ConfigError(f"mode: must be one of {list(MODES)}, got {mode!r}")
-        if sample_size is None:
-            sample_size = default_sample_size(float(p))
-        if isinstance(sample_size, bool) or not isinstance(sample_size, int) or sample_size < 1:
-            raise ConfigError(f"sample_size: must be a positive integer, got {sample_size!r}")
-        self.p = float(p)
-        self.mode = mode
-        self.sample_size = int(sample_size)
+        self.p, self.mode, self.sample_size = check_selection_params(p, mode, sample_size, p_max=1.0)
 
     def _params(self) -> dict[str, Any]:
         return {"p": self.p, "mode": self.mode, "sample_size": self.sample_size}

@@ -259,24 +259,26 @@ class UplinkReport:
     #: A method's own status values (keys from :func:`extra_key`).
     status: dict[str, int] = field(default_factory=dict)
 
-    _NUMBERS = (int, float)
     _LINK = ("uplink-mbps", "downlink-mbps", "latency-ms")
+    #: The optional fields: record key, attribute, type (``float`` accepts ints too).
+    _OPTIONAL: tuple[tuple[str, str, type], ...] = (
+        ("payload", "payload", bytes),
+        ("encode-seconds", "encode_seconds", float),
+        ("train-seconds", "train_seconds", float),
+        ("device", "device", str),
+        ("sbc-p", "sbc_p", float),
+        ("local-iters", "local_iters", int),
+        ("budget-bytes", "budget_bytes", int),
+        ("estimated-bytes", "estimated_bytes", int),
+        ("fits", "fits", bool),
+        ("residual-norm", "residual_norm", float),
+        ("update-norm", "update_norm", float),
+    )
 
     def to_record(self) -> ConfigRecord:
         out: dict[str, Any] = {"replica-version": self.replica_version, "replica-digest": self.replica_digest}
-        for key, value in (
-            ("payload", self.payload),
-            ("encode-seconds", self.encode_seconds),
-            ("train-seconds", self.train_seconds),
-            ("device", self.device),
-            ("sbc-p", self.sbc_p),
-            ("local-iters", self.local_iters),
-            ("budget-bytes", self.budget_bytes),
-            ("estimated-bytes", self.estimated_bytes),
-            ("fits", self.fits),
-            ("residual-norm", self.residual_norm),
-            ("update-norm", self.update_norm),
-        ):
+        for key, attr, _ in self._OPTIONAL:
+            value = getattr(self, attr)
             if value is not None:
                 out[key] = value
         if self.link is not None:
@@ -288,26 +290,11 @@ class UplinkReport:
     def from_record(cls, rec: Mapping[str, Any]) -> UplinkReport:
         """Parse and type-check; raise :class:`PayloadError` naming the bad field."""
         w = "uplink"
-        n = cls._NUMBERS
+        numbers = (int, float)
         link = None
         if any(k in rec for k in cls._LINK):
-            link = tuple(float(_get(rec, k, n, w)) for k in cls._LINK)
-        known = {
-            "replica-version",
-            "replica-digest",
-            "payload",
-            "encode-seconds",
-            "train-seconds",
-            "device",
-            "sbc-p",
-            "local-iters",
-            "budget-bytes",
-            "estimated-bytes",
-            "fits",
-            "residual-norm",
-            "update-norm",
-            *cls._LINK,
-        }
+            link = tuple(float(_get(rec, k, numbers, w)) for k in cls._LINK)
+        known = {"replica-version", "replica-digest", *cls._LINK, *(key for key, _, _ in cls._OPTIONAL)}
         status = {}
         for k, v in rec.items():
             if k in known:
@@ -315,28 +302,13 @@ class UplinkReport:
             if "." not in k or isinstance(v, bool) or not isinstance(v, int):
                 raise PayloadError("", f"{w}: unexpected field {k!r}")
             status[k] = v
-
-        def num(key: str) -> float | None:
-            v = _opt(rec, key, n, w)
-            return None if v is None else float(v)
-
-        return cls(
-            replica_version=_get(rec, "replica-version", int, w),
-            replica_digest=_get(rec, "replica-digest", str, w),
-            payload=_opt(rec, "payload", bytes, w),
-            encode_seconds=num("encode-seconds"),
-            train_seconds=num("train-seconds"),
-            device=_opt(rec, "device", str, w),
-            sbc_p=num("sbc-p"),
-            local_iters=_opt(rec, "local-iters", int, w),
-            budget_bytes=_opt(rec, "budget-bytes", int, w),
-            estimated_bytes=_opt(rec, "estimated-bytes", int, w),
-            fits=_opt(rec, "fits", bool, w),
-            residual_norm=num("residual-norm"),
-            update_norm=num("update-norm"),
-            link=link,  # type: ignore[arg-type]
-            status=status,
-        )
+        replica_version = _get(rec, "replica-version", int, w)
+        replica_digest = _get(rec, "replica-digest", str, w)
+        optional: dict[str, Any] = {}
+        for key, attr, kind in cls._OPTIONAL:
+            value = _opt(rec, key, numbers if kind is float else kind, w)
+            optional[attr] = float(value) if kind is float and value is not None else value
+        return cls(replica_version, replica_digest, link=link, status=status, **optional)  # type: ignore[arg-type]
 
 
 # --- client state ---------------------------------------------------------------------------------

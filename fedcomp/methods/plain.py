@@ -11,26 +11,33 @@ from fedcomp.methods.base import UplinkMethod
 if TYPE_CHECKING:
     from fedcomp.methods.config import CompressionConfig
 
-__all__ = ["DenseFP16Uplink", "DenseFP32Uplink", "IdentityUplink", "SBCUplink", "TopKUplink"]
+__all__ = ["DenseFP16Uplink", "DenseFP32Uplink", "FractionUplink", "IdentityUplink", "SBCUplink", "TopKUplink"]
 
 
-class SBCUplink(UplinkMethod):
-    """Sparse Binary Compression: top-p per side, one mean per tensor, Golomb positions."""
+class FractionUplink(UplinkMethod):
+    """A method whose codec keeps a fraction ``p`` of each tensor (the ``sbc-p`` schedule), which
+    the bandwidth policy may pick per client and round, up to the codec's ``P_MAX``."""
 
-    method_id = "sbc"
     adapts_p = True
-
-    @classmethod
-    def codec_config(cls, config: CompressionConfig, server_round: int) -> dict[str, Any]:
-        return {"id": "sbc", "p": config.sbc_p.at(server_round), "mode": config.sbc_mode}
+    P_MAX: float = 0.5
 
     @classmethod
     def with_p(cls, codec_config: Mapping[str, Any], p: float) -> dict[str, Any]:
-        return {**codec_config, "p": float(min(0.5, max(p, 1e-12)))}
+        return {**codec_config, "p": float(min(cls.P_MAX, max(p, 1e-12)))}
 
     @classmethod
     def p_of(cls, codec_config: Mapping[str, Any]) -> float:
         return float(codec_config["p"])
+
+
+class SBCUplink(FractionUplink):
+    """Sparse Binary Compression: top-p per side, one mean per tensor, Golomb positions."""
+
+    method_id = "sbc"
+
+    @classmethod
+    def codec_config(cls, config: CompressionConfig, server_round: int) -> dict[str, Any]:
+        return {"id": "sbc", "p": config.sbc_p.at(server_round), "mode": config.sbc_mode}
 
 
 class TopKUplink(UplinkMethod):

@@ -3,10 +3,9 @@ codec on every large tensor, error feedback in the client's residual."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from fedcomp.methods.base import UplinkMethod
+from fedcomp.methods.plain import FractionUplink
 
 if TYPE_CHECKING:
     from fedcomp.methods.config import CompressionConfig
@@ -14,7 +13,7 @@ if TYPE_CHECKING:
 __all__ = ["STCUplink"]
 
 
-class STCUplink(UplinkMethod):
+class STCUplink(FractionUplink):
     """Sparse Ternary Compression: the top fraction p of each tensor by magnitude, sent as
     ``sign * mu`` with one magnitude ``mu`` per tensor, Golomb positions and one sign bit each.
 
@@ -24,16 +23,8 @@ class STCUplink(UplinkMethod):
     """
 
     method_id = "stc"
-    adapts_p = True
+    P_MAX = 1.0
 
     @classmethod
     def codec_config(cls, config: CompressionConfig, server_round: int) -> dict[str, Any]:
         return {"id": "stc", "p": config.sbc_p.at(server_round)}
-
-    @classmethod
-    def with_p(cls, codec_config: Mapping[str, Any], p: float) -> dict[str, Any]:
-        return {**codec_config, "p": float(min(1.0, max(p, 1e-12)))}
-
-    @classmethod
-    def p_of(cls, codec_config: Mapping[str, Any]) -> float:
-        return float(codec_config["p"])
