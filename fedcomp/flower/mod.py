@@ -38,9 +38,6 @@ from fedcomp.wire.serde import update_from_bytes, update_to_bytes
 # A child of Flower's logger: our lines go wherever Flower sends its own (the run log, the console).
 log = logging.getLogger("flwr").getChild("fedcomp")
 
-#: Error code of a reply that asks the server for a full resync (``protocol.ErrorCode.RESYNC``).
-RESYNC_ERROR_CODE = int(ErrorCode.RESYNC)
-
 
 def pick_device(setting: str) -> torch.device:
     """``auto`` means CUDA when present; ``cuda`` without a GPU is a configuration error."""
@@ -142,8 +139,14 @@ def _apply_downlink(st: ClientState, dl: DownlinkHeader, initial: Mapping[str, t
         if st.replica is None or st.version is None:
             raise PayloadError("", "a delta chain was sent but this client holds no replica")
         codec = get_codec(dl.downlink_codec)
+        # The chain ends at the server's version, one delta per version. A client may already
+        # hold its first deltas: it applied them in a round whose reply carried no report (its
+        # app failed), so the server still counts it at the older version. Skip those.
+        skip = st.version - (dl.version - len(dl.payloads))
+        if not 0 <= skip <= len(dl.payloads):
+            raise PayloadError("", f"a chain to version {dl.version} cannot start from this client's {st.version}")
         specs, v = specs_of(st.replica), st.version
-        for data in dl.payloads:
+        for data in dl.payloads[skip:]:
             apply_delta(st.replica, data, specs, codec, v)
             v += 1
     if st.replica is None:
@@ -243,7 +246,8 @@ def _compression_mod(
         delta = {k: trained[k] - st.replica[k] for k in st.replica}
         bad = [k for k, d in delta.items() if not bool(torch.isfinite(d).all())]
         if bad:
-            # Local training diverged: send nothing, keep replica and residual as they were.
+            # Local training diverged: send nothing, keep the stored residual and replica as they
+            # were (the server keeps counting this client at its last reported version).
             log.warning("fedcomp: the local update is not finite in %s; not sent", bad[:3])
             return Message(
                 Error(

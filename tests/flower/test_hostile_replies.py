@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, Error, Message, MetricRecord, RecordDict
 
 from fedcomp.codecs import DenseFP32
 from fedcomp.flower import protocol
@@ -118,3 +118,26 @@ def test_a_diverged_client_sends_an_error_keeps_its_state_and_comes_back() -> No
     _, log = train_round(strategy, clients, 3, new2)
     assert mode_of(log.downlinks[2]) == "chain" and not log.replies[2].has_error()
     assert strategy.traffic[3].accepted == 2
+
+
+class FailingOnceClient(Client):
+    """Its app fails in round 2, after the mod applied that round's downlink."""
+
+    def app(self, msg: Message, ctx: Any) -> Message:
+        if int(msg.content.config_records["config"][protocol.SERVER_ROUND]) == 2:  # type: ignore[arg-type]
+            return Message(Error(code=42, reason="out of memory"), reply_to=msg)
+        return super().app(msg, ctx)
+
+
+def test_after_an_app_error_the_next_chain_skips_the_deltas_the_client_already_holds() -> None:
+    strategy = make_strategy()
+    clients: dict[int, Client] = {1: Client(1), 2: FailingOnceClient(2)}
+    model = tiny_model()
+    for rnd in (1, 2, 3):
+        new, log = train_round(strategy, clients, rnd, model)
+        assert new is not None
+        model = new
+    # Round 3: the server still counted node 2 at the version before round 2's delta, which the
+    # client had applied and kept; it skips that delta, applies the rest and trains: no resync.
+    assert mode_of(log.downlinks[2]) == "chain" and not log.replies[2].has_error()
+    assert strategy.traffic[3].accepted == 2 and not strategy.traffic[3].rejected
