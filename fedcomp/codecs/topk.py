@@ -202,14 +202,16 @@ class TopK(Codec):
         want = nnz * DTYPE_SIZES[self.values]
         if len(payload.values) != want:
             raise PayloadError(name, f"values are {len(payload.values)} bytes, expected {want} for nnz {nnz}")
+        # The values (nnz <= numel of them, checked above) are finite before anything of the
+        # tensor's size, or the positions, are allocated.
+        vals = torch.frombuffer(bytearray(payload.values), dtype=TORCH_DTYPES[self.values]) if nnz else None
+        if vals is not None and not bool(torch.isfinite(vals).all()):
+            raise PayloadError(name, "a value is NaN or infinite")
         # decode_positions guarantees nnz strictly increasing positions in [0, numel)
         idx = decode_positions(payload.bits, nnz, payload.golomb_b, numel, name, device)
         if self.ranges is not None:
             check_positions(idx, self.ranges, name)
         out = torch.zeros(numel, dtype=torch.float32, device=device)
-        if nnz:
-            vals = torch.frombuffer(bytearray(payload.values), dtype=TORCH_DTYPES[self.values]).to(device)
-            if not bool(torch.isfinite(vals).all()):
-                raise PayloadError(name, "a value is NaN or infinite")
-            out.index_copy_(0, idx, vals.to(torch.float32))
+        if vals is not None:
+            out.index_copy_(0, idx, vals.to(device=device, dtype=torch.float32))
         return out

@@ -119,14 +119,16 @@ class CompressedTensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec_id: _Optional[str] = ..., codec_version: _Optional[int] = ..., sbc: _Optional[_Union[SBCPayload, _Mapping]] = ..., three_lc: _Optional[_Union[ThreeLCPayload, _Mapping]] = ..., dense: _Optional[_Union[DensePayload, _Mapping]] = ..., sparse: _Optional[_Union[SparsePayload, _Mapping]] = ..., gradiveq: _Optional[_Union[GradiVeQPayload, _Mapping]] = ..., stc: _Optional[_Union[STCPayload, _Mapping]] = ...) -> None: ...
 
 class CompressedUpdate(_message.Message):
-    __slots__ = ("format_version", "base_model_version", "tensors")
+    __slots__ = ("format_version", "base_model_version", "tensors", "crc32")
     FORMAT_VERSION_FIELD_NUMBER: _ClassVar[int]
     BASE_MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
     format_version: int
     base_model_version: int
     tensors: _containers.RepeatedCompositeFieldContainer[CompressedTensor]
-    def __init__(self, format_version: _Optional[int] = ..., base_model_version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[CompressedTensor, _Mapping]]] = ...) -> None: ...
+    crc32: int
+    def __init__(self, format_version: _Optional[int] = ..., base_model_version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[CompressedTensor, _Mapping]]] = ..., crc32: _Optional[int] = ...) -> None: ...
 
 class GradiVeQBasis(_message.Message):
     __slots__ = ("name", "slice_size", "dim", "basis", "whitening")

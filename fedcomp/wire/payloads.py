@@ -136,7 +136,7 @@ class EncodedTensor:
     payload: Payload
 
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,21 @@
 """Protobuf <-> fedcomp data classes. The only module that imports generated code.
 
-Parsing never trusts the bytes: a payload that protobuf cannot parse, or whose fields are out of
-range, raises :class:`PayloadError`. Codec-level checks (lengths against the expected shape) happen
-in each codec's decoder.
+Parsing never trusts the bytes (FORMAT.md, "Envelope"): :func:`update_from_bytes` checks, in this
+order and before it allocates anything from the message, that the update ends with its CRC-32 and
+that the CRC matches; then it walks the top-level fields without parsing them, so the tensor count
+is bounded (by the receiver's model when it passes ``expected``, else by :data:`MAX_TENSORS`)
+before a single tensor is built; then it parses one tensor at a time, checks it is the canonical
+encoding, that its ``codec_id`` carries the payload type FORMAT.md allows, and (with ``expected``)
+its name, shape and size against the model's, before moving to the next. Anything else raises
+:class:`PayloadError` naming what was wrong. Codec-level checks (payload lengths against the
+expected shape, finite values) happen in each codec's decoder.
 """
 
 from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from typing import Protocol
 
 from google.protobuf.message import DecodeError as _PbDecodeError
 
@@ -30,6 +40,38 @@ from fedcomp.wire.payloads import (
 
 #: Upper bound on tensor rank accepted from the wire.
 MAX_RANK = 8
+#: Most tensors an update may hold when the receiver does not pass its model's tensors.
+MAX_TENSORS = 65_536
+#: With the model known, a tensor of ``n`` elements may take at most ``16 n + TENSOR_SLACK`` bytes
+#: on the wire (no codec needs more: FORMAT.md, "Envelope"); a longer one is rejected unparsed.
+TENSOR_SLACK = 65_536
+
+#: The one payload type each codec id may carry (FORMAT.md); any other codec id is rejected.
+PAYLOAD_OF_CODEC: dict[str, str] = {
+    "sbc": "sbc",
+    "stc": "stc",
+    "3lc": "three_lc",
+    "topk": "sparse",
+    "gradiveq": "gradiveq",
+    "dense-fp32": "dense",
+    "dense-fp16": "dense",
+    "identity": "dense",
+}
+
+#: The key of ``CompressedUpdate.crc32`` (field 4, wire type 5 = fixed32): the 5th byte from the end.
+_CRC_TAG = 0x25
+_CRC_LEN = 5
+
+
+class TensorShape(Protocol):
+    """What a receiver knows of each tensor it expects (``fedcomp.codecs.TensorSpec`` is one)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
 
 _DTYPE_TO_PB = {
     "float32": pb.DTYPE_FLOAT32,
@@ -89,10 +131,19 @@ def tensor_to_proto(t: EncodedTensor) -> pb.CompressedTensor:
 
 
 def tensor_from_proto(msg: pb.CompressedTensor) -> EncodedTensor:
+    """The data class of a parsed tensor; raises :class:`PayloadError` on a rank above
+    :data:`MAX_RANK`, an unknown dtype, an unknown ``codec_id`` or a payload type it may not carry."""
     name = msg.name
     if len(msg.shape) > MAX_RANK:
         raise PayloadError(name, f"rank {len(msg.shape)} exceeds {MAX_RANK}")
     kind = msg.WhichOneof("payload")
+    if kind is None:
+        raise PayloadError(name, "no payload")
+    allowed = PAYLOAD_OF_CODEC.get(msg.codec_id)
+    if allowed is None:
+        raise PayloadError(name, f"codec {msg.codec_id!r} is not part of the format ({sorted(PAYLOAD_OF_CODEC)})")
+    if kind != allowed:
+        raise PayloadError(name, f"codec {msg.codec_id!r} carries a {allowed} payload, not {kind}")
     payload: Payload
     if kind == "sbc":
         s = msg.sbc
@@ -114,13 +165,11 @@ def tensor_from_proto(msg: pb.CompressedTensor) -> EncodedTensor:
             value_encoding=_dtype_from_pb(sp.value_encoding, name, "value encoding"),
             values=sp.values,
         )
-    elif kind == "gradiveq":
+    else:
         g = msg.gradiveq
         payload = GradiVeQPayload(
             compressor_version=g.compressor_version, slice_size=g.slice_size, dim=g.dim, coefficients=g.coefficients
         )
-    else:
-        raise PayloadError(name, "no payload")
     return EncodedTensor(
         name=name,
         shape=tuple(int(d) for d in msg.shape),
@@ -132,40 +181,164 @@ def tensor_from_proto(msg: pb.CompressedTensor) -> EncodedTensor:
 
 
 def tensor_to_bytes(t: EncodedTensor) -> bytes:
+    """The canonical encoding of one ``CompressedTensor`` (what golden files hold)."""
     return tensor_to_proto(t).SerializeToString(deterministic=True)
 
 
-def tensor_from_bytes(data: bytes) -> EncodedTensor:
+def _parse_canonical(data: bytes | memoryview, what: str) -> pb.CompressedTensor:
+    """Parse one ``CompressedTensor`` and require the canonical encoding (FORMAT.md): the bytes a
+    deterministic serializer writes for the parsed value, with no unknown fields. Rejects
+    duplicate or reordered fields, non-minimal varints, explicitly encoded defaults, bool
+    values other than 0 and 1, and out-of-range integers, so each message has exactly one encoding
+    (and its CRC exactly one meaning)."""
     msg = pb.CompressedTensor()
     try:
         msg.ParseFromString(data)
     except _PbDecodeError as exc:
-        raise PayloadError("", f"not a CompressedTensor message ({exc})") from None
-    return tensor_from_proto(msg)
+        raise PayloadError("", f"{what} is not a CompressedTensor message ({exc})") from None
+    msg.DiscardUnknownFields()
+    if msg.SerializeToString(deterministic=True) != data:
+        raise PayloadError(msg.name, f"{what} is not canonically encoded (FORMAT.md, Envelope)")
+    return msg
+
+
+def tensor_from_bytes(data: bytes) -> EncodedTensor:
+    """One canonical ``CompressedTensor`` (no checksum: that lives in the update around it)."""
+    return tensor_from_proto(_parse_canonical(data, "tensor"))
 
 
 def update_to_bytes(u: EncodedUpdate) -> bytes:
+    """The canonical ``CompressedUpdate``, its ``crc32`` field last (FORMAT.md, Envelope)."""
     msg = pb.CompressedUpdate(
         format_version=u.format_version,
         base_model_version=u.base_model_version,
         tensors=[tensor_to_proto(t) for t in u.tensors],
     )
-    return msg.SerializeToString(deterministic=True)
+    return seal(msg.SerializeToString(deterministic=True))
 
 
-def update_from_bytes(data: bytes) -> EncodedUpdate:
-    msg = pb.CompressedUpdate()
-    try:
-        msg.ParseFromString(data)
-    except _PbDecodeError as exc:
-        raise PayloadError("", f"not a CompressedUpdate message ({exc})") from None
-    if msg.format_version != FORMAT_VERSION:
-        raise PayloadError("", f"format version {msg.format_version} is not supported (have {FORMAT_VERSION})")
-    return EncodedUpdate(
-        base_model_version=msg.base_model_version,
-        tensors=tuple(tensor_from_proto(t) for t in msg.tensors),
-        format_version=msg.format_version,
-    )
+def seal(body: bytes) -> bytes:
+    """``body`` (a canonical ``CompressedUpdate`` without ``crc32``) with its ``crc32`` field
+    appended: the same bytes protobuf writes with the field set, since field 4 sorts last."""
+    return body + bytes([_CRC_TAG]) + zlib.crc32(body).to_bytes(4, "little")
+
+
+def _varint(data: bytes | memoryview, pos: int, end: int) -> tuple[int, int]:
+    """The minimal (canonical) base-128 varint at ``data[pos:end]`` and the position after it."""
+    value = shift = 0
+    start = pos
+    while True:
+        if pos >= end:
+            raise PayloadError("", f"truncated varint at byte {start}")
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            break
+        shift += 7
+        if shift > 63:
+            raise PayloadError("", f"varint at byte {start} is longer than 10 bytes")
+    if byte == 0 and pos - start > 1:
+        raise PayloadError("", f"varint at byte {start} is not minimally encoded")
+    if value >= 1 << 64:
+        raise PayloadError("", f"varint at byte {start} exceeds 64 bits")
+    return value, pos
+
+
+def _scan_update(data: bytes | memoryview, end: int, most: int, bound: str) -> tuple[int, int, list[tuple[int, int]]]:
+    """Walk the top-level fields of ``data[:end]`` (a ``CompressedUpdate`` without its CRC)
+    without parsing any tensor: ``(format_version, base_model_version, tensor spans)``.
+
+    Fields must come in canonical order (1, 2, then 3 repeated), defaults omitted, nothing else;
+    the walk stops at tensor number ``most + 1`` (``bound`` says where ``most`` comes from), so a
+    message of a million tiny tensors costs ``most`` steps, not a million."""
+    version = base = 0
+    spans: list[tuple[int, int]] = []
+    pos, last = 0, 0
+    while pos < end:
+        at = pos
+        key, pos = _varint(data, pos, end)
+        field, wire = key >> 3, key & 7
+        if field in (1, 2) and wire == 0 and field > last:
+            value, pos = _varint(data, pos, end)
+            if value == 0:
+                raise PayloadError("", f"field {field} at byte {at} encodes its default 0 (not canonical)")
+            if field == 1:
+                version = value
+            else:
+                base = value
+        elif field == 3 and wire == 2 and last <= 3:
+            n, pos = _varint(data, pos, end)
+            if n > end - pos:
+                raise PayloadError("", f"tensor {len(spans)} at byte {at} is truncated ({n} bytes, {end - pos} left)")
+            if len(spans) == most:
+                raise PayloadError("", f"update has more than {most} tensors ({bound})")
+            spans.append((pos, pos + n))
+            pos += n
+        else:
+            raise PayloadError("", f"unexpected field {field} (wire type {wire}) at byte {at}")
+        last = field
+    return version, base, spans
+
+
+def update_from_bytes(
+    data: bytes,
+    expected: Sequence[TensorShape] | None = None,
+    *,
+    max_tensors: int = MAX_TENSORS,
+) -> EncodedUpdate:
+    """Parse an untrusted ``CompressedUpdate`` (FORMAT.md, Envelope), checking before it
+    allocates: the ``crc32`` trailer and its CRC first, then the tensor count, then each tensor
+    in turn (canonical encoding, codec and payload type, and with ``expected``, the receiver's
+    tensors in order, name, shape and size) before the next is parsed.
+
+    ``expected``: the tensors the receiver's model has (e.g. ``fedcomp.methods.update.specs_of``);
+    without it the count is bounded by ``max_tensors`` only and the shapes are left to the
+    codecs' decoders. Raises :class:`PayloadError` naming what was wrong.
+    """
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise PayloadError("", f"an update is bytes, not {type(data).__name__}")
+    view = memoryview(data)
+    end = len(view) - _CRC_LEN
+    if end < 0 or view[end] != _CRC_TAG:
+        if bytes(view[:2]) == b"\x08\x01":
+            raise PayloadError(
+                "", f"format version 1 (no checksum) is not supported (have {FORMAT_VERSION}: FORMAT.md, Envelope)"
+            )
+        raise PayloadError("", "no crc32 field at the end of the update (FORMAT.md, Envelope)")
+    sent = int.from_bytes(view[end + 1 :], "little")
+    actual = zlib.crc32(view[:end])
+    if sent != actual:
+        raise PayloadError("", f"checksum mismatch: crc32 says {sent:#010x}, the bytes give {actual:#010x}")
+    if expected is None:
+        most, bound = max_tensors, "the limit without a model"
+    else:
+        most, bound = len(expected), "the model's count"
+    version, base, spans = _scan_update(view, end, most, bound)
+    if version != FORMAT_VERSION:
+        raise PayloadError("", f"format version {version} is not supported (have {FORMAT_VERSION})")
+    if expected is not None and len(spans) != len(expected):
+        raise PayloadError("", f"update has {len(spans)} tensors, expected {len(expected)}")
+    tensors = []
+    for i, (start, stop) in enumerate(spans):
+        if expected is not None:
+            want = expected[i]
+            numel = 1
+            for d in want.shape:
+                numel *= int(d)
+            if stop - start > 16 * numel + TENSOR_SLACK:
+                raise PayloadError(
+                    want.name,
+                    f"{stop - start} bytes on the wire for {numel} elements (at most {16 * numel + TENSOR_SLACK})",
+                )
+        msg = _parse_canonical(view[start:stop], f"tensor {i}")
+        if expected is not None:
+            if msg.name != want.name:
+                raise PayloadError(want.name, f"found tensor {msg.name!r} in its place (tensor {i})")
+            if tuple(int(d) for d in msg.shape) != tuple(int(d) for d in want.shape):
+                raise PayloadError(want.name, f"shape {list(msg.shape)} where {list(want.shape)} was expected")
+        tensors.append(tensor_from_proto(msg))
+    return EncodedUpdate(base_model_version=base, tensors=tuple(tensors), format_version=version)
 
 
 # --- messages that are not updates: DEFT allocations, GradiVeQ compressors -------------------
