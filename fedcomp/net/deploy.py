@@ -47,6 +47,7 @@ import os
 import re
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -63,11 +64,13 @@ from fedcomp.net.links import LinkProfile, parse_link_profiles
 from fedcomp.net.netns import SUPERLINK_PORT, SUPERNODE_PORT, NetnsLab, NetnsUnavailable
 from fedcomp.net.superlink import (
     TOKEN_ENV,
+    FlowerProcessError,
     alive_pids,
     flwr_bin,
     flwr_env,
     terminate,
 )
+from fedcomp.net.tls import DEFAULT_HOSTS, TlsMaterial, make_tls_material
 
 __all__ = [
     "DEFAULT_LINKS",
@@ -89,7 +92,20 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 class DeployError(RuntimeError):
-    """The deployment failed (a process did not start, the run failed or timed out)."""
+    """The deployment failed (a process did not start, the run failed or timed out).
+
+    ``results``: the run's results.json when it left one (its ``error`` says why it failed).
+    """
+
+    def __init__(self, message: str, results: Mapping[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.results = results
+
+    @property
+    def config_error(self) -> bool:
+        """The app refused its run config (a ``ConfigError`` raised in the ServerApp)."""
+        error = (self.results or {}).get("error") or ""
+        return isinstance(error, str) and error.startswith("ConfigError")
 
 
 # --- node configs ------------------------------------------------------------------------------
@@ -373,7 +389,8 @@ def run_app(
         raise DeployError(f"the run left no readable {results}\n--- flwr run ---\n{out}")
     if data.get("status") != "completed":
         raise DeployError(
-            f"the run did not complete: status {data.get('status')!r} ({data.get('error')})\n--- flwr run ---\n{out}"
+            f"the run did not complete: status {data.get('status')!r} ({data.get('error')})\n--- flwr run ---\n{out}",
+            results=data,
         )
     return data
 
@@ -403,13 +420,23 @@ def _pump(proc: subprocess.Popen[str], log: Any, echo: bool) -> threading.Thread
 
 @dataclass
 class LocalDeployment:
-    """One SuperLink and N SuperNodes on 127.0.0.1, all insecure (loopback only).
+    """One SuperLink and N SuperNodes on 127.0.0.1: insecure (loopback only), or over TLS.
 
     Use as a context manager (``stop()`` on exit, whatever happened)::
 
         with LocalDeployment(app_dir, node_specs(3), work_dir) as dep:
             dep.start(timeout_s=60)
             results = dep.run({"num-server-rounds": 2}, timeout_s=120)
+
+    ``tls`` (see :func:`fedcomp.net.tls.make_tls_material`): the SuperLink serves its one HTTP
+    port (Fleet, Control and Runtime APIs) over TLS with ``tls.server_cert``; the SuperNodes and
+    the ``flwr`` CLI verify it against ``tls.ca_cert`` (``--root-certificates``, and
+    ``root-certificates`` in the connection). ``auth`` (needs ``tls``, as Flower does): the
+    SuperLink runs with ``--enable-supernode-auth``; before any SuperNode starts, each node's
+    public key ``tls.nodes[i].public`` is registered with ``flwr supernode register`` (node ids in
+    :attr:`registered`), and SuperNode i starts with ``--auth-supernode-private-key
+    tls.nodes[i].private``. A SuperNode whose key is not registered is refused by the SuperLink
+    when it activates (Flower's ApiError 2004; 2001 for one with no key at all).
     """
 
     app_dir: Path
@@ -426,12 +453,24 @@ class LocalDeployment:
     stopped_pids: list[int] = field(default_factory=list)
     #: Real shaped links (fedcomp.net.netns): every process in its own network namespace.
     lab: NetnsLab | None = None
+    #: TLS material (CA, server certificate, node keys); None = insecure (loopback only).
+    tls: TlsMaterial | None = None
+    #: SuperNode authentication (needs ``tls`` with one key pair per node).
+    auth: bool = False
+    #: Node index -> the node id ``flwr supernode register`` gave its public key (``auth`` only).
+    registered: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.app_dir = Path(self.app_dir).resolve()
         self.work_dir = Path(self.work_dir).resolve()
         if not (self.app_dir / "pyproject.toml").is_file():
             raise ConfigError(f"app: {self.app_dir} has no pyproject.toml (run from the app's folder or pass --app)")
+        if self.auth and self.tls is None:
+            raise ConfigError(
+                "--auth: SuperNode authentication needs --tls (Flower refuses it on an insecure SuperLink)"
+            )
+        if self.auth and self.tls is not None and len(self.tls.nodes) < len(self.nodes):
+            raise ConfigError(f"--auth: {len(self.nodes)} SuperNodes but key pairs for {len(self.tls.nodes)}")
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.home = self.work_dir / "flwr-home"
 
@@ -461,9 +500,12 @@ class LocalDeployment:
                 (self.port, *node_ports), host = ports, "127.0.0.1"
             log = self.work_dir / "superlink.log"
             self.home.mkdir(parents=True, exist_ok=True)
+            security = ["--insecure"] if self.tls is None else self.tls.superlink_args()
+            if self.auth:
+                security.append("--enable-supernode-auth")
             link = self._spawn(
                 [
-                    *link_prefix, flwr_bin("flower-superlink"), "--insecure", "--host", host, "--port", str(self.port),
+                    *link_prefix, flwr_bin("flower-superlink"), *security, "--host", host, "--port", str(self.port),
                     "--disable-runtime-dependency-installation", "--log-file", str(log),
                 ],
                 self.home, self.work_dir / "superlink.out",
@@ -473,24 +515,80 @@ class LocalDeployment:
             if attempt == 2 or lab or link.poll() is None:
                 raise DeployError(f"flower-superlink did not come up on port {self.port}\n{tail(log)}")
         (self.home / "config.toml").write_text(
-            _connection_toml(CONNECTION, f"127.0.0.1:{self.port}", insecure=True, root_certificates=None)
-        )
+            _connection_toml(
+                CONNECTION, f"127.0.0.1:{self.port}", insecure=self.tls is None,
+                root_certificates=str(self.tls.ca_cert) if self.tls else None,
+            )
+        )  # fmt: skip
+        if self.auth:
+            assert self.tls is not None
+            for spec in self.nodes:
+                self.registered[spec.index] = self.register_node(self.tls.nodes[spec.index].public, deadline)
         for spec, port in zip(self.nodes, node_ports, strict=True):
-            node_dir = self.work_dir / f"node-{spec.index}"
-            (node_dir / "flwr-home").mkdir(parents=True, exist_ok=True)
-            if lab:
-                prefix, superlink = lab.exec_prefix(lab.node_ns(spec.index)), lab.superlink_address(spec.index)
-            else:
-                prefix, superlink = [], f"127.0.0.1:{self.port}"
-            self.node_procs[spec.index] = self._spawn(
-                [
-                    *prefix, flwr_bin("flower-supernode"), "--insecure", "--superlink", superlink,
-                    "--port", str(port), "--max-wait-time", f"{self.node_max_wait_s:g}",
-                    "--node-config", spec.node_config_arg(),
-                ],
-                node_dir / "flwr-home", node_dir / "supernode.log", cwd=node_dir,
-            )  # fmt: skip
+            key = self.tls.nodes[spec.index].private if self.auth and self.tls else None
+            self.node_procs[spec.index] = self.spawn_supernode(
+                f"node-{spec.index}", port, spec, private_key=key, index=spec.index
+            )
         self._wait_nodes_online(deadline)
+
+    def spawn_supernode(
+        self,
+        name: str,
+        port: int,
+        spec: NodeSpec | None = None,
+        *,
+        private_key: Path | None = None,
+        insecure: bool | None = None,
+        max_wait_s: float | None = None,
+        index: int = 0,
+    ) -> subprocess.Popen[Any]:
+        """Start one ``flower-supernode`` against this SuperLink; its log is ``<work>/<name>/supernode.log``.
+
+        ``insecure`` defaults to "as the SuperLink" (``--root-certificates`` with TLS);
+        ``private_key``: its ``--auth-supernode-private-key``. Also how a drill starts a node the
+        SuperLink should refuse (an unregistered key, no key, no TLS).
+        """
+        if self.port is None:
+            raise DeployError("start() the deployment first")
+        node_dir = self.work_dir / name
+        (node_dir / "flwr-home").mkdir(parents=True, exist_ok=True)
+        lab = self.lab
+        if lab:
+            prefix, superlink = lab.exec_prefix(lab.node_ns(index)), lab.superlink_address(index)
+        else:
+            prefix, superlink = [], f"127.0.0.1:{self.port}"
+        insecure = self.tls is None if insecure is None else insecure
+        cmd = [*prefix, flwr_bin("flower-supernode"), "--superlink", superlink, "--port", str(port)]
+        if insecure:
+            cmd.append("--insecure")
+        elif self.tls is not None:
+            cmd += ["--root-certificates", str(self.tls.ca_cert)]
+        if private_key is not None:
+            cmd += ["--auth-supernode-private-key", str(Path(private_key).resolve())]
+        cmd += ["--max-wait-time", f"{self.node_max_wait_s if max_wait_s is None else max_wait_s:g}"]
+        if spec is not None:
+            cmd += ["--node-config", spec.node_config_arg()]
+        return self._spawn(cmd, node_dir / "flwr-home", node_dir / "supernode.log", cwd=node_dir)
+
+    def register_node(self, public_key: Path, deadline: float | None = None) -> int:
+        """``flwr supernode register KEY``: return the node id the SuperLink gave the key."""
+        prefix = self.lab.exec_prefix(self.lab.link_ns) if self.lab else []
+        timeout = 60.0 if deadline is None else max(5.0, deadline - time.monotonic())
+        cmd = [*prefix, flwr_bin("flwr"), "supernode", "register", str(public_key), CONNECTION, "--format", "json"]
+        try:
+            out = subprocess.run(
+                cmd, env=self._env(self.home), capture_output=True, text=True, timeout=timeout, cwd=self.work_dir,
+            )  # fmt: skip
+        except subprocess.TimeoutExpired:
+            raise DeployError(f"flwr supernode register {public_key} did not answer within {timeout:.0f}s") from None
+        try:
+            data = json.loads(out.stdout[out.stdout.find("{") :])
+        except json.JSONDecodeError:
+            data = {}
+        if not data.get("success") or "node-id" not in data:
+            why = data.get("error-message") or _ANSI.sub("", (out.stdout + out.stderr).strip())[-2000:]
+            raise DeployError(f"flwr supernode register {public_key} failed (exit {out.returncode}): {why}")
+        return int(data["node-id"])
 
     def _spawn(self, cmd: list[str], home: Path, log: Path, cwd: Path | None = None) -> subprocess.Popen[Any]:
         with open(log, "w") as out:
@@ -514,13 +612,21 @@ class LocalDeployment:
                     if subprocess.run(cmd, capture_output=True, timeout=10).returncode == 0:
                         return True
             else:
+                scheme = "http" if self.tls is None else "https"
                 with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=1.0).is_success:
+                    health = httpx.get(f"{scheme}://127.0.0.1:{self.port}/health", timeout=1.0, verify=self._verify())
+                    if health.is_success:
                         return True
             time.sleep(0.25)
         raise DeployError(
             f"flower-superlink not healthy on 127.0.0.1:{self.port} in time\n{tail(self.work_dir / 'superlink.log')}"
         )
+
+    def _verify(self) -> ssl.SSLContext | bool:
+        """How a health probe checks the SuperLink's certificate: against the run's CA."""
+        if self.tls is None:
+            return True
+        return ssl.create_default_context(cafile=str(self.tls.ca_cert))
 
     def online_nodes(self) -> list[str]:
         """Node ids the SuperLink lists as online (``flwr supernode ls --format json``)."""
@@ -574,7 +680,8 @@ class LocalDeployment:
         results = Path(run_config["results-dir"]) / str(run_config["run-name"]) / RESULTS_FILE
         data = run_app(
             self.app_dir, f"127.0.0.1:{self.port}", run_config, flwr_home=self.home, timeout_s=timeout_s,
-            insecure=True, env={**self.env, TOKEN_ENV: self.token}, log_path=self.work_dir / "flwr-run.log",
+            insecure=self.tls is None, root_certificates=str(self.tls.ca_cert) if self.tls else None,
+            env={**self.env, TOKEN_ENV: self.token}, log_path=self.work_dir / "flwr-run.log",
             echo=self.echo, results_path=results, on_round=on_round, procs=self.procs,
             prefix=self.lab.exec_prefix(self.lab.link_ns) if self.lab else (),
         )  # fmt: skip
@@ -584,6 +691,9 @@ class LocalDeployment:
             "work_dir": str(self.work_dir),
             "token": self.token,
             "port": self.port,
+            "tls": str(self.tls.folder) if self.tls else None,
+            "auth": self.auth,
+            "registered": {str(i): n for i, n in self.registered.items()},
         }
         return data
 
@@ -608,11 +718,32 @@ class LocalDeployment:
 _UNREACHABLE = "Exit Code: 305"
 
 
+#: What Flower's SuperNode log says when the SuperLink refuses it, and what that means here.
+REFUSALS = {
+    "[code: 2004]": "the SuperLink refused it: its public key is not registered",
+    "[code: 2001]": "the SuperLink refused it: authentication is on and it has no registered key",
+    "Server disconnected without sending a response": "it spoke plain HTTP to a TLS SuperLink",
+    "CERTIFICATE_VERIFY_FAILED": "it does not trust the SuperLink's certificate (wrong --root-certificates)",
+}
+
+
+def refusal_reason(log_text: str) -> str | None:
+    """Why the SuperLink refused a SuperNode, from the SuperNode's log (None: no refusal seen)."""
+    text = _ANSI.sub("", log_text)
+    for marker, why in REFUSALS.items():
+        if marker in text:
+            return why
+    return None
+
+
 def _exit_hint(log: Path) -> str:
     try:
         text = log.read_text(errors="replace")
     except OSError:
         return ""
+    why = refusal_reason(text)
+    if why is not None:
+        return f" ({why})"
     return " (it could not reach the SuperLink)" if _UNREACHABLE in text else ""
 
 
@@ -629,6 +760,8 @@ def deploy_local(
     on_round: Callable[[LocalDeployment, dict[str, Any]], None] | None = None,
     env: Mapping[str, str] | None = None,
     netns: bool = False,
+    tls: bool = False,
+    auth: bool = False,
 ) -> dict[str, Any]:
     """Start, run once, stop: the whole of ``python -m fedcomp.deploy local`` within ``timeout_s``.
 
@@ -638,12 +771,23 @@ def deploy_local(
     ``netns``: every process in its own network namespace, each SuperNode behind a veth pair
     shaped to its link (:mod:`fedcomp.net.netns`; raises NetnsUnavailable where not permitted).
     ``"_deploy"`` then also has ``"netns": {"latency_emulated": bool}``.
+    ``tls``: a throwaway CA, server certificate (and with ``auth`` one key pair per node) in
+    ``<work_dir>/tls`` (:mod:`fedcomp.net.tls`), and everything over TLS; ``auth``: SuperNode
+    authentication, each node's public key registered before it starts (see
+    :class:`LocalDeployment`). ``auth`` without ``tls`` is a :class:`ConfigError`.
     """
+    if auth and not tls:
+        raise ConfigError("--auth: SuperNode authentication needs --tls (Flower refuses it on an insecure SuperLink)")
     cfg = _with_run_defaults(run_config or {}, rounds, Path(results_dir) if results_dir else None)
     work = Path(work_dir) if work_dir else Path(cfg["results-dir"]) / str(cfg["run-name"]) / "deploy"
     deadline = time.monotonic() + timeout_s
     lab = NetnsLab([s.link for s in nodes]) if netns else None
-    dep = LocalDeployment(Path(app_dir), nodes, work, echo=echo, env=dict(env or {}), lab=lab)
+    material = None
+    if tls:
+        # In namespaces the SuperNodes reach the SuperLink at its veth ends: the certificate names them too.
+        hosts = (*DEFAULT_HOSTS, *(lab.superlink_address(s.index).rsplit(":", 1)[0] for s in nodes)) if lab else None
+        material = make_tls_material(work / "tls", nodes=len(nodes) if auth else 0, hosts=hosts or DEFAULT_HOSTS)
+    dep = LocalDeployment(Path(app_dir), nodes, work, echo=echo, env=dict(env or {}), lab=lab, tls=material, auth=auth)
     try:
         if lab is not None:
             lab.setup()
@@ -694,6 +838,16 @@ def _print_summary(data: dict[str, Any]) -> None:
 def _cmd_local(args: argparse.Namespace) -> int:
     specs = node_specs(args.nodes, args.links, args.node_config_file)  # validates before anything starts
     run_config = _parse_run_config(args.run_config)
+    if args.auth and not args.tls:
+        raise ConfigError("--auth: SuperNode authentication needs --tls (Flower refuses it on an insecure SuperLink)")
+    if args.rounds is not None and args.rounds < 1:
+        raise ConfigError(f"--rounds: must be >= 1 (got {args.rounds})")
+    if args.timeout <= 0:
+        raise ConfigError(f"--timeout: must be > 0 seconds (got {args.timeout:g})")
+    check: RunConfigCheck | None = getattr(args, "check_run_config", None)
+    if check is not None:  # the app's own validation, before any process starts
+        rounds = {} if args.rounds is None else {"num-server-rounds": args.rounds}
+        check(Path(args.app), {**run_config, **rounds})
     kills: dict[int, list[int]] = {}
     for item in args.kill_node:
         m = re.fullmatch(r"(\d+)@(\d+)", item)
@@ -711,10 +865,15 @@ def _cmd_local(args: argparse.Namespace) -> int:
     data = deploy_local(
         args.app, specs, run_config, rounds=args.rounds, timeout_s=args.timeout, work_dir=args.work_dir,
         results_dir=args.results_dir, echo=not args.quiet, on_round=on_round, netns=args.netns,
+        tls=args.tls, auth=args.auth,
     )  # fmt: skip
     if args.netns and not data["_deploy"]["netns"]["latency_emulated"]:
         print("note: rates were shaped with tc, latency was not (this kernel has no sch_netem)")
     _print_summary(data)
+    if data["_deploy"].get("tls"):
+        nodes = data["_deploy"]["registered"]
+        auth = f", SuperNode authentication on ({len(nodes)} keys registered)" if data["_deploy"]["auth"] else ""
+        print(f"tls:     {data['_deploy']['tls']} (CA ca.pem, server.pem/.key, node-<i>.key/.pub){auth}")
     return 0
 
 
@@ -746,6 +905,15 @@ def _cmd_supernode(args: argparse.Namespace) -> int:
         spec.node_config_arg(),
     ]
     cmd += ["--insecure"] if args.insecure else ["--root-certificates", str(Path(args.root_certificates).resolve())]
+    if args.auth_key:
+        if args.insecure:
+            raise ConfigError(
+                "--auth-key: SuperNode authentication needs TLS (drop --insecure, pass --root-certificates)"
+            )
+        key_file = Path(args.auth_key).expanduser()
+        if not key_file.is_file():
+            raise ConfigError(f"--auth-key: {key_file} is not a file")
+        cmd += ["--auth-supernode-private-key", str(key_file.resolve())]
     if args.port:
         cmd += ["--port", str(args.port)]
     print("starting:", " ".join(cmd), flush=True)
@@ -761,12 +929,15 @@ def _cmd_supernode(args: argparse.Namespace) -> int:
         errors="replace",
     )
     seen: list[bool] = []
+    lines: list[str] = []
 
     def relay() -> None:  # pass the SuperNode's log through, watching for "gave up"
         assert proc.stdout is not None
         for line in proc.stdout:
             sys.stdout.write(line)
             sys.stdout.flush()
+            lines.append(line)
+            del lines[:-50]
             if _UNREACHABLE in line:
                 seen.append(True)
 
@@ -778,12 +949,16 @@ def _cmd_supernode(args: argparse.Namespace) -> int:
         # Its SuperExec outlives it (and holds the pipe): stop the whole session, by marker.
         terminate([proc], token, grace_s=5.0)
         reader.join(timeout=5)
+    refused = refusal_reason("".join(lines)) if seen else None
+    if refused is not None:
+        print(f"FAILED: the SuperLink at {args.superlink} refused this SuperNode: {refused}", file=sys.stderr)
+        return EXIT_FAILED
     if seen:
         print(
             f"FAILED: the SuperNode could not reach the SuperLink at {args.superlink} within {args.max_wait_time:g}s",
             file=sys.stderr,
         )
-        return 3
+        return EXIT_UNREACHABLE
     return code
 
 
@@ -808,12 +983,39 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m fedcomp.deploy", description=__doc__.split("\n\n")[0])
+#: ``check(app_dir, run_config_overrides)``: raise ConfigError for a run config the app would refuse.
+RunConfigCheck = Callable[[Path, dict[str, Any]], None]
+
+#: Exit codes of ``python -m fedcomp.deploy`` (``--help`` prints them; tests check them).
+EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_UNREACHABLE, EXIT_UNAVAILABLE = 0, 1, 2, 3, 4
+EXIT_CODES = f"""exit codes:
+  {EXIT_OK}    the run completed (results.json says "completed"); every process stopped
+  {EXIT_FAILED}    the run failed or timed out, or a process did not start (the message and the logs say why)
+  {EXIT_CONFIG}    bad configuration: a bad option, node config or run config (named in the message;
+       nothing is started), or a run config the app refused at its start
+  {EXIT_UNREACHABLE}    supernode: the SuperLink could not be reached within --max-wait-time
+  {EXIT_UNAVAILABLE}    local --netns: network namespaces are not available here (needs root and iproute2)
+  130  interrupted (Ctrl-C); 143: stopped by SIGTERM (everything started is stopped first)"""
+
+
+def main(argv: list[str] | None = None, check_run_config: RunConfigCheck | None = None) -> int:
+    """The CLI; returns its exit code (see :data:`EXIT_CODES`).
+
+    ``check_run_config``: validates ``local``'s run config before anything starts (the app layer's
+    :class:`~fedcomp.app.config.AppConfig`, passed in by :mod:`fedcomp.deploy`, which this layer
+    may not import).
+    """
+    ap = argparse.ArgumentParser(
+        prog="python -m fedcomp.deploy", description=__doc__.split("\n\n")[0], epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
     sub = ap.add_subparsers(dest="command", required=True)
     app_default = os.environ.get("FEDCOMP_APP_DIR", ".")
 
-    loc = sub.add_parser("local", help="SuperLink + N SuperNodes on 127.0.0.1, run the app, stop everything")
+    loc = sub.add_parser(
+        "local", help="SuperLink + N SuperNodes on 127.0.0.1, run the app, stop everything", epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
     loc.add_argument("--nodes", "-n", type=int, default=None, help="number of SuperNodes (= partitions)")
     loc.add_argument("--rounds", "-r", type=int, default=None, help="num-server-rounds")
     loc.add_argument("--run-config", "-c", action="append", default=[], help="run-config overrides, as for flwr run")
@@ -840,12 +1042,30 @@ def main(argv: list[str] | None = None) -> int:
     )
     loc.add_argument("--quiet", "-q", action="store_true", help="don't echo the flwr run output")
     loc.add_argument("--netns", action="store_true", help="real shaped links: network namespaces + veth + tc (root)")
-    loc.set_defaults(func=_cmd_local)
+    loc.add_argument(
+        "--tls",
+        action="store_true",
+        help="TLS everywhere: a throwaway CA and server certificate in <work-dir>/tls; nodes and CLI verify it",
+    )
+    loc.add_argument(
+        "--auth",
+        action="store_true",
+        help="SuperNode authentication (needs --tls): a key pair per node, public keys registered first",
+    )
+    loc.set_defaults(func=_cmd_local, check_run_config=check_run_config)
 
-    sn = sub.add_parser("supernode", help="one SuperNode against a (remote) SuperLink, validated node config")
+    sn = sub.add_parser(
+        "supernode", help="one SuperNode against a (remote) SuperLink, validated node config", epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
     sn.add_argument("--superlink", required=True, help="HOST:PORT of the SuperLink's Fleet API")
     sn.add_argument("--root-certificates", default=None, help="CA certificate (PEM) for TLS")
     sn.add_argument("--insecure", action="store_true", help="no TLS (loopback SuperLinks only)")
+    sn.add_argument(
+        "--auth-key",
+        default=None,
+        help="the node's private key (OpenSSH, ECDSA P-384) when the SuperLink authenticates SuperNodes",
+    )
     sn.add_argument("--partition-id", type=int, required=True)
     sn.add_argument("--num-partitions", type=int, required=True)
     sn.add_argument("--uplink-mbps", type=float, default=None)
@@ -875,19 +1095,32 @@ def main(argv: list[str] | None = None) -> int:
     def _sigterm(signum: int, frame: Any) -> None:  # run the cleanup in `finally` blocks
         raise SystemExit(128 + signum)
 
+    previous = None
     with contextlib.suppress(ValueError):  # not in the main thread
-        signal.signal(signal.SIGTERM, _sigterm)
+        previous = signal.signal(signal.SIGTERM, _sigterm)
     try:
         return int(args.func(args))
     except ConfigError as err:
         print(f"CONFIG ERROR: {err}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     except DeployError as err:
+        if err.config_error:  # the ServerApp refused its run config at start
+            print(f"CONFIG ERROR: the app refused its run config: {(err.results or {}).get('error')}", file=sys.stderr)
+            return EXIT_CONFIG
         print(f"FAILED: {err}", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
+    except FlowerProcessError as err:
+        print(f"FAILED: {err}", file=sys.stderr)
+        return EXIT_FAILED
     except NetnsUnavailable as err:
         print(f"NOT AVAILABLE: --netns: {err}", file=sys.stderr)
-        return 4
+        return EXIT_UNAVAILABLE
+    except KeyboardInterrupt:  # the `finally` blocks have stopped what was started
+        print("INTERRUPTED", file=sys.stderr)
+        return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":
