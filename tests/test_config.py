@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import tomllib
 from pathlib import Path
 
@@ -40,11 +41,15 @@ def test_pyproject_defaults_are_valid_and_match_the_model() -> None:
         ({"partitioning": "pathological"}, "partitioning: must be one of"),
         ({"dirichlet-alpha": 0.0}, "dirichlet-alpha: must be > 0"),
         ({"run-name": "../x"}, "run-name: must be a plain folder name"),
-        ({"lerning-rate": 0.1}, "lerning-rate: unknown key"),
+        ({"lerning-rate": 0.1}, "unknown key 'lerning-rate' (not a key of this app"),
+        ({"sbc-pp": 0.01}, "unknown key 'sbc-pp' (did you mean 'sbc-p'?)"),
+        ({"compress": "yes"}, "compress: must be true or false (got 'yes')"),
+        ({"error-feedback": 1}, "error-feedback: must be true or false (got 1)"),
+        ({"max-empty-rounds": 0}, "max-empty-rounds: must be >= 1"),
     ],
 )
 def test_bad_values_name_the_key(override: dict, message: str) -> None:
-    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         AppConfig.from_run_config({**_pyproject_run_config(), **override})
 
 
@@ -65,3 +70,20 @@ def test_paths_fall_back_to_environment(monkeypatch: pytest.MonkeyPatch, tmp_pat
     monkeypatch.delenv("FEDCOMP_RESULTS_DIR")
     assert AppConfig().resolved_data_dir() is None
     assert AppConfig().resolved_results_dir() == Path("results")
+
+
+@pytest.mark.parametrize("key", ["device", "client-device"])
+def test_cuda_without_cuda_is_a_config_error_naming_the_key(key: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on this CPU-only machine
+    cfg = AppConfig.from_run_config({key: "cuda"})
+    with pytest.raises(ConfigError, match=f"^{key}: 'cuda' was asked for but"):
+        cfg.check_devices()
+    cfg.check_devices(keys=[k for k in ("device", "client-device") if k != key])  # the other key is fine
+    AppConfig.from_run_config({key: "auto"}).check_devices()  # auto falls back to the CPU, by definition
+
+
+def test_booleans_accept_true_and_false() -> None:
+    cfg = AppConfig.from_run_config({"compress": False, "3lc-zero-run": False})
+    assert cfg.compression.compress is False and cfg.compression.threelc_zero_run is False

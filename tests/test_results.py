@@ -10,13 +10,15 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
 from fedcomp.app.apps import server_main
 from fedcomp.app.fl import MeteredGrid, arrayrecord_nbytes, payload_nbytes
 from fedcomp.app.models import LeNet5Caffe
-from fedcomp.app.results import RunRecorder
+from fedcomp.app.results import RunRecorder, record_failure
+from fedcomp.errors import ConfigError
 
 
 def _timestamp(text: str) -> dt.datetime:
@@ -159,3 +161,80 @@ def test_a_server_app_that_crashes_is_recorded_as_failed(tmp_path: Path, monkeyp
     assert data["summary"]["final_accuracy"] == data["rounds"][0]["accuracy"]
     assert data["summary"]["total_uplink_bytes"] == data["summary"]["total_downlink_bytes"] == 0
     assert not (tmp_path / "crash" / "final_model.pt").exists()
+
+
+class _FailingClientsGrid(_LostSuperLinkGrid):
+    """Two SuperNodes that answer every message with an error, as clients whose ClientApp raises
+    (e.g. ``client-device = 'cuda'`` on a machine without CUDA)."""
+
+    def send_and_receive(self, messages, *, timeout=None):
+        from flwr.app import Error, Message
+
+        return [Message(Error(code=0, reason="ClientAppException: cuda asked for"), reply_to=m) for m in messages]
+
+    def create_message(self, *args, **kwargs):
+        from flwr.app import Message
+
+        return Message(*args, **kwargs)
+
+
+@pytest.mark.parametrize("compress", [True, False])
+def test_rounds_without_an_aggregated_update_fail_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, compress: bool
+) -> None:
+    """Every client fails every round: each round records 0 updates and the clients' errors, and
+    after max-empty-rounds such rounds the run ends "failed" naming them (not "completed" with
+    the initial model's accuracy)."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from fedcomp.app.apps import NoProgressError
+
+    for attr in ("_run_id", "_node_id", "_task_id"):
+        monkeypatch.setattr(TaskIdentity, attr, 1)
+    run_config = {
+        "num-server-rounds": 5, "max-empty-rounds": 2, "compress": compress,
+        "results-dir": str(tmp_path), "run-name": "stuck",
+    }  # fmt: skip
+    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=run_config)
+    with pytest.raises(NoProgressError, match=r"no client update was aggregated in 2 rounds in a row"):
+        server_main(_FailingClientsGrid(), context)
+    data = json.loads((tmp_path / "stuck" / "results.json").read_text())
+    assert data["status"] == "failed"
+    assert "rounds 1-2" in data["error"] and "2 client(s): code 0: ClientAppException: cuda asked for" in data["error"]
+    assert [r["round"] for r in data["rounds"]] == [0, 1, 2]
+    for r in data["rounds"][1:]:
+        assert r["updates_aggregated"] == 0
+        assert r["client_errors"] == {"11": "code 0: ClientAppException: cuda asked for"} | {
+            "12": "code 0: ClientAppException: cuda asked for"
+        }
+    assert (tmp_path / "stuck" / "results.json").stat().st_mode & 0o777 == 0o644
+
+
+def test_errors_at_start_leave_a_failed_results_file(tmp_path: Path) -> None:
+    """A bad run config under plain `flwr run .`: the ServerApp still writes results.json
+    (status failed, the message naming the key) before the error reaches Flower."""
+    run_config = {"sbc-p": 1.5, "results-dir": str(tmp_path), "run-name": "bad"}
+    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=run_config)
+    with pytest.raises(ConfigError, match="sbc-p"):
+        server_main(_LostSuperLinkGrid(), context)
+    data = json.loads((tmp_path / "bad" / "results.json").read_text())
+    assert data["status"] == "failed" and "sbc-p: value 1.5 is outside" in data["error"]
+    assert data["rounds"] == [] and data["config"] == run_config
+
+
+def test_device_cuda_without_cuda_is_a_config_error_at_start(tmp_path: Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: asking for it is not an error here")
+    run_config = {"device": "cuda", "results-dir": str(tmp_path), "run-name": "cuda"}
+    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=run_config)
+    with pytest.raises(ConfigError, match="^device: 'cuda' was asked for"):
+        server_main(_LostSuperLinkGrid(), context)
+    assert json.loads((tmp_path / "cuda" / "results.json").read_text())["status"] == "failed"
+
+
+def test_results_file_is_group_readable_and_failure_lines_name_the_error(tmp_path: Path) -> None:
+    out = io.StringIO()
+    path = record_failure({"run-name": "../x", "lr": -1}, "ConfigError: lr: must be > 0", tmp_path, stream=out)
+    assert path.parent.parent == tmp_path and path.parent.name != "x"  # a bad run-name is not used
+    assert path.stat().st_mode & 0o777 == 0o644
+    assert "[fedcomp] error: ConfigError: lr: must be > 0" in out.getvalue()

@@ -8,9 +8,11 @@
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 from flwr.app import (
@@ -34,11 +36,13 @@ from fedcomp.app.fl import (
     wait_for_nodes,
 )
 from fedcomp.app.models import LeNet5Caffe, resolve_device, train_local
-from fedcomp.app.results import RunRecorder
+from fedcomp.app.results import RunRecorder, record_failure
 from fedcomp.errors import ConfigError
 from fedcomp.flower import protocol
 from fedcomp.flower.records import digest, tensors_from_record
 from fedcomp.flower.strategy import CompressionStrategy
+
+log = logging.getLogger("flwr").getChild("fedcomp")
 
 #: Builds the inner strategy from the validated config (FedAvg by default).
 InnerFactory = Callable[[AppConfig, Callable], Strategy]
@@ -55,24 +59,63 @@ def default_inner(cfg: AppConfig, train_metrics_aggr_fn: Callable) -> Strategy:
     )
 
 
+class NoProgressError(RuntimeError):
+    """``max-empty-rounds`` train rounds in a row aggregated no client update: the run fails
+    rather than evaluate the same model again and call it completed."""
+
+
+class _WatchedGrid(MeteredGrid):
+    """A :class:`MeteredGrid` that also keeps, per round, how many train replies came back
+    without an error and why the others failed (``Message.error``: the ClientApp's exception)."""
+
+    def __init__(self, grid: Grid, recorder: RunRecorder, dense_nbytes: int) -> None:
+        super().__init__(grid, recorder, dense_nbytes=dense_nbytes)
+        self.ok_replies = 0
+        self.errors: dict[str, str] = {}
+
+    def _in(self, replies: Iterable[Message]) -> list[Message]:
+        replies = super()._in(replies)
+        for m in replies:
+            if m.has_error():
+                self.errors[str(m.metadata.src_node_id)] = f"code {m.error.code}: {m.error.reason}"
+            else:
+                self.ok_replies += 1
+        return replies
+
+    def take_round(self) -> tuple[int, dict[str, str]]:
+        """This round's (replies without error, errors by node id); resets both."""
+        out = (self.ok_replies, self.errors)
+        self.ok_replies, self.errors = 0, {}
+        return out
+
+
 def server_main(
     grid: Grid, context: Context, make_inner: InnerFactory = default_inner, extra_keys: Iterable[str] = ()
 ) -> None:
-    """Run the whole federation: rounds, centralized evaluation, results.json, final model.
+    """Run the whole federation: rounds, centralized evaluation, results.json, plots, final model.
 
     ``extra_keys``: run-config keys the caller's own code reads (not rejected as unknown).
-    """
-    cfg = AppConfig.from_run_config(context.run_config, ignore=extra_keys)  # a bad key stops the run here
-    comp = cfg.compression
-    if not comp.compress and comp.local_iters.kind != "constant":
-        raise ConfigError("local-iters: a per-round schedule needs compress = true (the wrapper applies it)")
-    if cfg.torch_threads:
-        torch.set_num_threads(cfg.torch_threads)
-    model = initial_model_of(cfg.seed)
-    test = load_dataset(cfg.dataset, cfg.resolved_data_dir()).test  # fail before round 1
-    arrays = ArrayRecord(model.state_dict())
 
-    wait_for_nodes(grid, max(cfg.clients_per_round, 1))
+    Whatever goes wrong, results.json ends with status "failed" and the reason: errors raised
+    before the first round (a bad run config, missing data, too few SuperNodes) as well as during
+    the rounds, and a run whose clients all fail (``max-empty-rounds`` train rounds in a row
+    without an aggregated update). The error is then re-raised, so Flower marks the run failed.
+    """
+    try:
+        cfg = AppConfig.from_run_config(context.run_config, ignore=extra_keys)  # a bad key stops the run here
+        comp = cfg.compression
+        if not comp.compress and comp.local_iters.kind != "constant":
+            raise ConfigError("local-iters: a per-round schedule needs compress = true (the wrapper applies it)")
+        cfg.check_devices(("device",))  # the server evaluates on `device`; clients check their own
+        if cfg.torch_threads:
+            torch.set_num_threads(cfg.torch_threads)
+        model = initial_model_of(cfg.seed)
+        test = load_dataset(cfg.dataset, cfg.resolved_data_dir()).test  # fail before round 1
+        wait_for_nodes(grid, max(cfg.clients_per_round, 1))
+    except Exception as err:
+        record_failure(dict(context.run_config), f"{type(err).__name__}: {err}")
+        raise
+    arrays = ArrayRecord(model.state_dict())
     random.seed(cfg.seed)  # FedAvg samples clients with `random`
     recorder = RunRecorder(cfg.to_run_config(), cfg.resolved_results_dir(), cfg.run_name)
     strategy = make_inner(cfg, recording_train_metrics_aggr(recorder))
@@ -80,9 +123,13 @@ def server_main(
     if comp.compress:
         strategy = wrapper = CompressionStrategy(strategy, comp)
     evaluate = centralized_evaluate_fn(model, test.x, test.y, recorder, resolve_device(cfg.device))
+    watched = _WatchedGrid(grid, recorder, dense_nbytes=arrayrecord_nbytes(arrays))
+    empty_rounds: list[int] = []  # the current streak of train rounds without an aggregated update
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         recorder.add_metrics(model_digest=digest(tensors_from_record(arrays)))
+        if server_round > 0:
+            _record_progress(server_round)
         if wrapper is not None and server_round in wrapper.traffic:
             t = wrapper.traffic[server_round]
             recorder.add_metrics(
@@ -108,11 +155,31 @@ def server_main(
             if t.sparse_numel:
                 recorder.add_metrics(uplink_union_density=t.union_nnz / t.sparse_numel)
             recorder.add_metrics(**wrapper.round_metrics(server_round))
-        return evaluate(server_round, arrays)
+        metrics = evaluate(server_round, arrays)
+        if len(empty_rounds) >= cfg.max_empty_rounds:
+            raise NoProgressError(_no_progress_message(empty_rounds, recorder.rounds))
+        return metrics
+
+    def _record_progress(server_round: int) -> None:
+        """Count this round's aggregated updates (the wrapper's accepted replies, or the replies
+        without error when there is no wrapper) and keep the clients' errors."""
+        ok, errors = watched.take_round()
+        if wrapper is not None:
+            t = wrapper.traffic.get(server_round)
+            aggregated = 0 if t is None else t.accepted
+            if t is not None:
+                errors.update({str(k): f"update rejected: {v}" for k, v in t.rejected.items()})
+        else:
+            aggregated = ok
+        recorder.add_metrics(updates_aggregated=aggregated, client_errors=dict(sorted(errors.items())))
+        if aggregated == 0:
+            empty_rounds.append(server_round)
+        else:
+            empty_rounds.clear()
 
     try:
         result = strategy.start(
-            grid=MeteredGrid(grid, recorder, dense_nbytes=arrayrecord_nbytes(arrays)),
+            grid=watched,
             initial_arrays=arrays,
             num_rounds=cfg.num_server_rounds,
             timeout=cfg.round_timeout,
@@ -121,9 +188,41 @@ def server_main(
         )
     except BaseException as err:
         recorder.finish("failed", error=f"{type(err).__name__}: {err}")
+        write_plots(recorder.run_dir)
         raise
     torch.save(result.arrays.to_torch_state_dict(), Path(recorder.run_dir) / "final_model.pt")
     recorder.finish()
+    write_plots(recorder.run_dir)
+
+
+def _no_progress_message(empty_rounds: list[int], rounds: list[dict[str, Any]]) -> str:
+    """Which rounds aggregated nothing, and the clients' distinct errors (most recent round's)."""
+    last: dict[str, Any] = next((r for r in reversed(rounds) if r["round"] == empty_rounds[-1]), {})
+    errors = last.get("client_errors") or {}
+    distinct: dict[str, list[str]] = {}
+    for node, text in errors.items():
+        distinct.setdefault(text, []).append(node)
+    why = "; ".join(f"{len(nodes)} client(s): {text}" for text, nodes in distinct.items())
+    return (
+        f"no client update was aggregated in {len(empty_rounds)} rounds in a row "
+        f"(rounds {empty_rounds[0]}-{empty_rounds[-1]}; max-empty-rounds = {len(empty_rounds)}): "
+        + (why or "no client replied")
+    )
+
+
+def write_plots(run_dir: Path) -> list[Path]:
+    """The run's plots beside results.json (``fedcomp.app.plots.write_run_plots``). A plotting
+    failure is logged, never fails the run: the results are what matter."""
+    try:
+        from fedcomp.app.plots import write_run_plots
+    except ImportError as err:
+        log.warning("fedcomp: no plots for %s (%s)", run_dir, err)
+        return []
+    try:
+        return write_run_plots(Path(run_dir))
+    except Exception as err:  # plotting must never turn a finished run into a failed one
+        log.warning("fedcomp: could not write the plots of %s: %s: %s", run_dir, type(err).__name__, err)
+        return []
 
 
 def _by_node(values: dict) -> dict[str, object]:

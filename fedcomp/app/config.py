@@ -12,6 +12,7 @@ in ``pyproject.toml``. Unknown keys are rejected, so the two cannot silently dri
 
 from __future__ import annotations
 
+import difflib
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -69,6 +70,9 @@ class AppConfig(BaseModel):
     #: goes on with the replies it has when it runs out, e.g. after a SuperNode died mid-round.
     #: Flower's own default is 3600.
     round_timeout: float = Field(3600.0, alias="round-timeout", gt=0)
+    #: A run that aggregates no client update in this many train rounds in a row fails (status
+    #: "failed", the clients' errors in results.json) instead of evaluating the same model on.
+    max_empty_rounds: int = Field(3, alias="max-empty-rounds", ge=1)
     #: Codecs, schedules (local iterations, p, s) and the other compression keys; validated by
     #: :class:`fedcomp.flower.settings.CompressionConfig`, from the same flat run config.
     compression: CompressionConfig = Field(default_factory=lambda: CompressionConfig(**APP_COMPRESSION_DEFAULTS))
@@ -83,6 +87,12 @@ class AppConfig(BaseModel):
     # --- construction -----------------------------------------------------------------------
 
     @classmethod
+    def keys(cls) -> set[str]:
+        """Every run-config key the app reads: its own and the compression keys."""
+        own = {f.alias or name for name, f in cls.model_fields.items() if name != "compression"}
+        return own | CompressionConfig.keys()
+
+    @classmethod
     def from_run_config(cls, run_config: Mapping[str, Any], ignore: Iterable[str] = ()) -> AppConfig:
         """Validate ``context.run_config``; raise :class:`ConfigError` naming the bad key.
 
@@ -90,7 +100,9 @@ class AppConfig(BaseModel):
         instead of being rejected as unknown.
         """
         skip = set(ignore)
+        check_known_keys(run_config, cls.keys() | skip)
         comp_keys = CompressionConfig.keys()
+        _check_booleans(run_config)  # CompressionConfig is lax: "yes" would become True
         compression = CompressionConfig.from_run_config(
             {**APP_COMPRESSION_DEFAULTS, **{k: v for k, v in run_config.items() if k in comp_keys}}
         )
@@ -99,6 +111,25 @@ class AppConfig(BaseModel):
             return cls.model_validate({**data, "compression": compression})
         except ValidationError as err:
             raise ConfigError(_format_errors(err)) from None
+
+    def check_devices(self, keys: Iterable[str] = ("device", "client-device")) -> None:
+        """Raise :class:`ConfigError` naming the key when one of ``keys`` asks for CUDA and this
+        machine has none (no silent fallback to the CPU).
+
+        The ServerApp checks only ``device`` (it evaluates there); ``client-device`` is the
+        clients' business (in a deployment their machines are not the server's), and the client
+        mod raises the same error there. A local simulation, where everything runs on this
+        machine, checks both before it starts.
+        """
+        wanted = {"device": self.device, "client-device": self.compression.client_device}
+        asked = [k for k in keys if wanted.get(k) == "cuda"]
+        if not asked:
+            return
+        import torch  # only here: reading a config should not need torch
+
+        if not torch.cuda.is_available():
+            why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+            raise ConfigError(f"{asked[0]}: 'cuda' was asked for but {why} (use 'cpu' or 'auto')")
 
     def to_run_config(self) -> dict[str, Any]:
         """The kebab-case dict this config came from (what results.json records)."""
@@ -115,6 +146,29 @@ class AppConfig(BaseModel):
         """``results-dir``, else ``$FEDCOMP_RESULTS_DIR``, else ``results`` in the cwd."""
         value = self.results_dir or os.environ.get(RESULTS_DIR_ENV, "") or "results"
         return Path(value).expanduser()
+
+
+def check_known_keys(run_config: Mapping[str, Any], known: Iterable[str]) -> None:
+    """Raise :class:`ConfigError` for the first key of ``run_config`` not in ``known``, with the
+    closest known key as a suggestion: ``unknown key 'sbc-pp' (did you mean 'sbc-p'?)``."""
+    known = sorted(set(known))
+    for key in run_config:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+            hint = (
+                f" (did you mean {close[0]!r}?)"
+                if close
+                else " (not a key of this app; [tool.flwr.app.config] in its pyproject.toml lists them)"
+            )
+            raise ConfigError(f"unknown key {key!r}{hint}")
+
+
+def _check_booleans(run_config: Mapping[str, Any]) -> None:
+    """Boolean compression keys accept only true/false (not "yes", 1, "true")."""
+    for name, field in CompressionConfig.model_fields.items():
+        key = field.alias or name
+        if field.annotation is bool and key in run_config and not isinstance(run_config[key], bool):
+            raise ConfigError(f"{key}: must be true or false (got {run_config[key]!r})")
 
 
 # Turn pydantic's messages into "key: what is wrong", with the kebab-case key.

@@ -26,7 +26,19 @@ leaves every finished round on disk). :meth:`RunRecorder.finish` marks the run c
     }
 
 Round 0 is the evaluation of the initial model (no traffic). Compression factors are
-dense / actual bytes (null when nothing was sent).
+dense / actual bytes (null when nothing was sent). The reference ServerApp adds to every train
+round ``updates_aggregated`` (client updates the strategy aggregated; 0 = the model did not
+move) and ``client_errors`` (node id -> why its reply carried no usable update).
+
+A run that fails before its first round (a bad run config, data that cannot be loaded) still
+leaves a results.json: :func:`record_failure` writes one with status "failed", the reason, and
+no rounds. Files are written mode 0644 (readable by the group, as results are shared).
+
+The table printed per round: ``acc``/``loss`` of the global model on the test set; ``up`` and
+``down`` the payload bytes of the round summed over its clients, ``dense_up``/``dense_dn`` what
+the same messages weigh as dense fp32 models, ``up_x``/``down_x`` the compression factors
+(dense / actual; ``-`` when nothing was sent); ``time_s`` seconds since the run started
+(cumulative, evaluation included).
 """
 
 from __future__ import annotations
@@ -45,9 +57,11 @@ from typing import IO, Any
 
 from fedcomp.app.config import RESULTS_DIR_ENV
 
-__all__ = ["RESULTS_FILE", "ClientTraffic", "RunRecorder", "resolve_results_root"]
+__all__ = ["RESULTS_FILE", "ClientTraffic", "RunRecorder", "new_run_name", "record_failure", "resolve_results_root"]
 
 RESULTS_FILE = "results.json"
+#: results.json's permissions: the owner writes, everyone may read.
+RESULTS_MODE = 0o644
 _DIRECTIONS = ("uplink_bytes", "downlink_bytes", "dense_uplink_bytes", "dense_downlink_bytes")
 
 
@@ -111,13 +125,7 @@ class RunRecorder:
     ) -> None:
         root = resolve_results_root(results_dir)
         self.started_at = _dt.datetime.now(_dt.UTC)
-        if run_name:
-            name = run_name
-        else:
-            base = self.started_at.strftime("%Y%m%d-%H%M%S")
-            name, k = base, 1
-            while (root / name).exists():
-                name, k = f"{base}-{k}", k + 1
+        name = run_name or new_run_name(root, self.started_at)
         self.run_name = name
         self.run_dir = root / name
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -205,6 +213,8 @@ class RunRecorder:
         self._summary.setdefault("wall_time_s", round_s(time.monotonic() - self._t0))
         self._write(finished=True)
         if self.stream is not None:
+            if error:
+                print(f"[fedcomp] error: {error}", file=self.stream)
             print(f"[fedcomp] run {status}: results in {self.path}", file=self.stream, flush=True)
         return self.path
 
@@ -258,12 +268,48 @@ class RunRecorder:
         data = json.dumps(self.to_dict(finished), indent=2, allow_nan=False)
         fd, tmp = tempfile.mkstemp(dir=self.run_dir, prefix=".results-", suffix=".json")
         try:
+            os.fchmod(fd, RESULTS_MODE)  # mkstemp makes it 0600; results are shared with the group
             with os.fdopen(fd, "w") as f:
                 f.write(data + "\n")
             os.replace(tmp, self.path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+
+
+def new_run_name(root: str | Path, now: _dt.datetime | None = None) -> str:
+    """A UTC timestamp (``20250101-120000``) not yet taken under ``root`` (``-1``, ``-2``, ...
+    appended if it is)."""
+    base = (now or _dt.datetime.now(_dt.UTC)).strftime("%Y%m%d-%H%M%S")
+    name, k = base, 1
+    while (Path(root) / name).exists():
+        name, k = f"{base}-{k}", k + 1
+    return name
+
+
+def record_failure(
+    run_config: Mapping[str, Any],
+    error: str,
+    results_dir: str | Path | None = None,
+    run_name: str | None = None,
+    stream: IO[str] | None = sys.stdout,
+) -> Path:
+    """Write a results.json with status "failed" and ``error`` for a run that never started its
+    rounds (e.g. its run config is invalid); return its path.
+
+    ``results_dir``/``run_name`` default to the ``results-dir``/``run-name`` of ``run_config``
+    when those are usable strings (the config itself may be what is wrong), else to
+    ``$FEDCOMP_RESULTS_DIR`` or ``./results`` and a timestamp.
+    """
+    if results_dir is None:
+        value = run_config.get("results-dir")
+        results_dir = value if isinstance(value, str) else None
+    if run_name is None:
+        value = run_config.get("run-name")
+        plain = isinstance(value, str) and value not in (".", "..") and "/" not in value and "\\" not in value
+        run_name = value if plain else None
+    recorder = RunRecorder(run_config, results_dir, run_name, stream=stream)
+    return recorder.finish("failed", error=error)
 
 
 def round_s(seconds: float) -> float:

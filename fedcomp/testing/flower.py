@@ -14,7 +14,8 @@
 ``flwr run --stream`` exits 0 even when the run failed, so success is judged from the app's
 ``results.json`` (status "completed", every round present), never from the exit code.
 
-Nothing is left behind: the SuperLink, the SuperExec it spawns (its own session), the simulation
+Nothing is left behind, also when the caller is interrupted (Ctrl-C, or SIGTERM, which is turned
+into :class:`KeyboardInterrupt` while a run is under way in the main thread): the SuperLink, the SuperExec it spawns (its own session), the simulation
 process and its Ray processes all inherit a marker variable (``FEDCOMP_SIM_TOKEN``). At the end,
 every process of the run -- marked, a descendant of one, or in the session of one -- is sent
 SIGTERM and, after a grace period, SIGKILL, by PID. (Ray's daemons must be found through their
@@ -24,17 +25,19 @@ ignore SIGTERM.)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +68,7 @@ class SimulationError(FlowerProcessError):
 
     work_dir: Path | None = None
     token: str | None = None
+    results_path: Path | None = None
 
 
 def _toml_value(v: Any) -> str:
@@ -90,6 +94,7 @@ def run_simulation(
     work_dir: str | Path | None = None,
     keep_work_dir: bool = False,
     echo: bool = False,
+    on_output: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Run the Flower app in ``app_dir`` as a local simulation; return its parsed results.json.
 
@@ -107,6 +112,8 @@ def run_simulation(
     work_dir : where FLWR_HOME, logs and (by default) results go; default a new temp folder,
         removed at the end unless ``keep_work_dir`` or the run failed.
     echo : copy the flwr output to stdout as it comes (else only into ``work_dir/flwr-run.log``).
+    on_output : called with each line of the flwr output as it comes (in another thread; the
+        log gets every line too); overrides ``echo``.
 
     Returns
     -------
@@ -146,118 +153,146 @@ def run_simulation(
     procs: list[subprocess.Popen[Any]] = []
     deadline = time.monotonic() + timeout_s
     ok = False
-    try:
-        for attempt in range(3):  # a free port can be taken between probing and binding
-            port = free_port()
-            link = subprocess.Popen(
-                [
-                    flwr_bin("flower-superlink"),
-                    "--insecure",
-                    "--simulation",
-                    "--isolation",
-                    "subprocess",
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(port),
-                    "--disable-runtime-dependency-installation",
-                    "--log-file",
-                    str(superlink_log),
-                ],
-                cwd=app_dir,
-                env=run_env,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                start_new_session=True,
+    results: dict[str, Any] | None = None
+    if on_output is None and echo:
+        on_output = _stdout_line
+    with _sigterm_interrupts():
+        try:
+            for attempt in range(3):  # a free port can be taken between probing and binding
+                port = free_port()
+                link = subprocess.Popen(
+                    [
+                        flwr_bin("flower-superlink"),
+                        "--insecure",
+                        "--simulation",
+                        "--isolation",
+                        "subprocess",
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        str(port),
+                        "--disable-runtime-dependency-installation",
+                        "--log-file",
+                        str(superlink_log),
+                    ],
+                    cwd=app_dir,
+                    env=run_env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+                procs.append(link)
+                try:
+                    wait_healthy(port, link, min(60.0, max(1.0, deadline - time.monotonic())))
+                    break
+                except FlowerProcessError:
+                    if attempt == 2 or link.poll() is None:
+                        raise SimulationError(
+                            "could not start flower-superlink" + _diagnostics(run_log, superlink_log, results_path)
+                        ) from None
+            # `flwr run` talks to the SuperLink named as default in $FLWR_HOME/config.toml.
+            (flwr_home / "config.toml").write_text(
+                f'[superlink]\ndefault = "sim"\n\n[superlink.sim]\naddress = "127.0.0.1:{port}"\ninsecure = true\n'
             )
-            procs.append(link)
-            try:
-                wait_healthy(port, link, min(60.0, max(1.0, deadline - time.monotonic())))
-                break
-            except FlowerProcessError:
-                if attempt == 2 or link.poll() is None:
+
+            cmd = [
+                flwr_bin("flwr"), "run", str(app_dir), "--stream",
+                "--run-config", str(work / "run-config.toml"),
+                "--federation-config", fed_arg,
+            ]  # fmt: skip
+            with open(run_log, "w") as log:
+                run = subprocess.Popen(
+                    cmd,
+                    cwd=app_dir,
+                    env=run_env,
+                    stdout=subprocess.PIPE if on_output is not None else log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    text=True,
+                )
+                procs.append(run)
+                pump = _pump(run, log, on_output) if on_output is not None else None
+                try:
+                    run.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    terminate(procs, token)
                     raise SimulationError(
-                        "could not start flower-superlink" + _diagnostics(run_log, superlink_log, results_path)
+                        f"flwr run did not finish within {timeout_s:.0f}s"
+                        + _diagnostics(run_log, superlink_log, results_path)
                     ) from None
-        # `flwr run` talks to the SuperLink named as default in $FLWR_HOME/config.toml.
-        (flwr_home / "config.toml").write_text(
-            f'[superlink]\ndefault = "sim"\n\n[superlink.sim]\naddress = "127.0.0.1:{port}"\ninsecure = true\n'
-        )
-
-        cmd = [
-            flwr_bin("flwr"), "run", str(app_dir), "--stream",
-            "--run-config", str(work / "run-config.toml"),
-            "--federation-config", fed_arg,
-        ]  # fmt: skip
-        with open(run_log, "w") as log:
-            run = subprocess.Popen(
-                cmd,
-                cwd=app_dir,
-                env=run_env,
-                stdout=subprocess.PIPE if echo else log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                text=True,
-            )
-            procs.append(run)
-            pump = _pump(run, log) if echo else None
-            try:
-                run.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                terminate(procs, token)
+                finally:
+                    if pump is not None:
+                        pump.join(timeout=5)
+            if run.returncode != 0:
                 raise SimulationError(
-                    f"flwr run did not finish within {timeout_s:.0f}s"
+                    f"flwr run exited with code {run.returncode}" + _diagnostics(run_log, superlink_log, results_path)
+                )
+            results = _read_results(results_path)
+            rounds = overrides.get("num-server-rounds")
+            expected = None if rounds is None else int(rounds) + 1
+            if results is None or results.get("status") != "completed":
+                status = "no results.json" if results is None else f"status {results.get('status')!r}"
+                error = "" if results is None else f" ({results.get('error')})"
+                raise SimulationError(
+                    f"the run did not complete: {status}{error}" + _diagnostics(run_log, superlink_log, results_path)
+                )
+            if expected is not None and len(results.get("rounds", [])) != expected:
+                raise SimulationError(
+                    f"results.json has {len(results.get('rounds', []))} rounds, expected {expected}"
                     + _diagnostics(run_log, superlink_log, results_path)
-                ) from None
-            finally:
-                if pump is not None:
-                    pump.join(timeout=5)
-        if run.returncode != 0:
-            raise SimulationError(
-                f"flwr run exited with code {run.returncode}" + _diagnostics(run_log, superlink_log, results_path)
-            )
-        results = _read_results(results_path)
-        rounds = overrides.get("num-server-rounds")
-        expected = None if rounds is None else int(rounds) + 1
-        if results is None or results.get("status") != "completed":
-            status = "no results.json" if results is None else f"status {results.get('status')!r}"
-            error = "" if results is None else f" ({results.get('error')})"
-            raise SimulationError(
-                f"the run did not complete: {status}{error}" + _diagnostics(run_log, superlink_log, results_path)
-            )
-        if expected is not None and len(results.get("rounds", [])) != expected:
-            raise SimulationError(
-                f"results.json has {len(results.get('rounds', []))} rounds, expected {expected}"
-                + _diagnostics(run_log, superlink_log, results_path)
-            )
-        results["_simulation"] = {
-            "results": str(results_path),
-            "work_dir": str(work),
-            "token": token,
-        }
-        ok = True
-        return results
-    except SimulationError as err:
-        err.work_dir, err.token = work, token
-        raise
+                )
+            results["_simulation"] = {
+                "results": str(results_path),
+                "work_dir": str(work),
+                "token": token,
+            }
+            ok = True
+            return results
+        except SimulationError as err:
+            err.work_dir, err.token, err.results_path = work, token, results_path
+            raise
+        finally:
+            pids = terminate(procs, token)
+            if ok and results is not None:  # ok: results were read and completed
+                results["_simulation"]["pids"] = sorted(pids)
+            if own_work_dir and ok and not keep_work_dir:
+                shutil.rmtree(work, ignore_errors=True)
+
+
+def _stdout_line(line: str) -> None:
+    sys.stdout.write(line)
+    sys.stdout.flush()
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """While inside: SIGTERM raises KeyboardInterrupt in the main thread, like Ctrl-C, so that the
+    caller's ``finally`` stops the run's processes (SIGTERM's default would kill this process
+    and leave them running). Elsewhere than in the main thread, signals cannot be handled: no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: let the cleanup run to its end
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
     finally:
-        pids = terminate(procs, token)
-        if ok and results is not None:  # ok: results were read and completed
-            results["_simulation"]["pids"] = sorted(pids)
-        if own_work_dir and ok and not keep_work_dir:
-            shutil.rmtree(work, ignore_errors=True)
+        signal.signal(signal.SIGTERM, previous)
 
 
-def _pump(run: subprocess.Popen[str], log: Any) -> threading.Thread:
-    """Copy the CLI's output to stdout and the log (in a thread) until it closes."""
+def _pump(run: subprocess.Popen[str], log: Any, on_output: Callable[[str], None]) -> threading.Thread:
+    """Hand the CLI's output to ``on_output`` and copy it to the log (in a thread) until it closes."""
 
     def copy() -> None:
         assert run.stdout is not None
         for line in run.stdout:
-            sys.stdout.write(line)
-            sys.stdout.flush()
             log.write(line)
             log.flush()
+            on_output(line)
 
     t = threading.Thread(target=copy, daemon=True)
     t.start()
