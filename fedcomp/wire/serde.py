@@ -14,6 +14,7 @@ expected shape, finite values) happen in each codec's decoder.
 from __future__ import annotations
 
 import zlib
+from array import array
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -245,15 +246,16 @@ def _varint(data: bytes | memoryview, pos: int, end: int) -> tuple[int, int]:
     return value, pos
 
 
-def _scan_update(data: bytes | memoryview, end: int, most: int, bound: str) -> tuple[int, int, list[tuple[int, int]]]:
+def _scan_update(data: bytes | memoryview, end: int, most: int, bound: str) -> tuple[int, int, array[int]]:
     """Walk the top-level fields of ``data[:end]`` (a ``CompressedUpdate`` without its CRC)
-    without parsing any tensor: ``(format_version, base_model_version, tensor spans)``.
+    without parsing any tensor: ``(format_version, base_model_version, tensor bounds)``, the
+    bounds flat as ``start0, stop0, start1, stop1, ...`` (16 bytes a tensor).
 
     Fields must come in canonical order (1, 2, then 3 repeated), defaults omitted, nothing else;
     the walk stops at tensor number ``most + 1`` (``bound`` says where ``most`` comes from), so a
     message of a million tiny tensors costs ``most`` steps, not a million."""
     version = base = 0
-    spans: list[tuple[int, int]] = []
+    spans = array("q")
     pos, last = 0, 0
     while pos < end:
         at = pos
@@ -270,10 +272,13 @@ def _scan_update(data: bytes | memoryview, end: int, most: int, bound: str) -> t
         elif field == 3 and wire == 2 and last <= 3:
             n, pos = _varint(data, pos, end)
             if n > end - pos:
-                raise PayloadError("", f"tensor {len(spans)} at byte {at} is truncated ({n} bytes, {end - pos} left)")
-            if len(spans) == most:
+                raise PayloadError(
+                    "", f"tensor {len(spans) // 2} at byte {at} is truncated ({n} bytes, {end - pos} left)"
+                )
+            if len(spans) == 2 * most:
                 raise PayloadError("", f"update has more than {most} tensors ({bound})")
-            spans.append((pos, pos + n))
+            spans.append(pos)
+            spans.append(pos + n)
             pos += n
         else:
             raise PayloadError("", f"unexpected field {field} (wire type {wire}) at byte {at}")
@@ -317,10 +322,12 @@ def update_from_bytes(
     version, base, spans = _scan_update(view, end, most, bound)
     if version != FORMAT_VERSION:
         raise PayloadError("", f"format version {version} is not supported (have {FORMAT_VERSION})")
-    if expected is not None and len(spans) != len(expected):
-        raise PayloadError("", f"update has {len(spans)} tensors, expected {len(expected)}")
+    count = len(spans) // 2
+    if expected is not None and count != len(expected):
+        raise PayloadError("", f"update has {count} tensors, expected {len(expected)}")
     tensors = []
-    for i, (start, stop) in enumerate(spans):
+    for i in range(count):
+        start, stop = spans[2 * i], spans[2 * i + 1]
         if expected is not None:
             want = expected[i]
             numel = 1
