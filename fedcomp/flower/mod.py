@@ -24,6 +24,7 @@ from flwr.clientapp.typing import ClientAppCallable, Mod  # type: ignore[import-
 from fedcomp.codecs import DenseFP32, TensorSpec, get_codec
 from fedcomp.errors import ConfigError, PayloadError
 from fedcomp.flower import protocol
+from fedcomp.flower.pending import PendingUpdate
 from fedcomp.flower.protocol import DownlinkHeader, DownlinkMode, ErrorCode, ReplicaMeta, UplinkReport
 from fedcomp.flower.records import digest, record_from_tensors, tensors_from_record
 from fedcomp.flower.replica import apply_delta
@@ -88,6 +89,8 @@ class ClientState:
                 log.warning("fedcomp: stored replica fails its digest check; asking for a full resync")
         res = state.array_records.get(protocol.STATE_RESIDUAL)
         self.residual = tensors_from_record(res, device) if res is not None else {}
+        #: A new update to keep until its outcome is known (written by :meth:`save`).
+        self.pending: PendingUpdate | None = None
 
     def digest(self) -> str:
         """The replica's digest, computed once per message: hashing the model costs milliseconds
@@ -107,6 +110,48 @@ class ClientState:
             state[protocol.STATE_REPLICA] = record_from_tensors(self.replica)
             state[protocol.STATE_META] = ReplicaMeta(self.version, self.digest()).to_record()
         state[protocol.STATE_RESIDUAL] = record_from_tensors(self.residual)
+        if self.pending is not None:
+            state[protocol.STATE_PENDING] = self.pending.to_record()
+
+
+def _settle_pending(
+    context: Context, st: ClientState, dl: DownlinkHeader, method: type[UplinkMethod], is_train: bool
+) -> None:
+    """Settle the update this client sent last, from the outcome in ``dl``: forget it when it was
+    aggregated, add it back to the residual (the method's :meth:`~UplinkMethod.client_recover`)
+    when it was not, keep waiting when the outcome is not known yet. The result is written to
+    ``context.state`` at once, whatever happens to this message later."""
+    state = context.state
+    rec = state.config_records.get(protocol.STATE_PENDING)
+    if rec is None:
+        return
+    if dl.outcome is None:
+        # A protocol-1 server reports no outcomes: as before protocol 2, what was sent counts as
+        # delivered (keeping it would re-send it on every message).
+        del state[protocol.STATE_PENDING]
+        return
+    try:
+        pending = PendingUpdate.from_record(rec, specs_of(st.replica) if st.replica is not None else None, st.device)
+    except PayloadError as exc:
+        log.warning("fedcomp: dropping a pending update that cannot be read: %s", exc)
+        del state[protocol.STATE_PENDING]
+        return
+    out = dl.outcome
+    aggregated = out.verdict(pending.round, is_train)
+    if aggregated is None:
+        return
+    if not aggregated:
+        if pending.round == out.last_update_round:
+            why = f"rejected: {out.last_update_reason}"
+        elif pending.round <= out.settled_round:
+            why = "it never reached the server"
+        else:
+            why = f"the server is at round {out.round} again"
+        log.warning("fedcomp: the update of round %s was not aggregated (%s); it goes back into the residual",
+                    pending.round, why)  # fmt: skip
+        st.residual = method.client_recover(pending.tensors, st.residual)
+        state[protocol.STATE_RESIDUAL] = record_from_tensors(st.residual)
+    del state[protocol.STATE_PENDING]
 
 
 #: Builds the initial model (version 0) on the client, as the server built it from the run's seed.
@@ -195,6 +240,9 @@ def _compression_mod(
         return _resync(msg, str(exc))
     device = pick_device(dl.device)
     st = ClientState(context, device)
+    is_train = msg.metadata.message_type == MessageType.TRAIN
+    # First, before anything can fail: settle the update sent last time (protocol 2).
+    _settle_pending(context, st, dl, method, is_train)
     try:
         initial = initial_model(context) if initial_model is not None and st.replica is None else None
         _apply_downlink(st, dl, initial)
@@ -207,7 +255,6 @@ def _compression_mod(
     content[dl.arrays_key] = record_from_tensors(st.replica)
     msg.content = content
 
-    is_train = msg.metadata.message_type == MessageType.TRAIN
     config = msg.content.config_records.get(dl.config_key)
     rnd_value = config.get(protocol.SERVER_ROUND) if config is not None else None
     method_state = MethodState(context, method.method_id)
@@ -259,16 +306,18 @@ def _compression_mod(
         base_codec, overrides = codecs
         if plan is not None and plan.codec_config is not None:
             base_codec = get_codec(plan.codec_config)  # p as the bandwidth policy chose it
-        encoder = UpdateEncoder(
-            base_codec,
-            min_numel=dl.min_compress_numel,
-            error_feedback=dl.error_feedback and method.error_feedback,
-        )
+        feedback = dl.error_feedback and method.error_feedback
+        encoder = UpdateEncoder(base_codec, min_numel=dl.min_compress_numel, error_feedback=feedback)
         encoder.load_state_dict(st.residual, device)
+        # Protocol 2: keep what is sent until the server says whether it was aggregated.
+        keep = dl.outcome is not None and method.client_keeps_sent(feedback)
         t0 = time.perf_counter()
-        data = update_to_bytes(encoder.encode(delta, base_model_version=st.version, codecs=overrides))
+        data = update_to_bytes(encoder.encode(delta, base_model_version=st.version, codecs=overrides, keep_sent=keep))
         seconds = time.perf_counter() - t0
         st.residual = encoder.state_dict()
+        if keep:
+            assert dl.outcome is not None and encoder.sent is not None
+            st.pending = PendingUpdate(dl.outcome.round, encoder.sent)
         out = RecordDict({k: v for k, v in reply.content.items() if k != dl.arrays_key})
         report = UplinkReport(
             replica_version=st.version,
@@ -280,6 +329,7 @@ def _compression_mod(
             residual_norm=_norm(st.residual),
             update_norm=_norm(delta),
             status=status,
+            update_round=dl.outcome.round if dl.outcome is not None else None,
             **_bandwidth_report(context, plan, method, train_seconds),
         )
         out[protocol.UPLINK] = report.to_record()

@@ -10,6 +10,16 @@ error, never an exception from deep inside the strategy.
 Methods may add their own bytes to the downlink (a DEFT allocation, a GradiVeQ compressor) and
 small status values to the uplink (the compressor version a client holds); those travel as
 ``extras`` / ``status`` under keys the method names, prefixed with its id by :func:`extra_key`.
+
+**Protocol versions.** Version 1 (no ``protocol`` field): the records as above. Version 2 adds
+update outcomes, so that no update is lost silently: every downlink carries ``protocol = 2`` and
+an :class:`UpdateOutcome` (the server's word on the node's last update), and a train reply to a
+version-2 downlink echoes its round in ``update-round``. A client keeps what it sent
+(:class:`~fedcomp.flower.pending.PendingUpdate`) until an outcome settles it, and adds it back to
+its residual when it was not aggregated (:meth:`UpdateOutcome.verdict` has the rules). A version-2
+client talking to a version-1 server keeps nothing (it cannot learn an outcome) and behaves as
+before; a version-1 client rejects a version-2 downlink's new fields (a typed resync error every
+round): upgrade clients with or before the server.
 """
 
 from __future__ import annotations
@@ -30,9 +40,11 @@ __all__ = [
     "CONFIG_RECORD",
     "DOWNLINK",
     "LOCAL_ITERS",
+    "PROTOCOL_VERSION",
     "SERVER_ROUND",
     "STATE_BANDWIDTH",
     "STATE_META",
+    "STATE_PENDING",
     "STATE_REPLICA",
     "STATE_RESIDUAL",
     "UPLINK",
@@ -40,6 +52,8 @@ __all__ = [
     "DownlinkMode",
     "ErrorCode",
     "ReplicaMeta",
+    "UpdateOutcome",
+    "UpdateStatus",
     "UplinkReport",
     "extra_key",
     "state_key",
@@ -61,6 +75,8 @@ SERVER_ROUND = "server-round"
 STATE_REPLICA = "fedcomp.replica"
 STATE_RESIDUAL = "fedcomp.residual"
 STATE_META = "fedcomp.meta"
+#: The update this client sent last, kept until the server says whether it was aggregated.
+STATE_PENDING = "fedcomp.pending"
 #: The mod's own measurements for the bandwidth policy (seconds per local iteration).
 STATE_BANDWIDTH = "fedcomp.bandwidth"
 _SECONDS_PER_ITER = "seconds-per-iter"
@@ -75,6 +91,12 @@ class ErrorCode(IntEnum):
     #: The client's own update is unusable (not finite: its training diverged). Its replica and
     #: residual are kept as they were; it takes part again next round.
     LOCAL_UPDATE_REJECTED = FlowerErrorCode.CLIENT_APP_RAISED_EXCEPTION
+
+
+#: The strategy <-> mod protocol this package speaks (see the module docstring).
+PROTOCOL_VERSION = 2
+#: Longest rejection reason an outcome carries (the server cuts longer ones).
+MAX_REASON_CHARS = 500
 
 
 class DownlinkMode(StrEnum):
@@ -125,6 +147,103 @@ def _json(rec: Mapping[str, Any], key: str, where: str) -> dict[str, Any]:
     return value
 
 
+# --- update outcomes (protocol 2) -------------------------------------------------------------------
+
+
+class UpdateStatus(StrEnum):
+    """What became of a node's last update that reached the server."""
+
+    #: Decoded, accepted and aggregated into the model the round produced.
+    AGGREGATED = "aggregated"
+    #: Reached the server but did not enter the model (the reason says why: corrupt payload,
+    #: stale version, max-update-norm, or the inner strategy aggregated nothing that round).
+    REJECTED = "rejected"
+    #: No update from this node has reached the server yet.
+    NONE = "none"
+
+
+@dataclass(frozen=True)
+class UpdateOutcome:
+    """The server's word on a node's updates, in every protocol-2 downlink.
+
+    The server keeps, per node, the round and fate of the last update it *received*; it keeps no
+    record of replies that never came. ``settled_round`` says how far that record is final: every
+    train round up to it has been aggregated, so an update a client made in such a round and that
+    is not the recorded one never reached the server (it timed out, was dropped, or its message
+    was lost). The server sets ``settled_round = r - 1`` when it configures round ``r`` and
+    ``settled_round = r`` once round ``r`` is aggregated.
+    """
+
+    #: The server round of the message this outcome travels in.
+    round: int
+    #: Every train round <= this one has been aggregated: outcomes up to it are final.
+    settled_round: int
+    #: The round of the last update from this node that reached the server (0: none yet).
+    last_update_round: int
+    last_update_status: UpdateStatus
+    #: Why it was rejected (empty unless ``last_update_status`` is REJECTED).
+    last_update_reason: str = ""
+
+    _FIELDS = ("round", "settled-round", "last-update-round", "last-update-status", "last-update-reason")
+
+    def fields(self) -> dict[str, Any]:
+        """The record fields (wire names), as :class:`DownlinkHeader` writes them."""
+        return {
+            "round": self.round,
+            "settled-round": self.settled_round,
+            "last-update-round": self.last_update_round,
+            "last-update-status": str(self.last_update_status),
+            "last-update-reason": self.last_update_reason,
+        }
+
+    @classmethod
+    def from_record(cls, rec: Mapping[str, Any], where: str = "downlink") -> UpdateOutcome:
+        """Parse and check; raise :class:`PayloadError` naming the bad field."""
+        w = where
+        values = {}
+        for key in ("round", "settled-round", "last-update-round"):
+            values[key] = _get(rec, key, int, w)
+            if values[key] < 0:
+                raise PayloadError("", f"{w}: field {key!r} must be >= 0, got {values[key]}")
+        status_text = _get(rec, "last-update-status", str, w)
+        try:
+            status = UpdateStatus(status_text)
+        except ValueError:
+            raise PayloadError("", f"{w}: field 'last-update-status' is {status_text!r}, not one of "
+                               f"{[str(s) for s in UpdateStatus]}") from None  # fmt: skip
+        reason = _get(rec, "last-update-reason", str, w)
+        settled, last = values["settled-round"], values["last-update-round"]
+        if last > settled:
+            raise PayloadError("", f"{w}: field 'last-update-round' = {last} is after 'settled-round' = {settled}")
+        if (status is UpdateStatus.NONE) != (last == 0):
+            raise PayloadError(
+                "", f"{w}: field 'last-update-status' is {str(status)!r} with 'last-update-round' = {last}"
+            )
+        if reason and status is not UpdateStatus.REJECTED:
+            raise PayloadError("", f"{w}: field 'last-update-reason' is set for a {str(status)!r} update")
+        if len(reason) > MAX_REASON_CHARS:
+            raise PayloadError("", f"{w}: field 'last-update-reason' is longer than {MAX_REASON_CHARS} characters")
+        return cls(values["round"], settled, last, status, reason)
+
+    def verdict(self, update_round: int, train: bool) -> bool | None:
+        """Whether the update a client made in ``update_round`` was aggregated: True (it is in
+        the model), False (it is not, and never will be: re-send it), None (not known yet).
+
+        * ``update_round <= settled_round``: final. Aggregated iff it is the recorded update and
+          that one was aggregated; otherwise it was rejected, or it never reached the server.
+        * ``update_round > settled_round`` in a *train* message: the server asks for a new update
+          without having aggregated that round, so it went back (restarted from a checkpoint
+          taken before it, or lost its records): an unknown outcome counts as not aggregated.
+          This is exact when the server's records are saved with its model (a checkpoint taken
+          before round ``r`` holds no update of round ``r``); a server that restored a model
+          containing the update but records older than it would get it twice.
+        * otherwise (an evaluate message sent before that round was aggregated): None; wait.
+        """
+        if update_round <= self.settled_round:
+            return update_round == self.last_update_round and self.last_update_status is UpdateStatus.AGGREGATED
+        return False if train else None
+
+
 # --- server -> client ---------------------------------------------------------------------------
 
 
@@ -152,6 +271,8 @@ class DownlinkHeader:
     bandwidth: str
     #: A method's own bytes for this client (keys from :func:`extra_key`).
     extras: dict[str, bytes] = field(default_factory=dict)
+    #: Protocol 2: the outcome of this node's last update (None: a protocol-1 downlink).
+    outcome: UpdateOutcome | None = None
 
     _FIELDS = (
         "mode",
@@ -168,6 +289,11 @@ class DownlinkHeader:
         "device",
         "bandwidth",
     )
+
+    @property
+    def protocol(self) -> int:
+        """The protocol version of this downlink: 2 when it carries an outcome, else 1."""
+        return PROTOCOL_VERSION if self.outcome is not None else 1
 
     @property
     def nbytes(self) -> int:
@@ -191,6 +317,7 @@ class DownlinkHeader:
                 "device": self.device,
                 "bandwidth": self.bandwidth,
                 **self.extras,
+                **({"protocol": PROTOCOL_VERSION, **self.outcome.fields()} if self.outcome is not None else {}),
             }
         )
 
@@ -206,9 +333,15 @@ class DownlinkHeader:
         payloads = _get(rec, "payloads", list, w)
         if not all(isinstance(p, bytes) for p in payloads):
             raise PayloadError("", f"{w}: field 'payloads' must be a list of bytes")
+        version = _opt(rec, "protocol", int, w)
+        if version is not None and version not in (1, PROTOCOL_VERSION):
+            raise PayloadError("", f"{w}: field 'protocol' is {version}; this client speaks 1 and {PROTOCOL_VERSION}")
+        # A protocol-1 downlink has no outcome fields: there they are unexpected, as any other.
+        known = (*cls._FIELDS, "protocol", *(UpdateOutcome._FIELDS if version == PROTOCOL_VERSION else ()))
+        outcome = UpdateOutcome.from_record(rec, w) if version == PROTOCOL_VERSION else None
         extras = {}
         for k, v in rec.items():
-            if k in cls._FIELDS:
+            if k in known:
                 continue
             if "." not in k or not isinstance(v, bytes):
                 raise PayloadError("", f"{w}: unexpected field {k!r}")
@@ -228,6 +361,7 @@ class DownlinkHeader:
             device=_get(rec, "device", str, w),
             bandwidth=_get(rec, "bandwidth", str, w),
             extras=extras,
+            outcome=outcome,
         )
 
 
@@ -258,6 +392,8 @@ class UplinkReport:
     update_norm: float | None = None
     #: A method's own status values (keys from :func:`extra_key`).
     status: dict[str, int] = field(default_factory=dict)
+    #: Protocol 2: the ``round`` of the downlink this train reply answers (its update's round).
+    update_round: int | None = None
 
     _LINK = ("uplink-mbps", "downlink-mbps", "latency-ms")
     #: The optional fields: record key, attribute, type (``float`` accepts ints too).
@@ -273,6 +409,7 @@ class UplinkReport:
         ("fits", "fits", bool),
         ("residual-norm", "residual_norm", float),
         ("update-norm", "update_norm", float),
+        ("update-round", "update_round", int),
     )
 
     def to_record(self) -> ConfigRecord:

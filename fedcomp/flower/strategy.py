@@ -7,6 +7,12 @@ wrapper decodes it, rebuilds ``global model + delta`` as an ordinary ArrayRecord
 to the inner strategy, which aggregates as usual. A reply whose payload is corrupt or hostile is
 dropped with a logged reason and the round goes on with the others.
 
+No update is lost silently (protocol 2, :class:`~fedcomp.flower.protocol.UpdateOutcome`): the
+wrapper remembers, per node, the round and fate of the last update it received (aggregated, or
+rejected and why) and how far its rounds are settled, and every downlink tells the client. A
+client whose update was not aggregated adds it back to its residual. These records are part of
+the server's state: a checkpoint must save them with the model (:meth:`outcome_state`).
+
 Pair it with :func:`fedcomp.flower.mod.compression_mod` on the clients.
 """
 
@@ -25,7 +31,7 @@ from flwr.serverapp.strategy import FedAvg, Strategy
 
 from fedcomp.errors import ConfigError, PayloadError
 from fedcomp.flower import protocol
-from fedcomp.flower.protocol import DownlinkHeader, UplinkReport
+from fedcomp.flower.protocol import DownlinkHeader, UpdateOutcome, UpdateStatus, UplinkReport
 from fedcomp.flower.records import fp32_bytes, record_from_tensors, tensors_from_record
 from fedcomp.flower.replica import ServerReplica
 from fedcomp.flower.settings import CompressionConfig
@@ -60,6 +66,10 @@ class CompressionStrategy(Strategy):
         self._assumed_seeded: set[int] = set()
         self._not_seeded: set[int] = set()
         self._bandwidth = self.config.bandwidth_budget().to_json()
+        # Update outcomes (protocol 2): node -> (round, status, reason) of the last update that
+        # reached the server, and the last train round whose outcomes are final.
+        self._last_update: dict[int, tuple[int, UpdateStatus, str]] = {}
+        self._settled = 0
         self.downlink_method = get_downlink(self.config.downlink_codec)
         #: The uplink method's server side (fedcomp.methods.registry). ``weighted_mean``: the inner
         #: strategy aggregates by FedAvg's weighted mean, which commutes with linear methods.
@@ -110,6 +120,8 @@ class CompressionStrategy(Strategy):
         out = []
         for msg in messages:
             node = msg.metadata.dst_node_id
+            last_round, status, reason = self._last_update.get(node, (0, UpdateStatus.NONE, ""))
+            outcome = UpdateOutcome(server_round, self._settled, last_round, status, reason)
             version, digest = self._known_state(node)
             dl = self.replica.downlink_for(version, digest)
             header = DownlinkHeader(
@@ -127,6 +139,7 @@ class CompressionStrategy(Strategy):
                 device=self.config.client_device,
                 bandwidth=self._bandwidth,
                 extras=extras.get(node, {}),
+                outcome=outcome,
             )
             # A fresh RecordDict per message: the inner strategy shares one between all messages.
             content = RecordDict({k: v for k, v in msg.content.items() if k != self._arrays_key})
@@ -134,12 +147,16 @@ class CompressionStrategy(Strategy):
             msg.content = content
             self._traffic(server_round).add_downlink(node, header.nbytes, dense, dl.mode)
             out.append(msg)
+            if train:
+                self._traffic(server_round).unanswered.add(node)
         return out
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         self._sync_replica(arrays, server_round)
+        # Every earlier round is over: a reply of one that is not on record never arrived.
+        self._settled = max(self._settled, server_round - 1)
         config = ConfigRecord(dict(config))
         config[protocol.LOCAL_ITERS] = self.config.local_iters_at(server_round)
         msgs = self.strategy.configure_train(server_round, arrays, config, grid)
@@ -200,6 +217,10 @@ class CompressionStrategy(Strategy):
         report = UplinkReport.from_record(rec)
         if report.payload is None:
             raise PayloadError("", f"reply has no {protocol.UPLINK} payload")
+        if report.update_round is not None and report.update_round != server_round:
+            raise PayloadError(
+                "", f"uplink: field 'update-round' is {report.update_round}, this is round {server_round}"
+            )
         traffic = self._traffic(server_round)
         node = msg.metadata.src_node_id
         traffic.note_client(node, report)
@@ -253,8 +274,10 @@ class CompressionStrategy(Strategy):
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         accepted = []
+        traffic = self._traffic(server_round)
         for msg in replies:
             node = msg.metadata.src_node_id
+            traffic.unanswered.discard(node)  # it replied (what is left never did)
             if _needs_resync_bookkeeping(msg):
                 self._note_node(node, self._report_of(msg))
             if msg.has_error():
@@ -268,12 +291,21 @@ class CompressionStrategy(Strategy):
                     exc = PayloadError("", f"decoder failed: {type(exc).__name__}: {exc}")
                 # The client's replica state (checked above) is still good; only this update is
                 # lost, like a dropout. Its residual already counted it as sent.
-                self._traffic(server_round).rejected[node] = str(exc)
+                traffic.rejected[node] = str(exc)
+                self._last_update[node] = (server_round, UpdateStatus.REJECTED, _reason(str(exc)))
                 log.warning("fedcomp: rejected the update of node %s in round %s: %s", node, server_round, exc)
                 continue
             accepted.append(msg)
-            self._traffic(server_round).accepted += 1
+            traffic.accepted += 1
         arrays, metrics = self.strategy.aggregate_train(server_round, accepted)
+        for msg in accepted:
+            if not msg.has_error():
+                self._last_update[msg.metadata.src_node_id] = (
+                    (server_round, UpdateStatus.AGGREGATED, "")
+                    if arrays is not None
+                    else (server_round, UpdateStatus.REJECTED, "the inner strategy aggregated nothing this round")
+                )
+        self._settled = max(self._settled, server_round)
         if arrays is not None and self._target is not None and _overrides(self.uplink, "finish"):
             t0 = time.perf_counter()
             model = self.uplink.finish(server_round, tensors_from_record(arrays), self._target)
@@ -312,6 +344,25 @@ class CompressionStrategy(Strategy):
             out[k] = v
         return out
 
+    def outcome_state(self) -> dict[str, Any]:
+        """The update-outcome records (JSON-able), for a checkpoint of the server's state: they
+        must be saved and restored together with the model (see ``UpdateOutcome.verdict``)."""
+        return {
+            "settled-round": self._settled,
+            "last-update": {str(n): [r, str(s), why] for n, (r, s, why) in sorted(self._last_update.items())},
+        }
+
+    def load_outcome_state(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`outcome_state` saved; raise :class:`PayloadError` if malformed."""
+        try:
+            settled = int(state["settled-round"])
+            last = {
+                int(n): (int(r), UpdateStatus(s), _reason(str(why))) for n, (r, s, why) in state["last-update"].items()
+            }
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PayloadError("", f"outcome state: {type(exc).__name__}: {exc}") from None
+        self._settled, self._last_update = settled, last
+
     def round_metrics(self, server_round: int) -> dict[str, Any]:
         """The uplink method's own figures for ``server_round`` (for the results)."""
         return self.uplink.round_metrics(server_round)
@@ -322,6 +373,12 @@ class CompressionStrategy(Strategy):
 
     def __repr__(self) -> str:
         return f"CompressionStrategy({self.strategy!r})"
+
+
+def _reason(text: str) -> str:
+    """A rejection reason as an outcome carries it (at most ``MAX_REASON_CHARS``)."""
+    limit = protocol.MAX_REASON_CHARS
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _needs_resync_bookkeeping(msg: Message) -> bool:

@@ -165,6 +165,31 @@ class UplinkMethod:
         return {}
 
     @classmethod
+    def client_keeps_sent(cls, error_feedback: bool) -> bool:
+        """Whether the client keeps each update it sends until the server says whether it was
+        aggregated (protocol 2), to recover it with :meth:`client_recover` when it was not.
+        ``error_feedback``: residuals are on for this run and this method.
+
+        Default: exactly when the client keeps residuals. A method without them has nowhere to
+        put a lost update, so losing one is a no-op there (as a dropped client is in FedAvg)."""
+        return error_feedback
+
+    @classmethod
+    def client_recover(
+        cls, lost: Mapping[str, torch.Tensor], residual: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """The residual to keep after an update of this client was not aggregated (rejected,
+        timed out or dropped); ``lost`` is that update as the server would have decoded it.
+
+        Default: add it to the residual, so the next update carries it and, per client,
+        ``sum(aggregated updates) + residual == sum(local updates)`` holds (float32 rounding
+        aside). Tensors the residual does not have yet (those sent dense) start from ``lost``."""
+        out = dict(residual)
+        for name, t in lost.items():
+            out[name] = out[name] + t.to(out[name].device) if name in out else t.detach().clone()
+        return out
+
+    @classmethod
     def client_forget(cls, state: StateStore) -> None:
         """Drop the method's client state (after an error that needs a resync)."""
         state.clear()

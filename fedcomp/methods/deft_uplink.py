@@ -11,7 +11,9 @@ corrupt payload.
 
 Client (:meth:`DeftUplink.client_codecs`): validates the allocation against its replica's shapes and encodes
 every compressed tensor with :class:`~fedcomp.codecs.TopK` restricted to its partitions
-(Algorithm 5); what it does not send stays in its residual (error feedback).
+(Algorithm 5); what it does not send stays in its residual (error feedback). An update that was
+not aggregated goes back into that residual (the default ``client_recover``); the next rounds send
+it inside whatever partitions the client is then allocated.
 
 Tensors under ``min-compress-numel`` are not partitioned: every client sends them dense, as with
 the other uplink codecs.

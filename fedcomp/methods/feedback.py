@@ -32,6 +32,12 @@ class ErrorFeedback:
         """Compress ``tensor`` plus its residual with ``codec`` (default: ``self.codec``); the
         residual becomes what the message lacked. A per-call ``codec`` (e.g. DEFT's ranges for
         this round) shares the same residual: entries it does not send stay in it."""
+        return self.encode_with_reconstruction(tensor, name, codec)[0]
+
+    def encode_with_reconstruction(
+        self, tensor: torch.Tensor, name: str, codec: Codec | None = None
+    ) -> tuple[EncodedTensor, torch.Tensor]:
+        """:meth:`encode`, also returning what the receiver will decode (float32)."""
         codec = self.codec if codec is None else codec
         acc = tensor.detach().to(torch.float32)
         residual = self._residuals.get(name)
@@ -42,8 +48,9 @@ class ErrorFeedback:
                 )
             acc = acc + residual.to(acc.device)
         enc, recon = codec.encode_with_reconstruction(acc, name)
-        self._residuals[name] = acc - recon.to(torch.float32)
-        return enc
+        recon = recon.to(torch.float32)
+        self._residuals[name] = acc - recon
+        return enc, recon
 
     def residual(self, name: str) -> torch.Tensor | None:
         return self._residuals.get(name)

@@ -206,6 +206,14 @@ class GradiVeQUplink(UplinkMethod):
         return {} if held is None else {cls.VERSION_KEY: int(held["version"])}
 
     @classmethod
+    def client_keeps_sent(cls, error_feedback: bool) -> bool:
+        """No: GradiVeQ keeps no residual (the paper sends projections without one), so an update
+        that was not aggregated is lost, as a dropped client's is in FedAvg. Re-sending it in the
+        next update would project it onto a basis that may have been refit in between, and in a
+        dense round it would skew the next fit's samples."""
+        return False
+
+    @classmethod
     def client_codecs(cls, rnd: ClientRound) -> tuple[Codec, dict[str, Codec] | None]:
         """GradiVeQ codecs for the tensors the held compressor covers (the rest go dense)."""
         if rnd.codec_config.get("id") != "gradiveq":

@@ -52,7 +52,12 @@ class TopKUplink(UplinkMethod):
 
 
 class _Fixed(UplinkMethod):
-    """A codec without parameters: the method id is the codec id."""
+    """A codec without parameters: the method id is the codec id.
+
+    Lost updates: these methods keep the default behaviour (``client_keeps_sent`` /
+    ``client_recover``). Their residual is zero (dense fp32, identity) or the fp16 rounding error,
+    so a lost update becomes the whole residual and the next update carries it in full.
+    """
 
     @classmethod
     def codec_config(cls, config: CompressionConfig, server_round: int) -> dict[str, Any]:

@@ -48,6 +48,8 @@ class UpdateEncoder:
         self.small_codec = small_codec or DenseFP32()
         self._codec = codec
         self.feedback = ErrorFeedback(codec) if error_feedback else None
+        #: What the receiver decodes of the last update encoded with ``keep_sent`` (else None).
+        self.sent: dict[str, torch.Tensor] | None = None
 
     @property
     def codec(self) -> Codec:
@@ -58,28 +60,39 @@ class UpdateEncoder:
         tensors: Mapping[str, torch.Tensor],
         base_model_version: int = 0,
         codecs: Mapping[str, Codec] | None = None,
+        *,
+        keep_sent: bool = False,
     ) -> EncodedUpdate:
         """Encode ``tensors`` in order. A tensor named in ``codecs`` uses that codec instead of
         the default, whatever its size, and goes through the error feedback when it is on (DEFT
-        gives each client per-tensor ranges every round: :mod:`fedcomp.methods.deft`)."""
+        gives each client per-tensor ranges every round: :mod:`fedcomp.methods.deft`).
+
+        A small tensor that has a residual (a lost update added back,
+        :meth:`fedcomp.methods.base.UplinkMethod.client_recover`) goes through the error feedback
+        too, so the residual is sent. With ``keep_sent``, :attr:`sent` holds afterwards what the
+        receiver will decode, per tensor (the client keeps it until the server says whether the
+        update was aggregated)."""
         codecs = codecs or {}
         unknown = set(codecs) - set(tensors)
         if unknown:
             raise ValueError(f"codecs: no tensor named {sorted(unknown)!r} in the update")
         out = []
+        sent: dict[str, torch.Tensor] = {}
         for name, t in tensors.items():
             override = codecs.get(name)
-            if override is not None:
-                if self.feedback is not None:
-                    out.append(self.feedback.encode(t, name, override))
-                else:
-                    out.append(override.encode(t, name))
-            elif t.numel() < self.min_numel:
-                out.append(self.small_codec.encode(t, name))
-            elif self.feedback is not None:
-                out.append(self.feedback.encode(t, name))
+            small = override is None and t.numel() < self.min_numel
+            codec = override if override is not None else self.small_codec if small else self._codec
+            fb = self.feedback
+            if fb is not None and (not small or fb.residual(name) is not None):
+                enc, recon = fb.encode_with_reconstruction(t, name, codec)
+            elif keep_sent:
+                enc, recon = codec.encode_with_reconstruction(t, name)
             else:
-                out.append(self._codec.encode(t, name))
+                enc, recon = codec.encode(t, name), None
+            out.append(enc)
+            if keep_sent and recon is not None:
+                sent[name] = recon.to(torch.float32)
+        self.sent = sent if keep_sent else None
         return EncodedUpdate(base_model_version=base_model_version, tensors=tuple(out))
 
     def state_dict(self) -> dict[str, torch.Tensor]:

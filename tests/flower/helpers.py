@@ -221,8 +221,11 @@ def train_round(
     model: Mapping[str, torch.Tensor],
     nodes: Iterable[int] | None = None,
     tamper: Callable[[int, Message], Message] | None = None,
+    drop: Iterable[int] = (),
 ) -> tuple[dict[str, torch.Tensor] | None, RoundLog]:
-    """configure_train -> mod on each sampled node -> (tamper) -> aggregate_train."""
+    """configure_train -> mod on each sampled node -> (tamper) -> aggregate_train. The replies of
+    the nodes in ``drop`` never arrive (the client ran and replied; the server does not see it)."""
+    dropped = set(drop)
     grid = FixedGrid(sorted(clients) if nodes is None else nodes)
     log = RoundLog()
     msgs = list(strategy.configure_train(rnd, record_from_tensors(model), ConfigRecord({"lr": 0.1}), grid))
@@ -236,7 +239,8 @@ def train_round(
         log.replies[node] = reply
         if reply.has_content() and protocol.UPLINK in reply.content.config_records:
             log.uplinks[node] = ConfigRecord(dict(uplink_of(reply)))
-        replies.append(reply)
+        if node not in dropped:
+            replies.append(reply)
     arrays, _ = strategy.aggregate_train(rnd, replies)
     return (tensors_from_record(arrays) if arrays is not None else None), log
 

@@ -24,6 +24,7 @@ def test_metric_record_has_every_figure_with_its_exact_value() -> None:
         dense_downlink={1: 4000, 2: 4000},
         rejected={3: "bad"},
         accepted=2,
+        unanswered={4, 5},
         encode_seconds=0.5,
         decode_seconds=0.25,
         client_encode_seconds={1: 0.125, 2: 0.0625},
@@ -43,6 +44,7 @@ def test_metric_record_has_every_figure_with_its_exact_value() -> None:
         "fedcomp.total-ratio": 24000 / 700,
         "fedcomp.replies-accepted": 1,
         "fedcomp.replies-rejected": 0,
+        "fedcomp.replies-missing": 0,
         "fedcomp.server-codec-seconds": 0.0,
         "fedcomp.client-encode-seconds": 0.0,
         "fedcomp.downlink-passes": 0,
@@ -53,6 +55,7 @@ def test_metric_record_has_every_figure_with_its_exact_value() -> None:
     assert got1["fedcomp.downlink-bytes"] == 500 and got1["fedcomp.downlink-dense-bytes"] == 8000
     assert got1["fedcomp.downlink-ratio"] == 16.0
     assert got1["fedcomp.replies-accepted"] == 2 and got1["fedcomp.replies-rejected"] == 1
+    assert got1["fedcomp.replies-missing"] == 2
     assert got1["fedcomp.server-codec-seconds"] == 0.75
     assert got1["fedcomp.client-encode-seconds"] == 0.1875
     # The run totals are the same whichever round asks.
@@ -201,4 +204,4 @@ def test_diagnostic_figures_appear_only_when_measured() -> None:
     assert got["fedcomp.replica-lag"] == 1.5
     assert got["fedcomp.downlink-delivered"] == 0.75
     assert got["fedcomp.residual-ratio-mean"] == 1.0
-    assert len(got) == 17
+    assert len(got) == 18

@@ -1,0 +1,128 @@
+"""The update a client sent and has not yet heard the fate of (protocol 2, no lost updates).
+
+After a train reply the client keeps, in ``context.state``, what the server will decode from it:
+the reconstruction of every tensor as its codec produced it while encoding. When a later downlink
+says the update was not aggregated (rejected, timed out, dropped), the client adds it back to its
+residual (:meth:`fedcomp.methods.base.UplinkMethod.client_recover`), so the next update carries
+it and, per client, ``sum(aggregated updates) + residual == sum(local updates)`` keeps holding.
+
+**Memory bound.** At most one update is pending per client: each downlink settles the pending one
+before the next train reply makes a new one (:meth:`fedcomp.flower.protocol.UpdateOutcome.verdict`).
+Each tensor is stored the cheaper way: sparse (int32 or int64 positions and float32 values of its
+non-zeros) when that is smaller, else dense float32. So the pending record costs at most the
+model's float32 size plus a few bytes per tensor, and for sparse methods (SBC, STC, top-k, DEFT at
+density ``p``) about ``8 p`` bytes per parameter. It is raw bytes in a ConfigRecord, never an
+ArrayRecord: the client's own state, not traffic.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from flwr.app import ConfigRecord
+
+from fedcomp.codecs import TensorSpec
+from fedcomp.errors import PayloadError
+
+__all__ = ["PendingUpdate"]
+
+_ROUND, _NAMES = "round", "names"
+_SHAPE, _DENSE, _POSITIONS, _VALUES = "shape:", "dense:", "positions:", "values:"
+
+
+@dataclass
+class PendingUpdate:
+    """An update sent in ``round``: ``tensors`` as the server will decode them."""
+
+    round: int
+    tensors: dict[str, torch.Tensor]
+
+    def to_record(self) -> ConfigRecord:
+        """The ``STATE_PENDING`` record: each tensor dense or sparse, whichever is smaller."""
+        out: dict[str, Any] = {_ROUND: int(self.round), _NAMES: list(self.tensors)}
+        for name, t in self.tensors.items():
+            flat = t.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
+            out[_SHAPE + name] = [int(d) for d in t.shape]
+            nz = flat.nonzero().view(-1)
+            index_dtype = _index_dtype(flat.numel())
+            if nz.numel() * (index_dtype.itemsize + 4) < flat.numel() * 4:
+                out[_POSITIONS + name] = _bytes(nz.to(index_dtype))
+                out[_VALUES + name] = _bytes(flat[nz])
+            else:
+                out[_DENSE + name] = _bytes(flat)
+        return ConfigRecord(out)
+
+    @classmethod
+    def from_record(
+        cls,
+        rec: Mapping[str, object],
+        specs: Sequence[TensorSpec] | None = None,
+        device: torch.device | str = "cpu",
+    ) -> PendingUpdate:
+        """Rebuild the tensors; raise :class:`PayloadError` (naming the tensor) when the record is
+        malformed or, given ``specs``, does not hold exactly those tensors (a state written for
+        another model)."""
+        rnd = rec.get(_ROUND)
+        if isinstance(rnd, bool) or not isinstance(rnd, int) or rnd < 0:
+            raise PayloadError("", f"pending update: field {_ROUND!r} is {rnd!r}, not a round number")
+        names = rec.get(_NAMES)
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names) or len(set(names)) != len(names):
+            raise PayloadError("", f"pending update: field {_NAMES!r} is not a list of distinct names")
+        shapes: dict[str, tuple[int, ...]] = {}
+        for name in names:
+            shape = rec.get(_SHAPE + name)
+            if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                                      for d in shape):  # fmt: skip
+                raise PayloadError(name, "pending update: the tensor's shape is missing or malformed")
+            shapes[name] = tuple(shape)
+        if specs is not None and shapes != {s.name: tuple(s.shape) for s in specs}:
+            raise PayloadError("", "pending update: its tensors are not the model's")
+        expected = {_ROUND, _NAMES, *(_SHAPE + n for n in names)}
+        tensors: dict[str, torch.Tensor] = {}
+        for name, shape in shapes.items():
+            n = math.prod(shape)
+            dense = rec.get(_DENSE + name)
+            if dense is not None:
+                expected.add(_DENSE + name)
+                flat = _tensor(dense, torch.float32, n, name)
+            else:
+                positions, values = rec.get(_POSITIONS + name), rec.get(_VALUES + name)
+                if positions is None or values is None:
+                    raise PayloadError(name, "pending update: the tensor's data is missing")
+                expected |= {_POSITIONS + name, _VALUES + name}
+                vals = _tensor(values, torch.float32, None, name)
+                if vals.numel() > n:
+                    raise PayloadError(name, "pending update: more values than the tensor has elements")
+                idx = _tensor(positions, _index_dtype(n), vals.numel(), name).to(torch.int64)
+                if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n):
+                    raise PayloadError(name, "pending update: a position is outside the tensor")
+                flat = torch.zeros(n, dtype=torch.float32)
+                flat[idx] = vals
+            tensors[name] = flat.reshape(shape).to(device)
+        unexpected = sorted(set(rec) - expected)
+        if unexpected:
+            raise PayloadError("", f"pending update: unexpected field(s) {unexpected[:3]}")
+        return cls(rnd, tensors)
+
+
+def _index_dtype(numel: int) -> torch.dtype:
+    return torch.int32 if numel < 2**31 else torch.int64
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().numpy().tobytes()
+
+
+def _tensor(data: object, dtype: torch.dtype, count: int | None, name: str) -> torch.Tensor:
+    """``data`` (native-order bytes, this client's own) as a 1-D ``dtype`` tensor, ``count`` long
+    when given."""
+    size = dtype.itemsize
+    if not isinstance(data, bytes) or len(data) % size or (count is not None and len(data) != count * size):
+        raise PayloadError(name, f"pending update: the stored {dtype} data has the wrong size")
+    if not data:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(bytearray(data), dtype=dtype)

@@ -1,0 +1,102 @@
+"""The pending update a client keeps until it learns its outcome: exact round trip, the memory
+bound (at most the model's float32 size, ~8 bytes per sent entry when sparse), and typed errors
+for a record that is not this model's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from flwr.app import ConfigRecord
+
+from fedcomp.codecs import TensorSpec
+from fedcomp.errors import PayloadError
+from fedcomp.flower.pending import PendingUpdate
+from fedcomp.methods.update import specs_of
+
+
+def _sparse(numel: int, nnz: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    t = torch.zeros(numel)
+    t[torch.randperm(numel, generator=g)[:nnz]] = torch.randn(nnz, generator=g)
+    return t
+
+
+def _stored_bytes(rec: ConfigRecord) -> int:
+    return sum(len(v) for v in rec.values() if isinstance(v, bytes))
+
+
+def test_a_pending_update_round_trips_exactly_sparse_dense_and_odd_shapes() -> None:
+    tensors = {
+        "w": _sparse(4000, 40).reshape(40, 100),
+        "b": torch.randn(10),  # dense: every entry sent
+        "s": torch.tensor(2.5),  # a scalar
+        "e": torch.zeros(0, 3),  # no elements
+        "z": torch.zeros(50),  # nothing sent
+    }
+    rec = PendingUpdate(4, tensors).to_record()
+    assert "positions:w" in rec and "dense:b" in rec and "dense:s" in rec and "positions:z" in rec
+    back = PendingUpdate.from_record(rec, specs_of(tensors))
+    assert back.round == 4 and list(back.tensors) == list(tensors)
+    for k, t in tensors.items():
+        assert back.tensors[k].shape == t.shape and torch.equal(back.tensors[k], t), k
+
+
+def test_the_memory_bound() -> None:
+    # Sparse: 4-byte positions and 4-byte values per sent entry.
+    rec = PendingUpdate(1, {"w": _sparse(100_000, 1000)}).to_record()
+    assert _stored_bytes(rec) == 1000 * 8
+    # Never more than the dense float32 size, however dense the update.
+    for nnz in (49_999, 50_000, 100_000):
+        rec = PendingUpdate(1, {"w": _sparse(100_000, nnz)}).to_record()
+        assert _stored_bytes(rec) <= 100_000 * 4, nnz
+
+
+def test_without_specs_the_record_describes_itself() -> None:
+    tensors = {"a": _sparse(300, 3).reshape(3, 100)}
+    back = PendingUpdate.from_record(PendingUpdate(2, tensors).to_record())
+    assert torch.equal(back.tensors["a"], tensors["a"])
+
+
+def _good() -> dict[str, Any]:
+    return dict(PendingUpdate(3, {"w": _sparse(1000, 5), "b": torch.ones(4)}).to_record())
+
+
+SPECS = [TensorSpec("w", (1000,)), TensorSpec("b", (4,))]
+
+
+@pytest.mark.parametrize(
+    ("change", "tensor", "message"),
+    [
+        ({"round": -1}, "", "field 'round' is -1, not a round number"),
+        ({"round": True}, "", "field 'round' is True, not a round number"),
+        ({"round": None}, "", "field 'round' is None, not a round number"),
+        ({"names": ["w", "w"]}, "", "field 'names' is not a list of distinct names"),
+        ({"names": "w"}, "", "field 'names' is not a list of distinct names"),
+        ({"shape:b": [-4]}, "b", "the tensor's shape is missing or malformed"),
+        ({"shape:b": None}, "b", "the tensor's shape is missing or malformed"),
+        ({"dense:b": b"\x00" * 15}, "b", "the stored torch.float32 data has the wrong size"),
+        ({"positions:w": None}, "w", "the tensor's data is missing"),
+        ({"positions:w": b"\xff" * 20}, "w", "a position is outside the tensor"),
+        ({"positions:w": b"\x00" * 16}, "w", "the stored torch.int32 data has the wrong size"),
+        ({"extra": 1}, "", "unexpected field(s) ['extra']"),
+    ],
+)
+def test_a_malformed_record_is_a_payload_error(change: dict[str, Any], tensor: str, message: str) -> None:
+    rec = _good()
+    for k, v in change.items():
+        if v is None:
+            rec.pop(k)
+        else:
+            rec[k] = v
+    with pytest.raises(PayloadError) as info:
+        PendingUpdate.from_record(rec, SPECS)
+    assert info.value.tensor == tensor and str(info.value).endswith(f"pending update: {message}")
+
+
+def test_a_record_of_another_model_is_refused() -> None:
+    with pytest.raises(PayloadError, match="its tensors are not the model's"):
+        PendingUpdate.from_record(_good(), [TensorSpec("w", (1000,)), TensorSpec("b", (5,))])
+    with pytest.raises(PayloadError, match="its tensors are not the model's"):
+        PendingUpdate.from_record(_good(), [TensorSpec("w", (1000,))])
