@@ -181,6 +181,13 @@ def test_aggregating_wire_coefficients_equals_decoding_each():
     assert float((once - each).norm() / each.norm()) < 1e-5
 
 
+def test_aggregate_sums_in_float32_whatever_the_coefficients_dtype():
+    """Half-precision coefficients are summed in float32: 2048 + 1 is 2049 there, 2048 in float16."""
+    comp = Compressor(1, {"w": Basis(torch.eye(4, 1), torch.zeros(4))})
+    big, one = torch.tensor([[2048.0]], dtype=torch.float16), torch.tensor([[1.0]], dtype=torch.float16)
+    assert aggregate(comp, "w", [big, one], [1.0, 1.0], 4).tolist() == [2049.0, 0.0, 0.0, 0.0]
+
+
 def test_decompress_checks_the_coefficient_shape():
     comp = fit_compressor({"w": low_rank_updates(3, 100, [1.0, 0.5])}, 1, D, 0.1)
     with pytest.raises(ValueError, match="'w'"):
@@ -261,23 +268,73 @@ def test_hostile_compressors_are_rejected():
         "dim 0 with data": _with(wire, dim=0),
         "huge k, tiny bytes": _with(wire, dim=2**31),
     }
+    # what the client's log says for each (exactly: it is the operator's only clue)
+    reasons = {
+        "unknown tensor": "the compressor names a tensor the model does not have",
+        "d == 0": "slice_size 0 must be at least 1",
+        "d > max_slice": "slice_size 5000 exceeds the limit 4096",
+        "d > numel": "slice_size 2000 exceeds the tensor's 1600 elements",
+        "k > d": f"dim {d + 1} is not in [1, slice_size {d}]",
+        "basis too short": f"basis is {d * k * 4 - 4} bytes, expected d*k*4 = {d * k * 4}",
+        "basis too long": f"basis is {d * k * 4 + 4} bytes, expected d*k*4 = {d * k * 4}",
+        "whitening wrong": f"whitening is {d * 4 - 1} bytes, expected d*4 = {d * 4}",
+        "nan basis": "basis or whitening holds NaN or infinite values",
+        "inf whitening": "basis or whitening holds NaN or infinite values",
+        "not unit norm": "basis columns must have unit norm",
+        "dim 0 with data": "dim 0 (sent dense) with a non-empty basis or whitening",
+        "huge k, tiny bytes": f"dim {2**31} is not in [1, slice_size {d}]",
+    }
     Compressor.from_wire(wire, SPECS)  # the unaltered one is fine
     for why, bad in cases.items():
         with pytest.raises(PayloadError) as info:
             Compressor.from_wire(bad, SPECS)
-        assert info.value.tensor == bad.tensors[0].name, why
+        assert (info.value.tensor, info.value.reason) == (bad.tensors[0].name, reasons[why]), why
         # and through real protobuf bytes
         with pytest.raises(PayloadError):
             Compressor.from_wire(serde.compressor_from_bytes(serde.compressor_to_bytes(bad)), SPECS)
     twice = GradiVeQCompressor(7, wire.tensors + wire.tensors)
-    with pytest.raises(PayloadError, match="twice"):
+    with pytest.raises(PayloadError) as info:
         Compressor.from_wire(twice, SPECS)
-    with pytest.raises(PayloadError, match="version"):
+    assert (info.value.tensor, info.value.reason) == ("w", "the compressor lists the tensor twice")
+    with pytest.raises(PayloadError) as info:
         Compressor.from_wire(GradiVeQCompressor(0, wire.tensors), SPECS)
+    assert (info.value.tensor, info.value.reason) == ("", "compressor version 0 is not in [1, 2**64)")
+    # what a Python caller (not protobuf) can hand over
+    with pytest.raises(PayloadError) as info:
+        Compressor.from_wire(wire.tensors[0], SPECS)  # type: ignore[arg-type]
+    assert (info.value.tensor, info.value.reason) == ("", "expected a GradiVeQCompressor, got GradiVeQBasis")
+    with pytest.raises(PayloadError) as info:
+        Compressor.from_wire(_with(wire, slice_size=float(d)), SPECS)
+    assert (info.value.tensor, info.value.reason) == ("w", "slice_size and dim must be integers")
     with pytest.raises(PayloadError):
         Compressor.from_wire(serde.compressor_from_bytes(b"\x0a\xff\xff"), SPECS)
     with pytest.raises(PayloadError, match="max_slice|limit"):
         Compressor.from_wire(wire, SPECS, max_slice=D - 1)
+
+
+def _unit_basis(name: str, d: int, k: int) -> GradiVeQBasis:
+    """The first k columns of the d x d identity (unit norm, orthonormal), whitening zero."""
+    u = np.eye(d, k, dtype=np.float32)
+    return GradiVeQBasis(name, d, k, u.tobytes(), np.zeros(d, np.float32).tobytes())
+
+
+@pytest.mark.parametrize(
+    "version, name, d, k",
+    [
+        (1, "b", 4, 2),  # the lowest version
+        (2**64 - 1, "b", 4, 2),  # the highest (uint64 on the wire)
+        (3, "b", 1, 1),  # slices of one element
+        (3, "b", 5, 5),  # k == d: no reduction, still valid
+        (3, "b", 40, 3),  # d == the tensor's numel: one slice
+        (3, "w", 64, 1),  # d == max_slice (set to 64 here)
+    ],
+)
+def test_compressor_limits_are_inclusive(version, name, d, k):
+    """Every bound ``from_wire`` checks admits its edge value: a server may send exactly that."""
+    wire = GradiVeQCompressor(version, (_unit_basis(name, d, k),))
+    comp = Compressor.from_wire(serde.compressor_from_bytes(serde.compressor_to_bytes(wire)), SPECS, max_slice=64)
+    assert comp.version == version and (comp.basis(name).slice_size, comp.basis(name).dim) == (d, k)
+    assert torch.equal(comp.basis(name).basis, torch.eye(d, k))
 
 
 def test_compressor_constructor_checks_its_bases():

@@ -4,7 +4,7 @@ import torch
 from fedcomp.codecs import DenseFP16, DenseFP32, Identity, TensorSpec
 from fedcomp.errors import PayloadError
 from fedcomp.wire import serde
-from fedcomp.wire.payloads import DensePayload, EncodedTensor
+from fedcomp.wire.payloads import DensePayload, EncodedTensor, SBCPayload
 from tests.codecs import kit
 
 
@@ -40,11 +40,26 @@ def test_bad_inputs_raise_payload_error():
     cases = {
         "truncated": DensePayload("float32", good.payload.data[:-1]),  # type: ignore[union-attr]
         "wrong encoding": DensePayload("float16", b"\0" * 32),
+        "not dense": SBCPayload(1.0, 0, 0, b""),
+    }
+    reasons = {  # exactly what the server logs
+        "truncated": "dense data is 63 bytes, expected 64",
+        "wrong encoding": "dense encoding 'float16' where 'float32' was expected",
+        "not dense": "payload is SBCPayload, expected DensePayload",
     }
     for why, payload in cases.items():
         bad = EncodedTensor("w", (4, 4), "float32", "dense-fp32", 1, payload)
-        with pytest.raises(PayloadError, match="'w'"):
+        with pytest.raises(PayloadError) as info:
             c.decode(bad, spec)
+        assert (info.value.tensor, info.value.reason) == ("w", reasons[why])
+    # the identity codec expects the tensor's own dtype, fp16 its half floats
+    with pytest.raises(PayloadError) as info:
+        Identity().decode(Identity().encode(torch.ones(2, dtype=torch.float64), "d"), TensorSpec("d", (2,)))
+    assert info.value.reason == "dtype float64 where float32 was expected"
+    half = EncodedTensor("h", (2,), "float32", "dense-fp16", 1, DensePayload("float32", b"\0" * 8))
+    with pytest.raises(PayloadError) as info:
+        DenseFP16().decode(half, TensorSpec("h", (2,)))
+    assert info.value.reason == "dense encoding 'float32' where 'float16' was expected"
     for field, value, msg in [
         ("shape", (4, 5), "shape"),
         ("dtype", "float16", "dtype"),

@@ -121,17 +121,38 @@ def good_bits():
 @pytest.mark.parametrize(
     "case, bits, nnz, b, numel, reason",
     [
-        ("nnz > numel", None, 65, GOOD_B, NUMEL, "exceeds"),
-        ("negative nnz", None, -1, GOOD_B, NUMEL, "negative"),
-        ("b too big", None, 5, 63, NUMEL, "golomb_b"),
-        ("negative b", None, 5, -1, NUMEL, "golomb_b"),
-        ("truncated", b"\x00", 5, GOOD_B, NUMEL, "truncated"),
-        ("trailing byte", "good+\x00", 5, GOOD_B, NUMEL, "trailing"),
-        ("bytes for nnz 0", b"\x00", 0, GOOD_B, NUMEL, "nnz 0"),
-        ("too long for numel", b"\x00" * 40, 5, GOOD_B, NUMEL, "more than"),
-        ("overflow", None, 5, GOOD_B, 63, "overflow"),
-        ("no terminating zeros", b"\x00\xff\xff", 5, GOOD_B, NUMEL, "runs past"),
-        ("padding bits set", "good|pad", 5, GOOD_B, NUMEL, "padding"),
+        ("nnz > numel", None, 65, GOOD_B, NUMEL, "nnz 65 exceeds the tensor's 64 elements"),
+        ("negative nnz", None, -1, GOOD_B, NUMEL, "nnz -1 is negative"),
+        ("b too big", None, 5, 63, NUMEL, "golomb_b 63 is outside [0, 62]"),
+        ("negative b", None, 5, -1, NUMEL, "golomb_b -1 is outside [0, 62]"),
+        (
+            "truncated",
+            b"\x00",
+            5,
+            GOOD_B,
+            NUMEL,
+            "position bits truncated: 1 bytes cannot hold 5 codewords of at least 3 bits",
+        ),
+        ("trailing byte", "good+\x00", 5, GOOD_B, NUMEL, "1 trailing bytes after the position bitstream"),
+        ("bytes for nnz 0", b"\x00", 0, GOOD_B, NUMEL, "1 position bytes for nnz 0"),
+        (
+            "too long for numel",
+            b"\x00" * 40,
+            5,
+            GOOD_B,
+            NUMEL,
+            "position bits are 40 bytes, more than the 10 that 64 elements can need",
+        ),
+        ("overflow", None, 5, GOOD_B, 63, "positions overflow the tensor's 63 elements"),
+        (
+            "no terminating zeros",
+            b"\x00\xff\xff",
+            5,
+            GOOD_B,
+            NUMEL,
+            "position bitstream runs past its end: 0 of 5 codewords are terminated",
+        ),
+        ("padding bits set", "good|pad", 5, GOOD_B, NUMEL, "non-zero padding bits after the position bitstream"),
     ],
 )
 def test_bad_streams_raise_payload_error(case, bits, nnz, b, numel, reason):
@@ -142,9 +163,9 @@ def test_bad_streams_raise_payload_error(case, bits, nnz, b, numel, reason):
         bits = good + b"\x00"
     elif bits == "good|pad":
         bits = good[:-1] + bytes([good[-1] | 1])
-    with pytest.raises(PayloadError, match=reason) as info:
+    with pytest.raises(PayloadError) as info:
         decode_positions(bits, nnz, b, numel, "layer.weight")
-    assert info.value.tensor == "layer.weight"
+    assert (info.value.tensor, info.value.reason) == ("layer.weight", reason)  # exactly what the log says
 
 
 def test_good_stream_is_accepted_as_is():
@@ -179,8 +200,25 @@ def test_cumulative_overflow_is_caught():
 
 
 def test_numel_out_of_range():
-    with pytest.raises(PayloadError, match="numel"):
-        decode_positions(b"", 0, 0, 2**62, "t")
+    for numel in (2**62, -1):
+        with pytest.raises(PayloadError) as info:
+            decode_positions(b"", 0, 0, numel, "t")
+        assert info.value.reason == f"numel {numel} is out of range"
+    assert decode_positions(b"", 0, 0, 2**62 - 1, "t").tolist() == []  # the largest numel allowed
+
+
+def test_bad_arguments_of_the_helpers_are_value_errors():
+    """Encoder-side misuse (a bug in the caller, not a hostile payload): ValueError, saying what."""
+    for b in (-1, MAX_B + 1):
+        with pytest.raises(ValueError, match=rf"^golomb b must be in \[0, 62\], got {b}$"):
+            encode_positions(torch.tensor([1]), b)
+    assert encode_positions(torch.tensor([1]), MAX_B) == encode_positions(torch.tensor([1]), 62)  # 62 is allowed
+    for p in (0.0, 1.5, -0.1):
+        with pytest.raises(ValueError, match=rf"^expected_bits_per_position: p must be in \(0, 1\], got {p}$"):
+            expected_bits_per_position(p, 3)
+    assert expected_bits_per_position(1.0, 0) == 1.0  # p = 1: every position set, one bit each
+    with pytest.raises(ValueError, match="^golomb_b: p is NaN$"):
+        golomb_b(math.nan)
 
 
 @given(

@@ -109,6 +109,16 @@ def test_coefficients_of_returns_what_the_codec_decodes_from():
     )
 
 
+def test_coefficients_of_puts_them_on_the_device_asked_for():
+    """The server sums coefficients where it aggregates: they land on the device it names (the
+    "meta" device, present on every machine, stands in for CUDA here), and on the CPU by default."""
+    enc, spec = _good()
+    assert coefficients_of(enc, spec, COMP).device == torch.device("cpu")
+    assert coefficients_of(enc, spec, COMP, device="cpu").device == torch.device("cpu")
+    on_meta = coefficients_of(enc, spec, COMP, device="meta")
+    assert on_meta.device.type == "meta" and on_meta.shape == (4, K) and on_meta.dtype == torch.float32
+
+
 # --- config ---------------------------------------------------------------------------------------
 
 
@@ -126,8 +136,12 @@ def test_config_alone_is_not_enough():
     for cfg in ("gradiveq", {"id": "gradiveq"}, CODEC.get_config()):
         with pytest.raises(ConfigError, match="^compressor:"):
             get_codec(cfg)
-    with pytest.raises(ConfigError, match="^compressor:"):
+    with pytest.raises(ConfigError) as info:
         GradiVeQ.from_config({"id": "gradiveq"})
+    assert str(info.value) == (  # the message says how to build one
+        "compressor: gradiveq cannot be built from a config alone; its basis is a runtime parameter: "
+        "use GradiVeQ(compressor) or GradiVeQ.from_config(config, compressor=...)"
+    )
     with pytest.raises(ConfigError, match="^compressor:"):
         GradiVeQ("not a compressor")  # type: ignore[arg-type]
 
@@ -209,16 +223,45 @@ def test_bad_payloads_raise_payload_error():
             enc.name, enc.shape, enc.dtype, enc.codec_id, enc.codec_version, DensePayload("float32", b"")
         ),
     }
+    # 63 values in slices of 16: 4 slices of K = 4 float32 coefficients, 64 bytes
+    reasons = {
+        "old version": "coefficients are for compressor version 2, this is version 3",
+        "newer version": "coefficients are for compressor version 4, this is version 3",
+        "slice size": "slice_size 8 / dim 4 where the compressor has 16 / 4",
+        "dim": "slice_size 16 / dim 5 where the compressor has 16 / 4",
+        "dim zero": "slice_size 16 / dim 0 where the compressor has 16 / 4",
+        "truncated": "coefficients are 60 bytes, expected ceil(numel/d)*k*4 = 64",
+        "trailing": "coefficients are 68 bytes, expected ceil(numel/d)*k*4 = 64",
+        "odd length": "coefficients are 63 bytes, expected ceil(numel/d)*k*4 = 64",
+        "nan": "coefficients hold NaN or infinite values",
+        "inf": "coefficients hold NaN or infinite values",
+        "huge dim": f"slice_size 16 / dim {2**31} where the compressor has 16 / 4",
+        "not covered": "compressor version 3 does not compress this tensor",
+        "wrong payload type": "payload is DensePayload, expected GradiVeQPayload",
+    }
     torch.testing.assert_close(CODEC.decode(enc, spec), CODEC.decode(_with(enc), spec), rtol=0, atol=0)
     for why, bad in cases.items():
         target = TensorSpec(bad.name, spec.shape)
         for fn in (lambda e, s: CODEC.decode(e, s), lambda e, s: coefficients_of(e, s, COMP)):
             with pytest.raises(PayloadError) as info:
                 fn(bad, target)
-            assert info.value.tensor == bad.name, why
+            assert (info.value.tensor, info.value.reason) == (bad.name, reasons[why]), why
             if why != "wrong payload type":  # and through real protobuf bytes
                 with pytest.raises(PayloadError):
                     fn(serde.tensor_from_bytes(serde.tensor_to_bytes(bad)), target)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("compressor_version", "3"), ("slice_size", 16.0), ("dim", True), ("coefficients", "0000")],
+)
+def test_payload_fields_of_the_wrong_type(field, value):
+    """What a caller building payloads in Python (not from protobuf) can get wrong."""
+    enc, spec = _good()
+    for fn in (CODEC.decode, lambda e, s: coefficients_of(e, s, COMP)):
+        with pytest.raises(PayloadError) as info:
+            fn(_with(enc, **{field: value}), spec)
+        assert (info.value.tensor, info.value.reason) == ("t", "GradiVeQ payload fields have the wrong types")
 
 
 def test_coefficients_of_checks_the_envelope():

@@ -446,10 +446,50 @@ def test_bad_payloads_raise_payload_error():
         "negative nnz",
         "wrong field types",
     )
-    kit.check_rejects(codec, spec, cases, not_on_wire=not_on_wire)
+    # exactly what the server logs for each (10 positions with golomb_b 6, 2 sign bytes)
+    reasons = {
+        "truncated": "position bits truncated: 7 bytes cannot hold 10 codewords of at least 7 bits",
+        "trailing": "1 trailing bytes after the position bitstream",
+        "nnz > numel": "nnz 1001 exceeds the tensor's 1000 elements",
+        "nnz vs signs": "sign bits are 2 bytes, expected 3 for nnz 17",
+        "golomb_b too big": "golomb_b 63 is outside [0, 62]",
+        "runs past end": "position bitstream runs past its end: 0 of 10 codewords are terminated",
+        "position past numel": "positions overflow the tensor's 1000 elements",
+        "overflow": "positions overflow the tensor's 1000 elements",
+        "signs short": "sign bits are 1 bytes, expected 2 for nnz 10",
+        "signs long": "sign bits are 3 bytes, expected 2 for nnz 10",
+        "signs padding": "non-zero padding bits after the sign bits",
+        "signs empty for nnz": "sign bits are 0 bytes, expected 2 for nnz 10",
+        "signs for nnz 0": "sign bits are 2 bytes, expected 0 for nnz 0",
+        "mu for nnz 0": f"mu {p.mu!r} with no kept positions (must be 0)",
+        "nan mu": "mu nan is not a finite float32 >= 0",
+        "inf mu": "mu inf is not a finite float32 >= 0",
+        "negative mu": f"mu {-p.mu!r} is not a finite float32 >= 0",
+        "negative zero mu": "mu -0.0 is not a finite float32 >= 0",
+        "mu beyond float32": "mu 1e+300 is not a finite float32 >= 0",
+        "mu a huge int": f"mu {10**400!r} is not a finite float32 >= 0",
+        "negative nnz": "nnz -1 is negative",
+        "wrong field types": "STC payload fields have the wrong types",
+        "wrong payload type": "payload is DensePayload, expected STCPayload",
+        "sbc payload": "payload is SBCPayload, expected STCPayload",
+    }
+    assert set(reasons) == set(cases)
+    kit.check_rejects(codec, spec, cases, not_on_wire=not_on_wire, reasons=reasons)
     # a codec of another id refuses an STC tensor
     with pytest.raises(PayloadError, match=r"'layer\.w'"):
         SBC().decode(enc, spec)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("nnz", "10"), ("nnz", True), ("golomb_b", None), ("mu", "0.5"), ("bits", "0110"), ("signs", [0, 1])],
+)
+def test_payload_fields_of_the_wrong_type(field, value):
+    """What a caller building payloads in Python (not from protobuf) can get wrong."""
+    enc, spec = _good()
+    with pytest.raises(PayloadError) as info:
+        STC(0.01).decode(_with(enc, **{field: value}), spec)
+    assert (info.value.tensor, info.value.reason) == ("layer.w", "STC payload fields have the wrong types")
 
 
 @given(

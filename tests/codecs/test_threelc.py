@@ -367,10 +367,11 @@ def _with(enc, **changes):
     return dataclasses.replace(enc, payload=dataclasses.replace(enc.payload, **changes))
 
 
-def _rejects(codec, enc, spec, match):
-    with pytest.raises(PayloadError, match=match) as info:
+def _rejects(codec, enc, spec, reason):
+    """``enc`` is refused naming ``spec``'s tensor, with exactly ``reason`` (what the log says)."""
+    with pytest.raises(PayloadError) as info:
         codec.decode(enc, spec)
-    assert info.value.tensor == spec.name
+    assert (info.value.tensor, info.value.reason) == (spec.name, reason)
 
 
 @pytest.mark.parametrize("zero_run", [True, False])
@@ -378,10 +379,18 @@ def test_truncated_and_extra_bytes(zero_run):
     codec, enc, spec = _valid(zero_run=zero_run)
     data = enc.payload.data
     assert codec.decode(enc, spec).shape == spec.shape
-    _rejects(codec, _with(enc, data=data[:-1]), spec, "expand to|bytes")
-    _rejects(codec, _with(enc, data=b""), spec, "expand to|bytes")
-    _rejects(codec, _with(enc, data=data + b"\x79"), spec, "expand to|bytes")
-    _rejects(codec, _with(enc, data=data + b"\x00" * 5000), spec, "bytes")
+    n, g = len(data), groups(spec.numel)  # 1234 values: 247 groups
+    if zero_run:  # a short stream is judged by what it expands to
+        _rejects(codec, _with(enc, data=data[:-1]), spec, f"zero runs expand to {g - 1} groups, expected {g}")
+        _rejects(codec, _with(enc, data=b""), spec, f"zero runs expand to 0 groups, expected {g}")
+        _rejects(codec, _with(enc, data=data + b"\x79"), spec, f"zero runs expand to {g + 1} groups, expected {g}")
+        too_long = f"data is {n + 5000} bytes, more than the {g} groups it codes"
+    else:
+        _rejects(codec, _with(enc, data=data[:-1]), spec, f"data is {g - 1} bytes, expected {g}")
+        _rejects(codec, _with(enc, data=b""), spec, f"data is 0 bytes, expected {g}")
+        _rejects(codec, _with(enc, data=data + b"\x79"), spec, f"data is {g + 1} bytes, expected {g}")
+        too_long = f"data is {n + 5000} bytes, expected {g}"
+    _rejects(codec, _with(enc, data=data + b"\x00" * 5000), spec, too_long)
 
 
 def test_zero_runs_expanding_past_the_shape():
@@ -396,34 +405,39 @@ def test_zero_runs_expanding_past_the_shape():
     huge = TensorSpec("w", (2**40,))
     enc_huge = dataclasses.replace(enc, shape=(2**40,), payload=ThreeLCPayload(1.0, 2**40, True, b"\xff" * 64))
     with kit.LargestTensor() as made:
-        _rejects(codec, enc_huge, huge, "zero runs expand to 896 groups")
+        _rejects(codec, enc_huge, huge, f"zero runs expand to 896 groups, expected {groups(2**40)}")
         enc_huge = dataclasses.replace(enc_huge, payload=ThreeLCPayload(1.0, 2**40, False, b"\x00" * 64))
-        _rejects(codec, enc_huge, huge, "bytes")
+        _rejects(codec, enc_huge, huge, f"data is 64 bytes, expected {groups(2**40)}")
     assert made.largest <= 64
 
 
 def test_numel_must_match_the_shape():
     codec, enc, spec = _valid()
-    _rejects(codec, _with(enc, numel=spec.numel + 1), spec, "values, expected")
-    _rejects(codec, _with(enc, numel=0), spec, "values, expected")
-    _rejects(codec, _with(enc, numel=2**64 - 1), spec, "values, expected")
+    for numel in (spec.numel + 1, 0, 2**64 - 1, True):
+        _rejects(codec, _with(enc, numel=numel), spec, f"payload has {numel!r} values, expected {spec.numel}")
 
 
-@pytest.mark.parametrize("scale", [math.nan, -1.0, math.inf, -math.inf, -1e-30])
+@pytest.mark.parametrize("scale", [math.nan, -1.0, math.inf, -math.inf, -1e-30, True, "1"])
 def test_bad_scale(scale):
     codec, enc, spec = _valid()
-    _rejects(codec, _with(enc, scale=scale), spec, "scale")
+    _rejects(codec, _with(enc, scale=scale), spec, f"scale {scale!r} is not a finite number >= 0")
 
 
 def test_wrong_payload_type_and_codes():
     codec, enc, spec = _valid()
     _rejects(
-        codec, dataclasses.replace(enc, payload=DensePayload("float32", b"\x00" * 4 * spec.numel)), spec, "payload is"
+        codec,
+        dataclasses.replace(enc, payload=DensePayload("float32", b"\x00" * 4 * spec.numel)),
+        spec,
+        "payload is DensePayload, expected ThreeLCPayload",
     )
+    malformed = "malformed 3LC payload (data must be bytes, zero_run a bool)"
+    _rejects(codec, _with(enc, data=list(enc.payload.data)), spec, malformed)
+    _rejects(codec, _with(enc, zero_run=1), spec, malformed)
     codec, enc, spec = _valid(zero_run=False)
     data = bytearray(enc.payload.data)
     data[17] = 250
-    _rejects(codec, _with(enc, data=bytes(data)), spec, "not a base-3\\^5 code")
+    _rejects(codec, _with(enc, data=bytes(data)), spec, "byte 250 is not a base-3^5 code (0..242) without zero runs")
 
 
 def test_decode_zero_scale_and_empty():
@@ -431,7 +445,8 @@ def test_decode_zero_scale_and_empty():
     spec = TensorSpec("e", (0, 3))
     enc = EncodedTensor("e", (0, 3), "float32", "3lc", 1, ThreeLCPayload(0.0, 0, True, b""))
     assert codec.decode(enc, spec).shape == (0, 3)
-    _rejects(codec, dataclasses.replace(enc, payload=ThreeLCPayload(0.0, 0, True, b"\x79")), spec, "bytes")
+    bad = dataclasses.replace(enc, payload=ThreeLCPayload(0.0, 0, True, b"\x79"))
+    _rejects(codec, bad, spec, "data is 1 bytes, more than the 0 groups it codes")
     spec = TensorSpec("z", (6,))
     enc = EncodedTensor("z", (6,), "float32", "3lc", 1, ThreeLCPayload(0.0, 6, False, bytes([242, 0])))
     assert codec.decode(enc, spec).tolist() == [0.0] * 6

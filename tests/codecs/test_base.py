@@ -1,0 +1,155 @@
+"""The codec contract every codec inherits (fedcomp/codecs/base.py, fedcomp/codecs/__init__.py):
+the envelope checks and their exact reasons, config look-up and round trips, equality and
+hashing by config, shapes, dtypes and devices of what decode returns."""
+
+import pytest
+import torch
+
+from fedcomp.codecs import CODECS, SBC, STC, DenseFP16, DenseFP32, Identity, TensorSpec, ThreeLC, TopK, get_codec
+from fedcomp.codecs.base import check_wire_dtype, expect_payload
+from fedcomp.errors import ConfigError, PayloadError
+from fedcomp.wire.payloads import DensePayload, EncodedTensor, SBCPayload
+
+# one codec of each kind that get_codec can build from a config alone (GradiVeQ needs its compressor)
+PLAIN = [SBC(0.1, "exact"), STC(0.1), ThreeLC(1.5), TopK(p=0.1), DenseFP32(), DenseFP16(), Identity()]
+
+
+def test_the_allow_list_names_every_codec_by_its_id():
+    assert sorted(CODECS) == sorted(["sbc", "stc", "3lc", "topk", "dense-fp32", "dense-fp16", "identity", "gradiveq"])
+    assert all(cls.codec_id == cid for cid, cls in CODECS.items())
+
+
+def test_tensor_spec():
+    assert TensorSpec("w", (3, 4, 5)).numel == 60
+    assert TensorSpec("s", ()).numel == 1  # a scalar holds one value
+    assert TensorSpec("e", (4, 0)).numel == 0
+    x = torch.zeros(2, 3, dtype=torch.float16)
+    assert TensorSpec.of("h", x) == TensorSpec("h", (2, 3), torch.float16)
+    assert TensorSpec("w", (2,)).dtype == torch.float32  # the default
+
+
+@pytest.mark.parametrize("codec", PLAIN, ids=repr)
+def test_get_codec_builds_each_codec_from_its_config(codec):
+    assert get_codec(codec.get_config()) == codec
+    if isinstance(codec, TopK):  # no default selection: a bare id is not enough
+        with pytest.raises(ConfigError, match="^p: give exactly one of p and ranges$"):
+            get_codec("topk")
+    else:
+        assert get_codec(codec.codec_id) == type(codec)()  # a bare id: the defaults
+    assert type(codec).from_config({k: v for k, v in codec.get_config().items() if k != "id"}) == codec
+
+
+def test_unknown_codec_ids_are_config_errors_listing_the_known_ones():
+    known = sorted(CODECS)
+    for bad in ("zip", {"id": "zip"}, {"p": 0.1}):
+        with pytest.raises(ConfigError) as info:
+            get_codec(bad)  # type: ignore[arg-type]
+        cid = bad if isinstance(bad, str) else bad.get("id")
+        assert str(info.value) == f"id: unknown codec {cid!r}; known: {known}"
+
+
+def test_from_config_checks_the_id_and_the_keys():
+    with pytest.raises(ConfigError) as info:
+        SBC.from_config({"id": "stc", "p": 0.1})
+    assert str(info.value) == "id: 'stc' is not 'sbc'"
+    with pytest.raises(ConfigError) as info:
+        ThreeLC.from_config({"id": "3lc", "q": 1})
+    assert str(info.value).startswith("3lc: ") and "'q'" in str(info.value)
+
+
+def test_equality_and_hash_follow_the_config():
+    assert SBC(0.1, "exact") == SBC(0.1, "exact") and hash(SBC(0.1, "exact")) == hash(SBC(0.1, "exact"))
+    assert SBC(0.1) != SBC(0.2) and SBC(0.1) != STC(0.1) and SBC(0.1) != "sbc"
+    # different settings hash apart (a dict of codecs does not degrade to one bucket)
+    hashes = {hash(c) for c in PLAIN} | {hash(SBC(0.2, "exact")), hash(ThreeLC(1.25))}
+    assert len(hashes) == len(PLAIN) + 2
+    assert len({SBC(0.1, "exact"), SBC(0.1, "exact"), SBC(0.2)}) == 2
+    assert repr(ThreeLC(1.5)) == "ThreeLC(s=1.5, zero_run=True)"
+    assert repr(DenseFP32()) == "DenseFP32()"
+
+
+def _enc(**changes) -> EncodedTensor:
+    fields = {
+        "name": "layer.w",
+        "shape": (4, 4),
+        "dtype": "float32",
+        "codec_id": "dense-fp32",
+        "codec_version": 1,
+        "payload": DensePayload("float32", b"\0" * 64),
+        **changes,
+    }
+    return EncodedTensor(**fields)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "changes, reason",
+    [
+        ({"name": "layer.b"}, "payload is for tensor 'layer.b'"),
+        ({"codec_id": "sbc"}, "codec 'sbc' where 'dense-fp32' was expected"),
+        ({"codec_version": 2}, "dense-fp32 version 2 is not supported (have 1)"),
+        ({"shape": (16,)}, "shape [16] where [4, 4] was expected"),
+        ({"dtype": "float16"}, "dtype float16 where float32 was expected"),
+    ],
+)
+def test_the_envelope_must_match_the_spec(changes, reason):
+    """What the server logs when a reply's tensor is not the one it expects (name, codec, codec
+    version, shape, dtype), checked before the payload is looked at."""
+    codec, spec = DenseFP32(), TensorSpec("layer.w", (4, 4))
+    assert codec.decode(_enc(), spec).shape == (4, 4)
+    with pytest.raises(PayloadError) as info:
+        codec.decode(_enc(**changes), spec)
+    assert (info.value.tensor, info.value.reason) == ("layer.w", reason)
+
+
+def test_decode_returns_the_spec_dtype_on_the_device_asked_for():
+    x = torch.arange(6, dtype=torch.float16).reshape(2, 3)
+    codec = DenseFP32()
+    enc = codec.encode(x, "h")
+    dec = codec.decode(enc, TensorSpec.of("h", x))
+    assert dec.dtype == torch.float16 and dec.device == torch.device("cpu") and torch.equal(dec, x)
+    assert codec.decode(enc, TensorSpec.of("h", x), device="cpu").device == torch.device("cpu")
+
+
+def test_encode_checks_the_dtype_and_names_the_tensor():
+    assert DenseFP32().encode(torch.ones(2)).name == ""  # the default name
+    enc, recon = DenseFP32().encode_with_reconstruction(torch.ones(2, 1))
+    assert enc.name == "" and enc.shape == (2, 1) and recon.shape == (2, 1)
+    for codec in PLAIN:
+        with pytest.raises(TypeError) as info:
+            codec.encode(torch.ones(3, dtype=torch.int64), "counts")
+        assert str(info.value) == "tensor 'counts': dtype torch.int64 is not supported"
+    with pytest.raises(TypeError) as info:
+        check_wire_dtype(torch.ones(1, dtype=torch.bool), "m")
+    assert str(info.value) == "tensor 'm': dtype torch.bool is not supported"
+
+
+def test_expect_payload_names_both_types():
+    expect_payload(DensePayload("float32", b""), DensePayload, "w")  # the right type passes
+    with pytest.raises(PayloadError) as info:
+        expect_payload(SBCPayload(0.0, 0, 0, b""), DensePayload, "w")
+    assert (info.value.tensor, info.value.reason) == ("w", "payload is SBCPayload, expected DensePayload")
+
+
+@pytest.fixture
+def float64_default():
+    """torch's default dtype set to float64 (as scientific code often does), restored afterwards."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+@pytest.mark.parametrize("codec", PLAIN, ids=repr)
+def test_float64_default_dtype_changes_nothing(codec, float64_default):
+    """Encoding builds its float32 reconstruction and its bytes whatever torch's default dtype
+    is: the same message and reconstruction as under the float32 default."""
+    x = torch.linspace(-2.0, 3.0, 500, dtype=torch.float32).reshape(20, 25) ** 3
+    enc, recon = codec.encode_with_reconstruction(x, "w")
+    assert recon.dtype == torch.float32
+    dec = codec.decode(enc, TensorSpec.of("w", x))
+    assert dec.dtype == torch.float32 and torch.equal(dec, recon)
+    torch.set_default_dtype(torch.float32)
+    enc32, recon32 = codec.encode_with_reconstruction(x, "w")
+    assert enc == enc32 and torch.equal(recon, recon32)
