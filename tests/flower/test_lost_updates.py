@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp.strategy import FedAvg
 
 from fedcomp.errors import PayloadError
@@ -185,6 +185,11 @@ def test_every_local_update_is_aggregated_or_still_in_the_residual(method: str) 
         assert protocol.STATE_PENDING not in client.ctx.state.config_records, node  # all settled
         # Updates are ~0.01 per entry (node 3's boosted one ~10): float32 sums of a few rounds.
         assert _gap(client, [(inner, models)]) < 2e-5, node
+    # Delivery, not only bookkeeping: the dense bias goes whole, so a node whose last update was
+    # aggregated holds no residual for it, whatever it lost before (node 3's stays rejected).
+    for node in (1, 2, 4):
+        assert float(clients[node].residual().get("b", torch.zeros(1)).abs().max()) == 0.0, node
+    assert float(clients[3].residual()["b"].abs().max()) > 1.0
     # Node 4 sat out rounds 3 and 6 (nothing in flight) and lost nothing: all 6 updates aggregated.
     assert sum(4 in got for got in inner.aggregated.values()) == 6
 
@@ -339,3 +344,51 @@ def test_the_outcome_records_survive_a_checkpoint_and_reject_garbage() -> None:
     for bad in ({}, {"settled-round": 1, "last-update": {"1": [1, "maybe", ""]}}, {"settled-round": "x"}):
         with pytest.raises(PayloadError, match="outcome state"):
             other.load_outcome_state(bad)
+
+
+class DivergingLedgerClient(LedgerClient):
+    """Its training produces NaN in round 3."""
+
+    def app(self, msg: Message, ctx: Any) -> Message:
+        reply = super().app(msg, ctx)
+        cfg = msg.content.config_records[protocol.CONFIG_RECORD]
+        if msg.metadata.message_type == MessageType.TRAIN and cfg[protocol.SERVER_ROUND] == 3:
+            arrays = reply.content.array_records[ARRAYS].to_torch_state_dict()
+            next(iter(arrays.values())).view(-1)[0] = float("nan")
+            reply.content[ARRAYS] = ArrayRecord(arrays)
+            self.trained.pop()  # a diverged update is no local update: it is never sent
+        return reply
+
+
+def test_a_diverged_round_after_a_rejected_one_settles_it_and_keeps_the_rest() -> None:
+    inner = RecordingFedAvg()
+    strategy = CompressionStrategy(inner, CompressionConfig.from_run_config({}))
+    clients: dict[int, LedgerClient] = {1: LedgerClient(1), 2: DivergingLedgerClient(2)}
+    models = {1: tiny_model()}
+    new, _ = train_round(strategy, clients, 1, models[1])
+    assert new is not None
+    models[2] = new
+    new, _ = train_round(strategy, clients, 2, new, tamper=lambda n, r: truncated(r) if n == 2 else r)
+    assert new is not None and set(strategy.traffic[2].rejected) == {2}
+    state = clients[2].ctx.state
+    sent2 = PendingUpdate.from_record(state.config_records[protocol.STATE_PENDING]).tensors
+    residual2 = clients[2].residual()
+    replica2 = state.array_records[protocol.STATE_REPLICA].to_torch_state_dict()
+    models[3] = new
+    new, log = train_round(strategy, clients, 3, new)
+    assert new is not None
+    reply = log.replies[2]
+    assert reply.has_error() and reply.error.code == int(protocol.ErrorCode.LOCAL_UPDATE_REJECTED)
+    # The round-2 update was settled (added back) before training; nothing new is pending and the
+    # stored replica is the one from before this round.
+    assert protocol.STATE_PENDING not in state.config_records
+    recovered = clients[2].residual()
+    for k in sent2:
+        torch.testing.assert_close(recovered[k], residual2.get(k, torch.zeros_like(sent2[k])) + sent2[k])
+    after = state.array_records[protocol.STATE_REPLICA].to_torch_state_dict()
+    assert all(torch.equal(after[k], replica2[k]) for k in replica2)
+    models[4] = new
+    new, _ = train_round(strategy, clients, 4, new)
+    assert new is not None and strategy.traffic[4].accepted == 2
+    evaluate_round(strategy, clients, 4, new)
+    assert _gap(clients[2], [(inner, models)]) < 2e-5
