@@ -10,8 +10,9 @@ else Gaussian images with random labels), and the update is weights after minus 
 
 For each codec and op it reports the median wall time over ``--repeat`` runs, the median time of
 ``clone()`` of the same tensors (timed right before each run), and the median of the per-run
-ratios: ratios travel between
-machines better than seconds. ``encode`` is tensors -> wire bytes (protobuf serialized), ``decode``
+ratios: ratios travel between machines better than seconds. The ``target`` column is the ratio
+the issue sets for that codec (CPU or GPU); it is printed beside the ratio for reading, and the
+command exits 0 whatever the ratio (BENCHMARKS.md records which targets are met). ``encode`` is tensors -> wire bytes (protobuf serialized), ``decode``
 is wire bytes -> tensors on the device; tensors below 1000 elements go dense, as in 3LC.
 """
 
@@ -28,7 +29,7 @@ from typing import TypeVar
 
 import torch
 
-from fedcomp.bench import write_rows
+from fedcomp.bench import int_at_least, write_rows
 from fedcomp.codecs import Codec, get_codec
 from fedcomp.codecs.base import TensorSpec
 from fedcomp.methods.update import UpdateEncoder, decode_update, specs_of
@@ -78,6 +79,7 @@ def _images(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     try:
         train = load_idx_dataset("mnist").train
     except DataError:  # no data folder: Gaussian images, random labels
+        print("note: no MNIST under $FEDCOMP_DATA_DIR: the SGD steps use Gaussian images", file=sys.stderr)
         return torch.randn(n, 3, 64, 64, generator=gen), torch.randint(0, 1000, (n,), generator=gen)
     x = torch.nn.functional.interpolate(train.x[:n], size=64).repeat(1, 3, 1, 1)
     return x, train.y[:n]
@@ -163,12 +165,10 @@ def bench_codecs(device: torch.device, repeat: int, values: str, sgd_steps: int,
 
 
 def _print_row(r: dict) -> None:
+    # The target is part of the report (the ratio it is read against), not a verdict on this run:
+    # one noisy shared machine's ratio is not a pass or a fail; BENCHMARKS.md says which are met.
     label = ",".join(f"{k}={v}" for k, v in r["config"].items() if k != "id")
-    tgt = (
-        ""
-        if r["target_ratio"] is None
-        else f"<= {r['target_ratio']:.0f}x " + ("met" if r["ratio"] <= r["target_ratio"] else "MISSED")
-    )
+    tgt = "" if r["target_ratio"] is None else f"<= {r['target_ratio']:.0f}x"
     print(
         f"{r['codec']:<11}{label:<18}{r['op']:<7}{r['device']:<6}{r['median_s'] * 1e3:9.1f} ms"
         f"{r['clone_median_s'] * 1e3:9.1f} ms{r['ratio']:7.2f}x {r['bytes']:>11,d} B"
@@ -203,9 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("codecs", help="encode/decode time vs clone() over a ResNet-50-shaped update")
     c.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     c.add_argument("--json", type=Path, help="write the rows as a JSON list to this path")
-    c.add_argument("--repeat", type=int, default=5)
+    c.add_argument("--repeat", type=int_at_least(1), default=5)
     c.add_argument("--values", choices=["sgd", "student-t"], default="sgd")
-    c.add_argument("--sgd-steps", type=int, default=2)
+    c.add_argument("--sgd-steps", type=int_at_least(1), default=2)
     c.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -18,7 +18,8 @@ measures, on the same updates:
 
 ``--model lenet`` (default) uses real updates: LeNet5-Caffe, round 0 trains every client from
 the same start on its IID MNIST shard (``fedcomp.app.data.load_partition``, data folder from
-``--data-dir`` or ``$FEDCOMP_DATA_DIR``), the mean delta is the aggregate whose norms plan
+``--data-dir`` or ``$FEDCOMP_DATA_DIR``; without either, the bundled scikit-learn digits, and
+stderr says so; ``--dataset`` picks explicitly), the mean delta is the aggregate whose norms plan
 round 1, and round 1's deltas from the updated model are measured. ``--model resnet50`` is for
 timing: ResNet-50's 161 tensor shapes (25.6M values), each client's update a shared Student-t
 (df 3) signal plus its own Gaussian noise of the same scale, the shared signal as aggregate.
@@ -37,21 +38,22 @@ from pathlib import Path
 
 import torch
 
-from fedcomp.bench import write_rows
+from fedcomp.app.data import load_dataset
+from fedcomp.bench import DATA_DIR_ENV, DATASETS, choose_dataset, float_in, int_at_least, int_list, write_rows
 from fedcomp.codecs.topk import TopK, topk_positions
 from fedcomp.methods import deft
 
 Rounds = tuple[list[torch.Tensor], Iterator[list[torch.Tensor]]]
 
 
-def lenet_rounds(n: int, local_iters: int, seed: int, data_dir: str | None) -> Rounds:
-    """(aggregate of round 0, round 1's client updates) for LeNet5-Caffe on MNIST shards."""
+def lenet_rounds(n: int, local_iters: int, seed: int, data_dir: str | None, dataset: str = "mnist") -> Rounds:
+    """(aggregate of round 0, round 1's client updates) for LeNet5-Caffe on ``dataset`` shards."""
     from fedcomp.app.data import load_partition
     from fedcomp.app.models import LeNet5Caffe, train_local
 
     torch.manual_seed(seed)
     model = LeNet5Caffe()
-    shards = [load_partition("mnist", i, n, data_dir=data_dir) for i in range(n)]
+    shards = [load_partition(dataset, i, n, data_dir=data_dir) for i in range(n)]
 
     def deltas(start: dict[str, torch.Tensor], i: int) -> list[torch.Tensor]:
         model.load_state_dict(start)
@@ -100,9 +102,18 @@ def _median_time(fn: Callable[[], object], repeat: int) -> float:
     return statistics.median(times)
 
 
-def measure(model: str, n: int, density: float, local_iters: int, repeat: int, seed: int, data_dir: str | None) -> dict:
+def measure(
+    model: str,
+    n: int,
+    density: float,
+    local_iters: int,
+    repeat: int,
+    seed: int,
+    data_dir: str | None,
+    dataset: str = "mnist",
+) -> dict:
     if model == "lenet":
-        aggregate, clients = lenet_rounds(n, local_iters, seed, data_dir)
+        aggregate, clients = lenet_rounds(n, local_iters, seed, data_dir, dataset)
     else:
         aggregate, clients = resnet50_rounds(n, seed)
     numels = [t.numel() for t in aggregate]
@@ -137,6 +148,7 @@ def measure(model: str, n: int, density: float, local_iters: int, repeat: int, s
     topk_med = statistics.median(topk_s)
     return {
         "model": model,
+        "dataset": dataset if model == "lenet" else None,
         "clients": n,
         "numel": total,
         "density": density,
@@ -172,23 +184,38 @@ def _print_row(r: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m fedcomp.bench deft", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", choices=["lenet", "resnet50"], default="lenet")
-    ap.add_argument("--density", type=float, default=0.01)
-    ap.add_argument("--clients", default="1,2,4,8,16", help="comma-separated numbers of clients")
-    ap.add_argument("--local-iters", type=int, default=10, help="local SGD steps per client (lenet)")
-    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--density", type=float_in(0.0, 0.5, lo_open=True), default=0.01)
+    ap.add_argument("--clients", type=int_list(1), default=[1, 2, 4, 8, 16], help="comma-separated numbers of clients")
+    ap.add_argument("--local-iters", type=int_at_least(1), default=10, help="local SGD steps per client (lenet)")
+    ap.add_argument("--repeat", type=int_at_least(1), default=5)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--data-dir", default=None, help="MNIST parent folder (default: $FEDCOMP_DATA_DIR)")
+    ap.add_argument(
+        "--dataset",
+        choices=DATASETS,
+        default=None,
+        help="lenet's data (default: mnist when a data folder is set, else the bundled digits)",
+    )
+    ap.add_argument("--data-dir", default=None, help=f"folder holding mnist/ (default: ${DATA_DIR_ENV})")
     ap.add_argument("--json", type=Path, help="write the rows as a JSON list to this path")
     args = ap.parse_args(argv)
-    ns = [int(v) for v in args.clients.split(",")]
+    dataset = "mnist"
+    if args.model == "lenet":  # resnet50 makes synthetic updates: no data
+        dataset = choose_dataset(ap, args.dataset, args.data_dir, data_dir_option="--data-dir")
+        n_train = len(load_dataset(dataset, args.data_dir or None).train)
+        if max(args.clients) > n_train:
+            ap.error(f"--clients: {max(args.clients)} clients for {n_train} {dataset} training images")
     print(
-        f"torch {torch.__version__}, threads {torch.get_num_threads()}, model {args.model}, density {args.density}",
+        f"torch {torch.__version__}, threads {torch.get_num_threads()}, model {args.model}"
+        + (f" on {dataset}" if args.model == "lenet" else "")
+        + f", density {args.density}",
         file=sys.stderr,
     )
     print(HEADER)
     rows = []
-    for n in ns:
-        rows.append(measure(args.model, n, args.density, args.local_iters, args.repeat, args.seed, args.data_dir))
+    for n in args.clients:
+        rows.append(
+            measure(args.model, n, args.density, args.local_iters, args.repeat, args.seed, args.data_dir, dataset)
+        )
         _print_row(rows[-1])
     write_rows(args.json, rows)
     return 0

@@ -2,11 +2,11 @@
 
     python -m fedcomp.bench gradiveq [--clients 4] [--local-steps 5] [--fit-rounds 3]
         [--eval-rounds 2] [--eps 0.3 0.1 0.03] [--slice-size row|N] [--lr 0.001]
-        [--dataset mnist] [--repeat 5] [--seed 0] [--json PATH]
+        [--dataset mnist|digits|fashion-mnist] [--repeat 5] [--seed 0] [--json PATH]
 
 Simulates FedAvg in process: every round each client copies the global LeNet5-Caffe, takes
 ``--local-steps`` Adam steps on its IID MNIST partition (``fedcomp.app.data.load_partition``, data
-from ``$FEDCOMP_DATA_DIR``), and its update is weights after minus weights before; the global
+from ``$FEDCOMP_DATA_DIR``; without it the bundled scikit-learn digits, and stderr says so), and its update is weights after minus weights before; the global
 model moves by the sample-weighted mean update. The updates of the first ``--fit-rounds`` rounds
 are the PCA samples (the uncompressed rounds of the paper's schedule, all slices of all clients'
 updates); the next ``--eval-rounds`` rounds are held out.
@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from fedcomp.bench import write_rows
+from fedcomp.bench import DATA_DIR_ENV, DATASETS, choose_dataset, float_in, int_at_least, write_rows
 from fedcomp.codecs import DenseFP32, TensorSpec
 from fedcomp.codecs.gradiveq import GradiVeQ, coefficients_of
 from fedcomp.methods.gradiveq import Compressor, aggregate, fit_compressor
@@ -241,24 +241,30 @@ def _print(s: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m fedcomp.bench gradiveq", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--clients", type=int, default=4)
-    ap.add_argument("--local-steps", type=int, default=5)
-    ap.add_argument("--fit-rounds", type=int, default=3)
-    ap.add_argument("--eval-rounds", type=int, default=2)
-    ap.add_argument("--eps", type=float, nargs="+", default=[0.3, 0.1, 0.03])
-    ap.add_argument("--slice-size", default="row", help="'row' (row length per tensor) or an integer d")
-    ap.add_argument("--min-numel", type=int, default=1000)
-    ap.add_argument("--max-samples", type=int, default=16384)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--dataset", default="mnist")
-    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--clients", type=int_at_least(1), default=4)
+    ap.add_argument("--local-steps", type=int_at_least(1), default=5)
+    ap.add_argument("--fit-rounds", type=int_at_least(1), default=3)
+    ap.add_argument("--eval-rounds", type=int_at_least(1), default=2)
+    ap.add_argument("--eps", type=float_in(0.0, 1.0, lo_open=True, hi_open=True), nargs="+", default=[0.3, 0.1, 0.03])
+    ap.add_argument("--slice-size", default="row", help="'row' (row length per tensor) or an integer d >= 1")
+    ap.add_argument("--min-numel", type=int_at_least(0), default=1000)
+    ap.add_argument("--max-samples", type=int_at_least(1), default=16384)
+    ap.add_argument("--lr", type=float_in(0.0, lo_open=True), default=1e-3)
+    ap.add_argument("--batch-size", type=int_at_least(1), default=32)
+    ap.add_argument(
+        "--dataset",
+        choices=DATASETS,
+        default=None,
+        help=f"default: mnist when ${DATA_DIR_ENV} is set, else the bundled digits",
+    )
+    ap.add_argument("--repeat", type=int_at_least(1), default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, help="write the results as JSON to this path")
     args = ap.parse_args(argv)
-    if args.slice_size != "row" and not args.slice_size.isdigit():
-        ap.error("--slice-size: 'row' or a positive integer")
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}", file=sys.stderr)
+    if args.slice_size != "row" and not (args.slice_size.isdigit() and int(args.slice_size) >= 1):
+        ap.error(f"--slice-size: 'row' or an integer >= 1, got {args.slice_size!r}")
+    args.dataset = choose_dataset(ap, args.dataset, None, data_dir_option=None)
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, {args.dataset}", file=sys.stderr)
     rows = bench(args)
     write_rows(args.json, rows)
     return 0

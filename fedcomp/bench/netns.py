@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fedcomp.bench import DATASETS, choose_dataset, float_in, int_at_least
 from fedcomp.net.links import LinkProfile
 
 #: Exit code when network namespaces cannot be used here (as ``fedcomp.net.deploy local --netns``).
@@ -93,23 +94,27 @@ def main(argv: list[str] | None = None) -> int:
     from fedcomp.bench.links import _app_dir
 
     ap = argparse.ArgumentParser(prog="python -m fedcomp.bench netns", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--nodes", type=int, default=2, help="SuperNodes (= partitions)")
-    ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--mbps", type=float, default=10.0, help="every node's uplink and downlink, Mbit/s")
-    ap.add_argument("--latency-ms", type=float, default=0.0, help="one way; needs sch_netem in the kernel")
-    ap.add_argument("--local-iters", type=int, default=1)
-    ap.add_argument("--sbc-p", type=float, default=0.1)
-    ap.add_argument("--3lc-s", dest="threelc_s", type=float, default=1.0)
-    ap.add_argument("--dataset", default="digits")
+    ap.add_argument("--nodes", type=int, default=2, help="SuperNodes (= partitions), 1..10")
+    ap.add_argument("--rounds", type=int, default=4, help="1..100")
+    ap.add_argument(
+        "--mbps", type=float_in(0.0, lo_open=True), default=10.0, help="every node's uplink and downlink, Mbit/s"
+    )
+    ap.add_argument("--latency-ms", type=float_in(0.0), default=0.0, help="one way; needs sch_netem in the kernel")
+    ap.add_argument("--local-iters", type=int_at_least(1), default=1)
+    ap.add_argument("--sbc-p", type=float_in(0.0, 0.5, lo_open=True), default=0.1)
+    ap.add_argument("--3lc-s", dest="threelc_s", type=float_in(1.0, 2.0, hi_open=True), default=1.0)
+    ap.add_argument(
+        "--dataset", choices=DATASETS, default="digits", help="mnist and fashion-mnist: from $FEDCOMP_DATA_DIR"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--results-dir", type=Path, default=Path("results/bench-netns"))
-    ap.add_argument("--timeout", type=float, default=600.0, help="per deployment, seconds")
+    ap.add_argument("--timeout", type=float_in(0.0, lo_open=True), default=600.0, help="per deployment, seconds")
     ap.add_argument("--json", type=Path, default=None, help="write both runs' rows here")
     args = ap.parse_args(argv)
     if not 1 <= args.nodes <= 10 or not 1 <= args.rounds <= 100:
         ap.error("--nodes in 1..10, --rounds in 1..100")
-    if not args.mbps > 0:
-        ap.error("--mbps: must be > 0")
+    if args.dataset != "digits":  # the deployment would fail on its first round without the data
+        choose_dataset(ap, args.dataset, None, data_dir_option=None)
 
     reason = netns_unavailable_reason()
     if reason is not None:
