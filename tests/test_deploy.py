@@ -125,6 +125,60 @@ def test_cli_rejects_a_bad_node_config_before_starting_anything(
     assert not (tmp_path / "work").exists()  # nothing was started
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--run-config", "sbc-p=2"], "sbc-p: value 2.0 is outside (0.0, 0.5]"),
+        (["--run-config", "sbc-pp=0.01"], "unknown key 'sbc-pp' (did you mean 'sbc-p'?)"),
+        (["--run-config", "device='cuda'"], "device: 'cuda' was asked for"),
+        (["--rounds", "0"], "--rounds: must be >= 1"),
+        (["--auth"], "--auth: SuperNode authentication needs --tls"),
+        (["--run-config", "sbc-p="], "--run-config: cannot read 'sbc-p='"),
+    ],
+)
+def test_bad_configuration_exits_2_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    """README: "2 = bad configuration". The app's own run-config check runs before any process
+    starts (it used to start a SuperLink and 2 SuperNodes, then exit 1 when the ServerApp refused)."""
+    if "cuda" in message:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("this machine has CUDA")
+    from fedcomp.deploy import main as deploy_main  # the `python -m fedcomp.deploy` entry
+
+    code = deploy_main(["local", "--nodes", "2", "--work-dir", str(tmp_path / "work"),
+                        "--results-dir", str(tmp_path / "results"), *args])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith("CONFIG ERROR: ") and message in err
+    assert "Traceback" not in err
+    assert not (tmp_path / "work").exists() and not (tmp_path / "results").exists()  # nothing was started
+
+
+def test_help_lists_the_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
+    from fedcomp.deploy import main as deploy_main
+
+    with pytest.raises(SystemExit) as exit_:
+        deploy_main(["local", "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    for line in ("0    the run completed", "1    the run failed", "2    bad configuration", "--tls", "--auth"):
+        assert line in out
+    with pytest.raises(SystemExit) as exit_:  # argparse's own errors are bad configuration too
+        deploy_main(["local", "--nodes", "two"])
+    assert exit_.value.code == 2
+
+
+def test_a_run_the_app_refused_at_start_counts_as_bad_configuration() -> None:
+    refused = DeployError(
+        "the run did not complete", results={"status": "failed", "error": "ConfigError: lr: must be > 0"}
+    )
+    crashed = DeployError("the run did not complete", results={"status": "failed", "error": "RuntimeError: boom"})
+    assert refused.config_error and not crashed.config_error and not DeployError("no results").config_error
+
+
 def test_insecure_is_refused_for_a_remote_superlink(capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["supernode", "--superlink", "10.1.2.3:9092", "--insecure", "--partition-id", "0",
                  "--num-partitions", "1", "--uplink-mbps", "10", "--downlink-mbps", "10"])  # fmt: skip

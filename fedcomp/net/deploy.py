@@ -68,6 +68,7 @@ from fedcomp.net.superlink import (
     alive_pids,
     flwr_bin,
     flwr_env,
+    proc_table,
     terminate,
 )
 from fedcomp.net.tls import DEFAULT_HOSTS, TlsMaterial, make_tls_material
@@ -705,6 +706,25 @@ class LocalDeployment:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=10)
 
+    def stop_session(self, proc: subprocess.Popen[Any], grace_s: float = 5.0) -> list[int]:
+        """Stop one process this deployment started and everything in its session (a SuperNode's
+        SuperExec and ClientApps), by PID: SIGTERM, then SIGKILL after ``grace_s``. The rest of
+        the deployment runs on. Returns the PIDs it signalled."""
+        members = sorted({proc.pid} | {pid for pid, (_, sid, _) in proc_table().items() if sid == proc.pid})
+        for pid in members:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while alive_pids(members) and time.monotonic() < deadline:
+            proc.poll()
+            time.sleep(0.2)
+        for pid in alive_pids(members):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)
+        return members
+
     # --- stop ----------------------------------------------------------------------------------
 
     def stop(self, grace_s: float = 5.0) -> list[int]:
@@ -812,11 +832,26 @@ def deploy_local(
 # --- CLI ---------------------------------------------------------------------------------------
 
 
+#: Flower's key=value pattern (flwr.common.config.parse_config_args): what it does not match, it drops.
+_PAIR = re.compile(r"(\S+?)=(\'[^\']*\'|\"[^\"]*\"|\S+)")
+
+
 def _parse_run_config(items: list[str]) -> dict[str, Any]:
+    """Parse ``--run-config`` as ``flwr run`` does, but refuse what Flower would silently drop
+    (``sbc-p=`` or a bare ``sbc-p`` would otherwise run with the default)."""
     if not items:
         return {}
     from flwr.common.config import parse_config_args
 
+    for item in items:
+        if item.endswith(".toml"):
+            continue
+        rest = _PAIR.sub(" ", item).strip()
+        if rest:
+            raise ConfigError(
+                f"--run-config: cannot read {rest.split()[0]!r} in {item!r} (expected key=value pairs, "
+                "strings quoted: key1=123 key2=false key3='text')"
+            )
     try:
         return dict(parse_config_args(items))
     except Exception as err:
