@@ -14,7 +14,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
-from fedcomp.app.apps import server_main
+from fedcomp.app.apps import client_error_text, server_main
 from fedcomp.app.fl import MeteredGrid, arrayrecord_nbytes, payload_nbytes
 from fedcomp.app.models import LeNet5Caffe
 from fedcomp.app.results import RunRecorder, record_failure
@@ -170,7 +170,8 @@ class _FailingClientsGrid(_LostSuperLinkGrid):
     def send_and_receive(self, messages, *, timeout=None):
         from flwr.app import Error, Message
 
-        return [Message(Error(code=0, reason="ClientAppException: cuda asked for"), reply_to=m) for m in messages]
+        reason = "<class 'fedcomp.errors.ConfigError'>:<'client-device: cuda asked for'>"  # as Flower packs it
+        return [Message(Error(code=0, reason=reason), reply_to=m) for m in messages]
 
     def create_message(self, *args, **kwargs):
         from flwr.app import Message
@@ -200,13 +201,14 @@ def test_rounds_without_an_aggregated_update_fail_the_run(
         server_main(_FailingClientsGrid(), context)
     data = json.loads((tmp_path / "stuck" / "results.json").read_text())
     assert data["status"] == "failed"
-    assert "rounds 1-2" in data["error"] and "2 client(s): code 0: ClientAppException: cuda asked for" in data["error"]
+    assert (
+        "rounds 1-2" in data["error"]
+        and "2 client(s): code 0: ConfigError: client-device: cuda asked for" in data["error"]
+    )
     assert [r["round"] for r in data["rounds"]] == [0, 1, 2]
     for r in data["rounds"][1:]:
         assert r["updates_aggregated"] == 0
-        assert r["client_errors"] == {"11": "code 0: ClientAppException: cuda asked for"} | {
-            "12": "code 0: ClientAppException: cuda asked for"
-        }
+        assert r["client_errors"] == {n: "code 0: ConfigError: client-device: cuda asked for" for n in ("11", "12")}
     assert (tmp_path / "stuck" / "results.json").stat().st_mode & 0o777 == 0o644
 
 
@@ -238,3 +240,19 @@ def test_results_file_is_group_readable_and_failure_lines_name_the_error(tmp_pat
     assert path.parent.parent == tmp_path and path.parent.name != "x"  # a bad run-name is not used
     assert path.stat().st_mode & 0o777 == 0o644
     assert "[fedcomp] error: ConfigError: lr: must be > 0" in out.getvalue()
+
+
+def test_client_error_text_is_the_exception_and_its_message() -> None:
+    """What Flower's Ray backend puts in Error.reason (shortened from a real run): a class, Ray's
+    colour-coded remote traceback, and Flower's wrapper around the app's own message."""
+    ray_reason = (
+        "<class 'ray.exceptions.RayTaskError(ClientAppException)'>:<'\x1b[36mray::ClientAppActor.run()\x1b[39m "
+        '(pid=1747)\n  File "fault_client.py", line 22, in fault_mod\n    raise InjectedFailure(...)\n'
+        "fault_client.InjectedFailure: fail-train: injected\n\nThe above exception was the direct cause\n"
+        "flwr.clientapp.client_app.ClientAppException: \nException ClientAppException occurred. "
+        "Message: fail-train: injected'>"
+    )
+    assert client_error_text(ray_reason) == "ClientAppException: fail-train: injected"
+    assert client_error_text("<class 'fedcomp.errors.ConfigError'>:<'x: bad'>") == "ConfigError: x: bad"
+    assert client_error_text("plain text") == "plain text"
+    assert client_error_text("y" * 1000).endswith("...") and len(client_error_text("y" * 1000)) == 300

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -77,7 +78,9 @@ class _WatchedGrid(MeteredGrid):
         replies = super()._in(replies)
         for m in replies:
             if m.has_error():
-                self.errors[str(m.metadata.src_node_id)] = f"code {m.error.code}: {m.error.reason}"
+                self.errors[str(m.metadata.src_node_id)] = (
+                    f"code {m.error.code}: {client_error_text(m.error.reason or '')}"
+                )
             else:
                 self.ok_replies += 1
         return replies
@@ -87,6 +90,30 @@ class _WatchedGrid(MeteredGrid):
         out = (self.ok_replies, self.errors)
         self.ok_replies, self.errors = 0, {}
         return out
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+_CLASS = re.compile(r"<class '([^']+)'>")
+
+
+def client_error_text(reason: str, limit: int = 300) -> str:
+    """A failed reply's ``Error.reason`` as one readable line: ``ExceptionName: message``.
+
+    Flower packs the ClientApp's exception as ``<class '...'>:<'...'>``, in a simulation with
+    Ray's whole remote traceback (colour codes included) inside; the run log keeps all of that,
+    results.json and the closing error get the exception's name and its message."""
+    text = _ANSI.sub("", reason)
+    name = ""
+    if (m := _CLASS.search(text)) is not None:
+        inner = re.search(r"\(([^()]+)\)$", m.group(1))  # RayTaskError(ClientAppException)
+        name = (inner.group(1) if inner else m.group(1)).rsplit(".", 1)[-1]
+        text = text[m.end() :].removeprefix(":<'").removesuffix("'>")
+    if "Message: " in text:  # Flower's ClientAppException wraps the app's own message
+        text = text.rsplit("Message: ", 1)[1]
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    message = lines[-1] if lines else ""
+    out = f"{name}: {message}" if name and message else (name or message or reason.strip())
+    return out if len(out) <= limit else out[: limit - 3] + "..."
 
 
 def server_main(

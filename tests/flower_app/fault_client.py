@@ -13,7 +13,13 @@ from fedcomp.flower import protocol as keys
 from fedcomp.flower.mod import compression_mod
 
 
+class InjectedFailure(RuntimeError):
+    """What every ClientApp raises with ``fail-train = true``."""
+
+
 def fault_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
+    if context.run_config.get("fail-train") is True:
+        raise InjectedFailure("fail-train: this client fails every round (injected)")
     config = msg.content.config_records.get("config", {})
     if config.get("test-corrupt-replica") and keys.STATE_REPLICA in context.state.array_records:
         replica = context.state.array_records[keys.STATE_REPLICA]

@@ -12,7 +12,7 @@ from flwr.serverapp.strategy import FedAvg
 from fedcomp.app.apps import server_main
 from fedcomp.app.config import AppConfig
 
-EXTRA_KEYS = ("script", "corrupt-uplink", "corrupt-replica")
+EXTRA_KEYS = ("script", "corrupt-uplink", "corrupt-replica", "fail-train")
 
 
 def _pairs(text: str) -> set[tuple[int, int]]:

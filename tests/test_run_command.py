@@ -1,0 +1,323 @@
+"""``python -m fedcomp run`` (fedcomp.cli), driven as a user drives it: a subprocess.
+
+What it must do (issue 18): refuse a bad run config before anything starts (exit 2, the key named,
+no traceback, a results.json saying "failed"), run a good one to a completed results.json with
+its plots, fail (non-zero, status "failed") a run in which no client update is ever aggregated,
+and leave no process behind -- also when it is stopped with SIGTERM.
+
+Which processes are the run's: the command runs with a marker variable of this test's own; every
+process that inherits it, every descendant of one, and every process in the session of one
+(Ray's daemons overwrite their environment, marker included, but stay in the SuperLink's session)
+is the run's. A thread samples the process table while the command runs; after it exits, none of
+those processes may be alive, and none may be new to the table taken before it started.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from fedcomp.cli import OutputFilter, parse_run_config
+from fedcomp.errors import ConfigError
+from fedcomp.net.superlink import is_alive, proc_table
+
+REPO = Path(__file__).resolve().parents[1]
+FAULT_APP = REPO / "tests" / "flower_app"
+MARK = "FEDCOMP_TEST_RUN_MARK"
+HAS_PLOTS = importlib.util.find_spec("fedcomp.app.plots") is not None
+
+
+class ProcessWatch:
+    """Samples the process table every 0.2 s while a command runs; ``ours`` collects every
+    process of that command (see the module docstring). ``new_alive()`` after it ended: those
+    still alive that were not in the table before it started."""
+
+    def __init__(self, token: str) -> None:
+        self.needle = f"{MARK}={token}".encode()
+        self.before = set(proc_table())
+        self.ours: set[int] = set()
+        self.command_pid = 0
+        self.cpu_s = 0.0  # CPU seconds the command and the children it waited for used
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self) -> ProcessWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self.sample()  # a last look: anything started just before the end
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.2):
+            self.sample()
+
+    def sample(self) -> None:
+        table = proc_table()
+        own_sid = os.getsid(0)
+        for pid in table:
+            if pid in self.ours:
+                continue
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    if self.needle in f.read().split(b"\0"):
+                        self.ours.add(pid)
+            except OSError:
+                continue
+        while True:
+            sids = {table[p][1] for p in self.ours if p in table} - {own_sid}
+            more = {
+                p for p, (ppid, sid, _) in table.items() if p not in self.ours and (ppid in self.ours or sid in sids)
+            }
+            if not more:
+                return
+            self.ours |= more
+
+    def new_alive(self, grace_s: float = 2.0) -> list[str]:
+        """The run's processes still alive, not in the table before (with their command lines)."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            alive = sorted(p for p in self.ours - self.before if is_alive(p))
+            if not alive or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        out = []
+        for pid in alive:
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                cmd = "?"
+            out.append(f"{pid}: {cmd[:150]}")
+        return out
+
+
+def fedcomp_run(
+    args: list[str], timeout: float, sigterm_when: Path | None = None
+) -> tuple[subprocess.CompletedProcess[str], ProcessWatch]:
+    """Run ``python -m fedcomp run ARGS`` with the marker set; with ``sigterm_when``, send it
+    SIGTERM once that file holds a results.json with at least one round."""
+    token = uuid.uuid4().hex
+    env = {**os.environ, MARK: token}
+    cmd = [sys.executable, "-m", "fedcomp", "run", *args]
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    with ProcessWatch(token) as watch:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        watch.command_pid = proc.pid
+        if sigterm_when is not None:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline and proc.poll() is None:
+                if _rounds_in(sigterm_when) >= 1:
+                    proc.send_signal(signal.SIGTERM)
+                    break
+                time.sleep(0.5)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            pytest.fail(f"`{' '.join(cmd)}` did not exit within {timeout:.0f}s\n{out}\n{err}")
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    watch.cpu_s = (after.ru_utime - usage.ru_utime) + (after.ru_stime - usage.ru_stime)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err), watch
+
+
+def _rounds_in(results: Path) -> int:
+    try:
+        return len(json.loads(results.read_text())["rounds"])
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def _results(out_dir: Path) -> dict:
+    return json.loads((out_dir / "results.json").read_text())
+
+
+# --- reading the run config (fast) -------------------------------------------------------------------
+
+
+def test_run_config_values_are_read_as_meant() -> None:
+    got = parse_run_config("sbc-p=0.01 local-iters=5 compress=false uplink-codec=deft dataset='mnist' "
+                           'data-dir="/a b/c" 3lc-s=steps:1.0@1,1.5@3 run-name=x')  # fmt: skip
+    assert got == {
+        "sbc-p": 0.01, "local-iters": 5, "compress": False, "uplink-codec": "deft", "dataset": "mnist",
+        "data-dir": "/a b/c", "3lc-s": "steps:1.0@1,1.5@3", "run-name": "x",
+    }  # fmt: skip
+    assert type(got["local-iters"]) is int and type(got["sbc-p"]) is float
+    assert parse_run_config("") == {}
+
+
+@pytest.mark.parametrize("text, message", [("sbc-p 0.01", "cannot read 'sbc-p'"), ("sbc-p=", "sbc-p: no value")])
+def test_run_config_that_is_not_key_value_pairs_is_refused(text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_run_config(text)
+
+
+# --- what the user sees (fast) -----------------------------------------------------------------------
+
+FLWR_OUTPUT = [  # lines as `flwr run --stream` prints them (from a real run, shortened)
+    "Using SuperLink: sim (127.0.0.1:46613)\n",
+    "\x1b[92mINFO \x1b[0m:      Starting Flower Simulation\n",
+    "\x1b[93mWARNING \x1b[0m:   Since flwr 1.32, default simulated SuperNodes changed from 10 to 2.\n",
+    "Successfully installed fedcomp to /tmp/x/flwr-home/apps/fedcomp.\n",
+    "\x1b[93mWARNING \x1b[0m:   fraction_evaluate is set to 0.0. Federated evaluation will be skipped.\n",
+    "/x/ray/_private/worker.py:2046: FutureWarning: Tip: In future versions of Ray, ...\n",
+    "  warnings.warn(\n",
+    "[fedcomp] run r: results in /tmp/r/results.json\n",
+    "round     acc    loss        up      down  dense_up  dense_dn    up_x  down_x  time_s\n",
+    "    0  0.1818  2.2960        0B        0B        0B        0B       -       -     0.5\n",
+    "\x1b[92mINFO \x1b[0m:      [ROUND 1/2]\n",
+    "\x1b[93mWARNING \x1b[0m:   fedcomp: rejected the update of node 3 in round 1: bad bytes\n",
+    "    1  0.3098  2.2464   41.91kB        0B    3.45MB        0B    82.3       -    24.2\n",
+    "\x1b[91mERROR \x1b[0m:     An exception was raised when processing a message by RayBackend\n",
+    "\x1b[91mERROR \x1b[0m:     ray::ClientAppActor.run() (pid=1747, ip=192.0.2.2)\n",
+    "\x1b[91mERROR \x1b[0m:     Traceback (most recent call last):\n",
+    '  File "fault_client.py", line 22, in fault_mod\n',
+    "    2  0.3098  2.2464        0B        0B    3.45MB        0B       -       -    25.0\n",  # amid a traceback
+    "fault_client.InjectedFailure: fail-train: injected\n",
+    "\x1b[91mERROR \x1b[0m:     An exception was raised when processing a message by RayBackend\n",  # again
+    "\x1b[91mERROR \x1b[0m:     ServerApp thread raised an exception\n",
+    "Traceback (most recent call last):\n",
+    '  File "x.py", line 1, in main\n',
+    "[fedcomp] error: NoProgressError: ...\n",
+    "(ClientAppActor pid=1747) \x1b[93mWARNING \x1b[0m:   Manually terminating ClientAppActor\n",
+]
+
+
+def test_quiet_output_keeps_the_table_warnings_and_errors_without_colour() -> None:
+    out = io.StringIO()
+    show = OutputFilter(out)
+    for line in FLWR_OUTPUT:
+        show(line)
+    assert out.getvalue().splitlines() == [
+        "[fedcomp] run r: results in /tmp/r/results.json",
+        "round     acc    loss        up      down  dense_up  dense_dn    up_x  down_x  time_s",
+        "    0  0.1818  2.2960        0B        0B        0B        0B       -       -     0.5",
+        "WARNING :   fedcomp: rejected the update of node 3 in round 1: bad bytes",
+        "    1  0.3098  2.2464   41.91kB        0B    3.45MB        0B    82.3       -    24.2",
+        "ERROR :     An exception was raised when processing a message by RayBackend",
+        "    2  0.3098  2.2464        0B        0B    3.45MB        0B       -       -    25.0",
+        "ERROR :     ServerApp thread raised an exception",
+        "[fedcomp] error: NoProgressError: ...",
+    ]
+
+
+def test_verbose_output_shows_everything_and_colour_only_on_request() -> None:
+    out = io.StringIO()
+    show = OutputFilter(out, verbose=True)
+    for line in FLWR_OUTPUT:
+        show(line)
+    assert len(out.getvalue().splitlines()) == len(FLWR_OUTPUT) and "\x1b[" not in out.getvalue()
+    out = io.StringIO()
+    OutputFilter(out, verbose=True, color=True)(FLWR_OUTPUT[1])
+    assert out.getvalue() == FLWR_OUTPUT[1]
+
+
+# --- a bad run config: refused before anything starts (a subprocess each, no Flower) ---------------
+
+
+def _cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+@pytest.mark.parametrize(
+    "run_config, message",
+    [
+        ("sbc-pp=0.01", "unknown key 'sbc-pp' (did you mean 'sbc-p'?)"),
+        ("uplink-codec=foo", "uplink-codec: unknown uplink method"),  # unquoted: still the string 'foo'
+        ("sbc-p=1.5", "sbc-p: value 1.5 is outside (0.0, 0.5]"),
+        pytest.param(
+            "device='cuda'", "device: 'cuda' was asked for but",
+            marks=pytest.mark.skipif(_cuda(), reason="this machine has CUDA: asking for it is no error here"),
+        ),
+        ("compress=yes", "compress: must be true or false (got 'yes')"),
+    ],
+)  # fmt: skip
+def test_bad_config_exits_2_within_10s_naming_the_key(run_config: str, message: str, tmp_path: Path) -> None:
+    """Refused before anything starts: no process besides the command, within 10 s of its own CPU
+    time (about 3 s here, importing torch for the codec registry; the wall-clock bound is looser,
+    60 s, as this 2-core machine is shared by parallel jobs)."""
+    out_dir = tmp_path / "run"
+    done, watch = fedcomp_run(["--run-config", run_config, "--nodes", "2", "--out", str(out_dir)], timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert watch.cpu_s < 10.0
+    assert message in done.stderr and "Traceback" not in done.stderr + done.stdout
+    data = _results(out_dir)
+    assert data["status"] == "failed" and message in data["error"]
+    assert watch.command_pid in watch.ours  # the watch saw the command (so it would see its children)
+    started = watch.ours - watch.before - {watch.command_pid}
+    assert not started, f"processes started before the config was refused: {sorted(started)}"
+
+
+# --- real runs (slow) -----------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.flower
+def test_good_config_completes_with_plots_and_leaves_no_process(tmp_path: Path) -> None:
+    out_dir = tmp_path / "run"
+    args = ["--nodes", "2", "--rounds", "2", "--run-config", "local-iters=2 dataset=digits", "--out", str(out_dir)]
+    done, watch = fedcomp_run(args, timeout=400)
+    assert done.returncode == 0, done.stdout + done.stderr
+    data = _results(out_dir)
+    assert data["status"] == "completed" and [r["round"] for r in data["rounds"]] == [0, 1, 2]
+    assert all(r["updates_aggregated"] == 2 and r["client_errors"] == {} for r in data["rounds"][1:])
+    assert (out_dir / "results.json").stat().st_mode & 0o777 == 0o644
+    # The table, quiet: no Flower INFO lines, no colour codes (the output is a pipe, not a terminal).
+    lines = done.stdout.splitlines()
+    assert "\x1b[" not in done.stdout and not any(line.startswith("INFO") for line in lines)
+    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["round", "acc"])
+    assert [line.split()[0] for line in lines[header + 1 : header + 4]] == ["0", "1", "2"]
+    assert lines[-2].startswith("OK: 2 rounds, final accuracy")
+    assert len(watch.ours - watch.before) >= 3, "the watch saw too few processes of the run to judge"
+    assert watch.new_alive() == [], "processes of the run still alive"
+    if not HAS_PLOTS:
+        pytest.skip("fedcomp.app.plots absent: the plots are not checked (everything else passed)")
+    for name in ("accuracy_vs_bytes.png", "bytes_per_round.png"):
+        assert (out_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+
+
+@pytest.mark.slow
+@pytest.mark.flower
+def test_every_client_failing_fails_the_run(tmp_path: Path) -> None:
+    """The fault app with ``fail-train = true``: every ClientApp raises on every message."""
+    out_dir = tmp_path / "run"
+    run_config = "fail-train=true script='01|01|01|01' max-empty-rounds=2 local-iters=1"
+    args = ["--app", str(FAULT_APP), "--nodes", "2", "--rounds", "4", "--run-config", run_config, "--out", str(out_dir)]
+    done, watch = fedcomp_run(args, timeout=400)
+    assert done.returncode == 1, done.stdout + done.stderr
+    data = _results(out_dir)
+    assert data["status"] == "failed"
+    assert "no client update was aggregated in 2 rounds in a row" in data["error"]
+    assert "fail-train: this client fails every round" in data["error"]  # the clients' own error text
+    assert [r["updates_aggregated"] for r in data["rounds"][1:]] == [0, 0]
+    assert "FAILED: NoProgressError" in done.stderr
+    assert watch.new_alive() == [], "processes of the run still alive"
+
+
+@pytest.mark.slow
+@pytest.mark.flower
+def test_sigterm_stops_every_process_and_marks_the_run_failed(tmp_path: Path) -> None:
+    out_dir = tmp_path / "run"
+    args = ["--nodes", "2", "--rounds", "20", "--run-config", "local-iters=2", "--out", str(out_dir)]
+    done, watch = fedcomp_run(args, timeout=300, sigterm_when=out_dir / "results.json")
+    assert done.returncode == 1, done.stdout + done.stderr
+    data = _results(out_dir)
+    assert data["status"] == "failed" and "interrupted" in data["error"]
+    assert len(data["rounds"]) < 21
+    assert len(watch.ours - watch.before) >= 3, "the watch saw too few processes of the run to judge"
+    assert watch.new_alive() == [], "processes of the run still alive"
