@@ -136,6 +136,11 @@ def _settle_pending(
         log.warning("fedcomp: dropping a pending update that cannot be read: %s", exc)
         del state[protocol.STATE_PENDING]
         return
+    clash = [k for k, t in pending.tensors.items() if k in st.residual and st.residual[k].shape != t.shape]
+    if clash:
+        log.warning("fedcomp: dropping a pending update whose tensors %s do not match the residual", clash[:3])
+        del state[protocol.STATE_PENDING]
+        return
     out = dl.outcome
     aggregated = out.verdict(pending.round, is_train)
     if aggregated is None:

@@ -285,16 +285,9 @@ def test_a_protocol_1_server_gets_no_echo_and_the_client_keeps_nothing() -> None
     strategy = CompressionStrategy(RecordingFedAvg(), CompressionConfig.from_run_config({}))
     clients = {1: LedgerClient(1)}
 
-    def as_protocol_1(msg: Message) -> Message:
-        rec = {k: v for k, v in downlink_of(msg).items() if k not in ("protocol", *protocol.UpdateOutcome._FIELDS)}
-        content = RecordDict(dict(msg.content.items()))
-        content[protocol.DOWNLINK] = ConfigRecord(rec)
-        msg.content = content
-        return msg
-
     model = tiny_model()
     msgs = strategy.configure_train(1, record_from_tensors(model), ConfigRecord({}), FixedGrid([1]))
-    msgs = [as_protocol_1(m) for m in msgs]
+    msgs = [_strip_outcome(m) for m in msgs]
     reply = clients[1].handle(msgs[0])
     assert not reply.has_error()
     assert protocol.UplinkReport.from_record(reply.content.config_records[protocol.UPLINK]).update_round is None
@@ -392,3 +385,35 @@ def test_a_diverged_round_after_a_rejected_one_settles_it_and_keeps_the_rest() -
     assert new is not None and strategy.traffic[4].accepted == 2
     evaluate_round(strategy, clients, 4, new)
     assert _gap(clients[2], [(inner, models)]) < 2e-5
+
+
+def _strip_outcome(msg: Message) -> Message:
+    """The message as a protocol-1 server sends it."""
+    rec = {k: v for k, v in downlink_of(msg).items() if k not in ("protocol", *protocol.UpdateOutcome._FIELDS)}
+    content = RecordDict(dict(msg.content.items()))
+    content[protocol.DOWNLINK] = ConfigRecord(rec)
+    msg.content = content
+    return msg
+
+
+def test_a_pending_update_is_dropped_unread_by_a_protocol_1_downlink_or_when_unreadable(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    strategy = CompressionStrategy(RecordingFedAvg(), CompressionConfig.from_run_config({}))
+    client = LedgerClient(1)
+    state = client.ctx.state
+    new, _ = train_round(strategy, {1: client}, 1, tiny_model(), drop=[1])  # lost: pending round 1
+    assert new is None and PendingUpdate.from_record(state.config_records[protocol.STATE_PENDING]).round == 1
+    residual = client.residual()
+    msgs = strategy.configure_evaluate(1, record_from_tensors(tiny_model()), ConfigRecord({}), FixedGrid([1]))
+    client.handle(_strip_outcome(next(iter(msgs))))
+    # A protocol-1 server reports nothing: the client keeps nothing (the behaviour before protocol 2).
+    assert protocol.STATE_PENDING not in state.config_records
+    assert all(torch.equal(client.residual()[k], residual[k]) for k in residual)
+    # An unreadable pending record (a state written for another model) is dropped with a warning.
+    state[protocol.STATE_PENDING] = PendingUpdate(1, {"w1": torch.ones(3)}).to_record()
+    with caplog.at_level("WARNING", logger="flwr.fedcomp"):
+        train_round(strategy, {1: client}, 2, tiny_model())
+    assert "dropping a pending update that cannot be read" in caplog.text
+    assert "its tensors are not the model's" in caplog.text
+    assert PendingUpdate.from_record(state.config_records[protocol.STATE_PENDING]).round == 2  # the new one
