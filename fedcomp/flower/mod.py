@@ -6,6 +6,10 @@ train reply replaces the trained model with an SBC-compressed delta (plus the re
 earlier rounds). Replica, version and residual persist in ``context.state``: in deployment a
 fresh ClientApp process serves every message, so nothing may live in Python globals.
 
+With a protocol-2 server the mod also keeps the update it sent (``fedcomp.flower.pending``) until
+a downlink reports its outcome, and adds it back to the residual when it was not aggregated
+(rejected, timed out, dropped): see :class:`~fedcomp.flower.protocol.UpdateOutcome`.
+
     app = ClientApp(mods=[compression_mod])
 """
 
