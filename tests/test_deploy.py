@@ -148,7 +148,7 @@ def test_bad_configuration_exits_2_before_anything_starts(
             pytest.skip("this machine has CUDA")
     from fedcomp.deploy import main as deploy_main  # the `python -m fedcomp.deploy` entry
 
-    code = deploy_main(["local", "--nodes", "2", "--work-dir", str(tmp_path / "work"),
+    code = deploy_main(["local", "--nodes", "2", "--timeout", "120", "--work-dir", str(tmp_path / "work"),
                         "--results-dir", str(tmp_path / "results"), *args])  # fmt: skip
     err = capsys.readouterr().err
     assert code == 2, err
