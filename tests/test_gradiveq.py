@@ -340,14 +340,18 @@ def test_compressor_limits_are_inclusive(version, name, d, k):
 def test_compressor_constructor_checks_its_bases():
     u = torch.linalg.qr(torch.randn(8, 3))[0]
     Compressor(1, {"w": Basis(u, torch.zeros(8))})
+    Compressor(1, {"w": Basis(torch.ones(1, 1), torch.zeros(1))})  # d = k = 1: the smallest basis
     with pytest.raises(ConfigError):
         Compressor(1, {"w": Basis(u.double(), torch.zeros(8))})
     with pytest.raises(ConfigError):
         Compressor(1, {"w": Basis(u, torch.zeros(7))})
     with pytest.raises(ConfigError):
         Compressor(1, {"w": Basis(u.t().contiguous(), torch.zeros(3))})  # k > d
-    with pytest.raises(ConfigError, match="^version"):
-        Compressor(0, {})
+    for bad in (0, 2**64, True, 1.0):
+        with pytest.raises(ConfigError) as info:
+            Compressor(bad, {})  # type: ignore[arg-type]
+        assert str(info.value) == f"version: must be an integer in [1, 2**64), got {bad!r}"
+    assert Compressor(2**64 - 1, {}).version == 2**64 - 1  # the largest a payload can quote (uint64)
 
 
 # --- secure aggregation: Flower's SecAgg+ primitives on coefficients --------------------------------

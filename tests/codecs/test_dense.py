@@ -77,3 +77,26 @@ def test_garbage_protobuf_is_payload_error():
         serde.tensor_from_bytes(b"\xff\xff\xff\xff")
     with pytest.raises(PayloadError):
         serde.update_from_bytes(b"\x08\x07")  # format_version = 7
+
+
+@pytest.mark.parametrize("codec", [DenseFP32(), DenseFP16(), Identity()], ids=lambda c: c.codec_id)
+@pytest.mark.parametrize("shape", [(0,), (0, 5), (3, 0, 2)])
+def test_empty_tensors(codec, shape):
+    """A tensor with no elements is an empty payload, and decodes to its shape (torch.frombuffer
+    refuses an empty buffer, so this is a path of its own)."""
+    x = torch.zeros(shape)
+    enc = codec.encode(x, "e")
+    assert enc.payload.data == b""  # type: ignore[union-attr]
+    dec, _ = kit.round_trip(codec, x, "e")
+    assert dec.shape == shape
+
+
+@pytest.mark.parametrize("codec", [DenseFP32(), DenseFP16()], ids=lambda c: c.codec_id)
+def test_lossy_dense_codecs_reconstruct_in_float32(codec):
+    """What error feedback subtracts: the float32 reconstruction of the wire values, whatever
+    the input's float dtype (the identity codec alone keeps the tensor's own)."""
+    x = torch.linspace(-1, 1, 9, dtype=torch.float64)
+    enc, recon = codec.encode_with_reconstruction(x, "d")
+    assert recon.dtype == torch.float32
+    assert torch.equal(recon, x.to(torch.float16 if codec.codec_id == "dense-fp16" else torch.float32).float())
+    assert Identity().encode_with_reconstruction(x, "d")[1].dtype == torch.float64
