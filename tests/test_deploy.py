@@ -179,6 +179,21 @@ def test_a_run_the_app_refused_at_start_counts_as_bad_configuration() -> None:
     assert refused.config_error and not crashed.config_error and not DeployError("no results").config_error
 
 
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--insecure", "--auth-key", "node.key"], "--auth-key: SuperNode authentication needs TLS"),
+        (["--root-certificates", "ca.pem", "--auth-key", "missing.key"], "--auth-key: missing.key is not a file"),
+    ],
+)
+def test_supernode_auth_key_is_checked_before_starting(
+    capsys: pytest.CaptureFixture[str], extra: list[str], message: str
+) -> None:
+    code = main(["supernode", "--superlink", "127.0.0.1:9092", "--partition-id", "0", "--num-partitions", "1",
+                 "--uplink-mbps", "10", "--downlink-mbps", "10", *extra])  # fmt: skip
+    assert code == 2 and message in capsys.readouterr().err
+
+
 def test_insecure_is_refused_for_a_remote_superlink(capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["supernode", "--superlink", "10.1.2.3:9092", "--insecure", "--partition-id", "0",
                  "--num-partitions", "1", "--uplink-mbps", "10", "--downlink-mbps", "10"])  # fmt: skip

@@ -1,8 +1,9 @@
 """Run the app on Flower's Deployment Engine: real SuperLink, real SuperNodes, ``flwr run``.
 
     python -m fedcomp.deploy local --nodes 3 --rounds 5 --links "10,10,20;100,100,5"
+    python -m fedcomp.deploy local --tls --auth --nodes 3 --rounds 5
     python -m fedcomp.deploy supernode --superlink HOST:9092 --root-certificates ca.pem \\
-        --partition-id 0 --num-partitions 3 --uplink-mbps 10 --downlink-mbps 100 --latency-ms 20
+        [--auth-key node.key] --partition-id 0 --num-partitions 3 --uplink-mbps 10 --downlink-mbps 100
     python -m fedcomp.deploy run --superlink HOST:9092 --root-certificates ca.pem [--rounds R]
 
 ``local`` starts one ``flower-superlink --insecure`` and N ``flower-supernode --insecure`` on
@@ -15,7 +16,19 @@
 code does not), and stops every process it started: SIGTERM to each process, its process group
 and session, then SIGKILL after a grace period, by PID (the machinery of
 :mod:`fedcomp.testing.flower`). A node config that is missing a link value or holds a
-nonsensical one stops it before anything starts, with a message naming the node and the key.
+nonsensical one stops it before anything starts, with a message naming the node and the key;
+so does a run config the app would refuse (``python -m fedcomp.deploy`` hands the app's own check
+to :func:`main`), with exit code 2.
+
+``local --tls`` makes a throwaway CA and a server certificate for 127.0.0.1/localhost in
+``<work-dir>/tls`` (:mod:`fedcomp.net.tls`), serves the SuperLink's one port over TLS
+(``--ssl-ca-certfile/--ssl-certfile/--ssl-keyfile``), starts the SuperNodes with
+``--root-certificates ca.pem`` and gives ``flwr`` a connection with ``root-certificates``.
+``--auth`` adds SuperNode authentication: the SuperLink runs with ``--enable-supernode-auth``, one
+ECDSA P-384 key pair per node is made, each public key is registered (``flwr supernode register
+node-<i>.pub``) before the nodes start, and SuperNode i gets ``--auth-supernode-private-key
+node-<i>.key``. A node whose key is not registered (or that has none, or speaks plain HTTP) is
+refused when it connects; :func:`refusal_reason` reads why from its log.
 
 ``supernode`` starts one SuperNode against a SuperLink on another host (TLS unless the SuperLink
 is on loopback) with a validated node config, and gives up with a clear message when the
@@ -43,6 +56,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import re
 import signal
@@ -877,7 +891,7 @@ def _cmd_local(args: argparse.Namespace) -> int:
         raise ConfigError("--auth: SuperNode authentication needs --tls (Flower refuses it on an insecure SuperLink)")
     if args.rounds is not None and args.rounds < 1:
         raise ConfigError(f"--rounds: must be >= 1 (got {args.rounds})")
-    if args.timeout <= 0:
+    if not (args.timeout > 0 and math.isfinite(args.timeout)):
         raise ConfigError(f"--timeout: must be > 0 seconds (got {args.timeout:g})")
     check: RunConfigCheck | None = getattr(args, "check_run_config", None)
     if check is not None:  # the app's own validation, before any process starts
@@ -906,9 +920,12 @@ def _cmd_local(args: argparse.Namespace) -> int:
         print("note: rates were shaped with tc, latency was not (this kernel has no sch_netem)")
     _print_summary(data)
     if data["_deploy"].get("tls"):
-        nodes = data["_deploy"]["registered"]
-        auth = f", SuperNode authentication on ({len(nodes)} keys registered)" if data["_deploy"]["auth"] else ""
-        print(f"tls:     {data['_deploy']['tls']} (CA ca.pem, server.pem/.key, node-<i>.key/.pub){auth}")
+        if data["_deploy"]["auth"]:
+            n = len(data["_deploy"]["registered"])
+            what = f"ca.pem, server.pem/.key, node-<i>.key/.pub; SuperNode authentication on ({n} keys registered)"
+        else:
+            what = "ca.pem, server.pem/.key"
+        print(f"tls:     {data['_deploy']['tls']} ({what})")
     return 0
 
 

@@ -182,7 +182,7 @@ def test_cli_tls_auth_run_completes_and_stops_everything(tmp_path: Path) -> None
     )  # fmt: skip
     elapsed = time.monotonic() - t0
     assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-3000:])
-    assert "SuperNode authentication on (2 keys registered)" in out.stdout
+    assert "node-<i>.key/.pub; SuperNode authentication on (2 keys registered)" in out.stdout
     data = json.loads((tmp_path / "results" / "tls" / "results.json").read_text())
     assert data["status"] == "completed"
     assert data["rounds"][1]["num_clients"] == 2
