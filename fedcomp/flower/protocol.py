@@ -171,7 +171,9 @@ class UpdateOutcome:
     train round up to it has been aggregated, so an update a client made in such a round and that
     is not the recorded one never reached the server (it timed out, was dropped, or its message
     was lost). The server sets ``settled_round = r - 1`` when it configures round ``r`` and
-    ``settled_round = r`` once round ``r`` is aggregated.
+    ``settled_round = r`` once round ``r`` is aggregated. ``records_from_round`` is the first
+    round its records cover: 1 for a server that kept them from the start (or restored them from
+    a checkpoint), the first round it ran for one that restarted without them.
     """
 
     #: The server round of the message this outcome travels in.
@@ -183,8 +185,17 @@ class UpdateOutcome:
     last_update_status: UpdateStatus
     #: Why it was rejected (empty unless ``last_update_status`` is REJECTED).
     last_update_reason: str = ""
+    #: The first round the server's records cover (outcomes of earlier rounds are unknown).
+    records_from_round: int = 1
 
-    _FIELDS = ("round", "settled-round", "last-update-round", "last-update-status", "last-update-reason")
+    _FIELDS = (
+        "round",
+        "settled-round",
+        "last-update-round",
+        "last-update-status",
+        "last-update-reason",
+        "records-from-round",
+    )
 
     def fields(self) -> dict[str, Any]:
         """The record fields (wire names), as :class:`DownlinkHeader` writes them."""
@@ -194,6 +205,7 @@ class UpdateOutcome:
             "last-update-round": self.last_update_round,
             "last-update-status": str(self.last_update_status),
             "last-update-reason": self.last_update_reason,
+            "records-from-round": self.records_from_round,
         }
 
     @classmethod
@@ -201,7 +213,7 @@ class UpdateOutcome:
         """Parse and check; raise :class:`PayloadError` naming the bad field."""
         w = where
         values = {}
-        for key in ("round", "settled-round", "last-update-round"):
+        for key in ("round", "settled-round", "last-update-round", "records-from-round"):
             values[key] = _get(rec, key, int, w)
             if values[key] < 0:
                 raise PayloadError("", f"{w}: field {key!r} must be >= 0, got {values[key]}")
@@ -212,9 +224,15 @@ class UpdateOutcome:
             raise PayloadError("", f"{w}: field 'last-update-status' is {status_text!r}, not one of "
                                f"{[str(s) for s in UpdateStatus]}") from None  # fmt: skip
         reason = _get(rec, "last-update-reason", str, w)
-        settled, last = values["settled-round"], values["last-update-round"]
+        settled, last, start = values["settled-round"], values["last-update-round"], values["records-from-round"]
         if last > settled:
             raise PayloadError("", f"{w}: field 'last-update-round' = {last} is after 'settled-round' = {settled}")
+        if start > settled + 1:
+            raise PayloadError(
+                "", f"{w}: field 'records-from-round' = {start} is after 'settled-round' + 1 = {settled + 1}"
+            )
+        if 0 < last < start:
+            raise PayloadError("", f"{w}: field 'last-update-round' = {last} is before 'records-from-round' = {start}")
         if (status is UpdateStatus.NONE) != (last == 0):
             raise PayloadError(
                 "", f"{w}: field 'last-update-status' is {str(status)!r} with 'last-update-round' = {last}"
@@ -223,7 +241,7 @@ class UpdateOutcome:
             raise PayloadError("", f"{w}: field 'last-update-reason' is set for a {str(status)!r} update")
         if len(reason) > MAX_REASON_CHARS:
             raise PayloadError("", f"{w}: field 'last-update-reason' is longer than {MAX_REASON_CHARS} characters")
-        return cls(values["round"], settled, last, status, reason)
+        return cls(values["round"], settled, last, status, reason, start)
 
     def verdict(self, update_round: int, train: bool) -> bool | None:
         """Whether the update a client made in ``update_round`` was aggregated: True (it is in
@@ -231,6 +249,9 @@ class UpdateOutcome:
 
         * ``update_round <= settled_round``: final. Aggregated iff it is the recorded update and
           that one was aggregated; otherwise it was rejected, or it never reached the server.
+        * ``update_round < records_from_round``: unknown (the server restarted without its
+          records). Counted as aggregated: re-sending an update the restored model may already
+          hold would apply it twice; dropping one it lacks costs what a dropout costs.
         * ``update_round > settled_round`` in a *train* message: the server asks for a new update
           without having aggregated that round, so it went back (restarted from a checkpoint
           taken before it, or lost its records): an unknown outcome counts as not aggregated.
@@ -239,6 +260,8 @@ class UpdateOutcome:
           containing the update but records older than it would get it twice.
         * otherwise (an evaluate message sent before that round was aggregated): None; wait.
         """
+        if update_round < self.records_from_round:
+            return True
         if update_round <= self.settled_round:
             return update_round == self.last_update_round and self.last_update_status is UpdateStatus.AGGREGATED
         return False if train else None

@@ -70,6 +70,7 @@ class CompressionStrategy(Strategy):
         # reached the server, and the last train round whose outcomes are final.
         self._last_update: dict[int, tuple[int, UpdateStatus, str]] = {}
         self._settled = 0
+        self._records_from: int | None = None  # the first round these records cover
         self.downlink_method = get_downlink(self.config.downlink_codec)
         #: The uplink method's server side (fedcomp.methods.registry). ``weighted_mean``: the inner
         #: strategy aggregates by FedAvg's weighted mean, which commutes with linear methods.
@@ -121,7 +122,7 @@ class CompressionStrategy(Strategy):
         for msg in messages:
             node = msg.metadata.dst_node_id
             last_round, status, reason = self._last_update.get(node, (0, UpdateStatus.NONE, ""))
-            outcome = UpdateOutcome(server_round, self._settled, last_round, status, reason)
+            outcome = UpdateOutcome(server_round, self._settled, last_round, status, reason, self._records_from or 1)
             version, digest = self._known_state(node)
             dl = self.replica.downlink_for(version, digest)
             header = DownlinkHeader(
@@ -155,8 +156,7 @@ class CompressionStrategy(Strategy):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         self._sync_replica(arrays, server_round)
-        # Every earlier round is over: a reply of one that is not on record never arrived.
-        self._settled = max(self._settled, server_round - 1)
+        self._start_round(server_round)
         config = ConfigRecord(dict(config))
         config[protocol.LOCAL_ITERS] = self.config.local_iters_at(server_round)
         msgs = self.strategy.configure_train(server_round, arrays, config, grid)
@@ -169,7 +169,15 @@ class CompressionStrategy(Strategy):
         if not msgs:
             return msgs
         self._sync_replica(arrays, server_round)
+        self._start_round(server_round)
         return self._with_downlink(msgs, server_round)
+
+    def _start_round(self, server_round: int) -> None:
+        """Every earlier train round is over: a reply of one that is not on record never arrived.
+        A wrapper without records (a fresh one, not restored) covers rounds from this one on."""
+        self._settled = max(self._settled, server_round - 1)
+        start = min(server_round, self._settled + 1)
+        self._records_from = start if self._records_from is None else min(self._records_from, start)
 
     # --- uplink --------------------------------------------------------------------------------
 
@@ -348,6 +356,7 @@ class CompressionStrategy(Strategy):
         """The update-outcome records (JSON-able), for a checkpoint of the server's state: they
         must be saved and restored together with the model (see ``UpdateOutcome.verdict``)."""
         return {
+            "records-from-round": self._records_from or 1,
             "settled-round": self._settled,
             "last-update": {str(n): [r, str(s), why] for n, (r, s, why) in sorted(self._last_update.items())},
         }
@@ -355,13 +364,14 @@ class CompressionStrategy(Strategy):
     def load_outcome_state(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`outcome_state` saved; raise :class:`PayloadError` if malformed."""
         try:
+            start = int(state["records-from-round"])
             settled = int(state["settled-round"])
             last = {
                 int(n): (int(r), UpdateStatus(s), _reason(str(why))) for n, (r, s, why) in state["last-update"].items()
             }
         except (KeyError, TypeError, ValueError) as exc:
             raise PayloadError("", f"outcome state: {type(exc).__name__}: {exc}") from None
-        self._settled, self._last_update = settled, last
+        self._records_from, self._settled, self._last_update = start, settled, last
 
     def round_metrics(self, server_round: int) -> dict[str, Any]:
         """The uplink method's own figures for ``server_round`` (for the results)."""

@@ -417,3 +417,35 @@ def test_a_pending_update_is_dropped_unread_by_a_protocol_1_downlink_or_when_unr
     assert "dropping a pending update that cannot be read" in caplog.text
     assert "its tensors are not the model's" in caplog.text
     assert PendingUpdate.from_record(state.config_records[protocol.STATE_PENDING]).round == 2  # the new one
+
+
+def test_a_server_restarted_without_records_reports_where_they_begin() -> None:
+    """A wrapper that restarts at round 3 without its outcome records (only the model restored):
+    the client's update of round 3 (made just before the crash) is not in the model: re-sent. One
+    of round 1 whose outcome the client never heard is unknown: counted as aggregated (dropped),
+    never applied twice."""
+    inner = RecordingFedAvg()
+    strategy = CompressionStrategy(inner, CompressionConfig.from_run_config({}))
+    clients = {1: LedgerClient(1), 2: LedgerClient(2)}
+    models = {1: tiny_model()}
+    new, _ = train_round(strategy, clients, 1, models[1], nodes=[1, 2])
+    assert new is not None
+    models[2] = new
+    new, _ = train_round(strategy, clients, 2, new, nodes=[1])  # node 2 sits out: pending round 1
+    assert new is not None
+    models[3] = new
+    msgs = list(strategy.configure_train(3, record_from_tensors(new), ConfigRecord({}), FixedGrid([1])))
+    clients[1].handle(msgs[0])  # node 1's round-3 update; then the server crashes
+    # Node 2's round-1 update was aggregated, but the client has not heard it yet.
+    assert PendingUpdate.from_record(clients[2].ctx.state.config_records[protocol.STATE_PENDING]).round == 1
+    inner2 = RecordingFedAvg()
+    fresh = CompressionStrategy(inner2, CompressionConfig.from_run_config({}))
+    new3, log = train_round(fresh, clients, 3, new)  # the model after round 2, no records
+    assert new3 is not None
+    out = protocol.DownlinkHeader.from_record(log.downlinks[2]).outcome
+    assert out is not None and (out.round, out.settled_round, out.records_from_round) == (3, 2, 3)
+    evaluate_round(fresh, clients, 3, new3)
+    assert fresh.outcome_state()["records-from-round"] == 3
+    for client in clients.values():
+        assert protocol.STATE_PENDING not in client.ctx.state.config_records
+        assert _gap(client, [(inner, models), (inner2, {3: new})]) < 2e-5, client.node

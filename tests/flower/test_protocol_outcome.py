@@ -70,6 +70,7 @@ def test_protocol_2_writes_the_version_and_the_outcome_fields() -> None:
         "last-update-round": 5,
         "last-update-status": "rejected",
         "last-update-reason": "payload: update norm 9 exceeds max-update-norm 5",
+        "records-from-round": 1,
     }
     back = DownlinkHeader.from_record(rec)
     assert back == _header() and back.protocol == 2 and back.outcome == OUTCOME
@@ -120,6 +121,10 @@ def test_a_missing_outcome_field_is_named(field: str) -> None:
         ("last-update-status", "none", "field 'last-update-status' is 'none' with 'last-update-round' = 5"),
         ("last-update-status", "aggregated", "field 'last-update-reason' is set for a 'aggregated' update"),
         ("last-update-reason", b"x", "field 'last-update-reason' must be str, got bytes"),
+        ("records-from-round", "1", "field 'records-from-round' must be int, got str"),
+        ("records-from-round", -1, "field 'records-from-round' must be >= 0, got -1"),
+        ("records-from-round", 8, "field 'records-from-round' = 8 is after 'settled-round' + 1 = 7"),
+        ("records-from-round", 6, "field 'last-update-round' = 5 is before 'records-from-round' = 6"),
         (
             "last-update-reason",
             "x" * (MAX_REASON_CHARS + 1),
@@ -136,6 +141,8 @@ def test_the_longest_reason_and_a_first_contact_outcome_are_valid() -> None:
     assert DownlinkHeader.from_record(_header(long).to_record()).outcome == long
     first = UpdateOutcome(1, 0, 0, UpdateStatus.NONE)
     assert DownlinkHeader.from_record(_header(first).to_record()).outcome == first
+    restarted = UpdateOutcome(7, 6, 0, UpdateStatus.NONE, records_from_round=7)  # no record yet
+    assert DownlinkHeader.from_record(_header(restarted).to_record()).outcome == restarted
 
 
 @pytest.mark.parametrize(
@@ -152,6 +159,12 @@ def test_the_longest_reason_and_a_first_contact_outcome_are_valid() -> None:
         (UpdateOutcome(4, 4, 3, UpdateStatus.AGGREGATED), 5, False, None),
         (UpdateOutcome(5, 4, 3, UpdateStatus.AGGREGATED), 5, True, False),
         (UpdateOutcome(3, 2, 2, UpdateStatus.AGGREGATED), 5, True, False),
+        # Before the server's records begin (it restarted without them): unknown, counted as
+        # aggregated; from their first round on, the rules above.
+        (UpdateOutcome(7, 6, 0, UpdateStatus.NONE, records_from_round=6), 5, True, True),
+        (UpdateOutcome(7, 6, 0, UpdateStatus.NONE, records_from_round=6), 5, False, True),
+        (UpdateOutcome(7, 6, 0, UpdateStatus.NONE, records_from_round=6), 6, True, False),
+        (UpdateOutcome(6, 5, 0, UpdateStatus.NONE, records_from_round=6), 6, True, False),
     ],
 )
 def test_the_verdict_rules(outcome: UpdateOutcome, update_round: int, train: bool, verdict: bool | None) -> None:
