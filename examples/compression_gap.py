@@ -29,6 +29,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import random
 import sys
 import time
@@ -45,6 +46,7 @@ from flwr.serverapp.strategy import FedAvg, Strategy
 from fedcomp.app.config import APP_COMPRESSION_DEFAULTS
 from fedcomp.app.data import DataError, load_dataset, load_partition
 from fedcomp.app.models import LeNet5Caffe, evaluate, train_local
+from fedcomp.bench import int_at_least
 from fedcomp.flower.mod import make_compression_mod
 from fedcomp.flower.records import tensors_from_record
 from fedcomp.flower.settings import CompressionConfig
@@ -405,7 +407,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--partition", choices=["iid", "dirichlet", "both"], default="both")
     ap.add_argument("--participation", choices=["full", "sampled", "both"], default="full",
                     help="full: 10 clients, all train; sampled: 100 clients, 10 per round")  # fmt: skip
-    ap.add_argument("--rounds", type=int, default=0, help="default: 60 (Dirichlet), 25 (IID), 30 (sampled)")
+    ap.add_argument(
+        "--rounds", type=int_at_least(0), default=0, help="0 = the default: 60 (Dirichlet), 25 (IID), 30 (sampled)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--data-dir", default=None, help="folder holding mnist/ (default: $FEDCOMP_DATA_DIR)")
     ap.add_argument("--refresh", action="store_true", help="rerun even when cached")
@@ -442,7 +446,10 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     results[name] = cached_run(task, args.data_dir, args.refresh)
                 except DataError as err:
-                    print(f"error: {err} (set FEDCOMP_DATA_DIR or --data-dir)", file=sys.stderr)
+                    reason = str(err)
+                    if not (args.data_dir or os.environ.get("FEDCOMP_DATA_DIR")):  # err names the app's key
+                        reason = "no data folder: set FEDCOMP_DATA_DIR or pass --data-dir (the folder holding mnist/)"
+                    print(f"error: {reason}", file=sys.stderr)
                     return 2
             if not results:
                 continue

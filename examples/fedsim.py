@@ -67,6 +67,7 @@ import torch.nn.functional as F
 
 from fedcomp.app.data import load_dataset, load_partition
 from fedcomp.app.models import LeNet5Caffe, evaluate
+from fedcomp.bench import int_at_least
 from fedcomp.codecs import SBC, DenseFP32, ThreeLC
 from fedcomp.methods.update import UpdateEncoder, decode_update, specs_of
 from fedcomp.wire import serde
@@ -522,8 +523,10 @@ def common_args(parser: Any, default_out: Path) -> None:
     parser.add_argument("--out", type=Path, default=default_out, help=f"run folder (default: {default_out})")
     parser.add_argument("--quick", action="store_true", help="200 iterations per config (timing, smoke)")
     parser.add_argument("--smoke", action="store_true", help="a few iterations on a test subset (tests)")
-    parser.add_argument("--iterations", type=int, default=None, help="override the iterations per config")
-    parser.add_argument("--jobs", type=int, default=1, help="configs run at once, one thread each (default 1)")
+    parser.add_argument("--iterations", type=int_at_least(1), default=None, help="override the iterations per config")
+    parser.add_argument(
+        "--jobs", type=int_at_least(1), default=1, help="configs run at once, one thread each (default 1)"
+    )
     parser.add_argument("--force", action="store_true", help="rerun even when a cached result exists")
     parser.add_argument("--no-plots", action="store_true")
 
@@ -539,13 +542,22 @@ def apply_mode(configs: Sequence[SimConfig], args: Any) -> list[SimConfig]:
 
 
 def check_data(dataset: str = "mnist") -> None:
-    """Exit with a clear message when the dataset cannot be found."""
+    """Exit 2 (a usage error, as for a bad option) with a clear message when the dataset cannot
+    be found."""
     from fedcomp.app.data import DataError
 
+    folder = os.environ.get("FEDCOMP_DATA_DIR", "")
+    if not folder:
+        print(
+            f"error: FEDCOMP_DATA_DIR is not set: set it to the folder holding {dataset}/ (e.g. /work/shared/data)",
+            file=sys.stderr,
+        )
+        sys.exit(2)
     try:
-        load_dataset(dataset)
+        load_dataset(dataset, folder)
     except DataError as err:
-        sys.exit(f"error: {err}\n(set FEDCOMP_DATA_DIR to the folder holding mnist/, e.g. /work/shared/data)")
+        print(f"error: {err} (FEDCOMP_DATA_DIR={folder})", file=sys.stderr)
+        sys.exit(2)
 
 
 def write_summary(out: Path, name: str, rows: list[dict[str, Any]], text: str) -> None:

@@ -34,10 +34,11 @@ import hashlib
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from fedcomp.bench import float_in, int_at_least
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "results" / "examples" / "methods_table"
@@ -115,16 +116,20 @@ def fmt(v: Any, spec: str = "") -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=30)
-    ap.add_argument("--clients", type=int, default=10)
+    ap.add_argument("--rounds", type=int_at_least(1), default=30)
+    ap.add_argument("--clients", type=int_at_least(1), default=10)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    ap.add_argument("--only", nargs="*", default=None, help="method labels to run (default: all)")
+    ap.add_argument(
+        "--only", nargs="+", default=None, metavar="LABEL", help=f"method labels to run (default: all): {list(METHODS)}"
+    )
     ap.add_argument("--force", action="store_true", help="rerun cached configurations")
-    ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
+    ap.add_argument("--timeout", type=float_in(0.0, lo_open=True), default=3600.0, help="seconds per run")
     args = ap.parse_args(argv)
+    unknown = [label for label in args.only or () if label not in METHODS]
+    if unknown:
+        ap.error(f"--only: unknown method label(s) {unknown}; valid labels: {list(METHODS)}")
     if not os.environ.get("FEDCOMP_DATA_DIR"):
-        print("FEDCOMP_DATA_DIR is not set (the folder holding mnist/)", file=sys.stderr)
-        return 2
+        ap.error("FEDCOMP_DATA_DIR is not set: set it to the folder holding mnist/ (e.g. /work/shared/data)")
     from fedcomp.testing.flower import run_simulation
 
     args.out.mkdir(parents=True, exist_ok=True)

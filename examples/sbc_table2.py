@@ -24,6 +24,7 @@ from pathlib import Path
 import fedsim
 from fedsim import TABLE2_OBSERVERS, SimConfig
 
+from fedcomp.bench import int_at_least
 from fedcomp.codecs.golomb import expected_bits_per_position, golomb_b
 
 BASE = SimConfig(iterations=2000, observers=TABLE2_OBSERVERS)
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also run the ablations (centralized, fresh Adam, dense small tensors, momentum masking)",
     )
-    ap.add_argument("--seeds", type=int, default=1, help="seeds per config (mean and spread reported)")
+    ap.add_argument("--seeds", type=int_at_least(1), default=1, help="seeds per config (mean and spread reported)")
     ap.add_argument("--figures-to", type=Path, default=None, help="also copy the plots here (e.g. docs/figures)")
     args = ap.parse_args(argv)
     fedsim.check_data("mnist")

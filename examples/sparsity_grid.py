@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import fedsim
 import numpy as np
 from fedsim import SimConfig
+
+from fedcomp.bench import float_in, int_at_least
 
 DELAYS = (1, 10, 100)
 PS = (1.0, 0.1, 0.01, 0.001)
@@ -49,8 +50,10 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     fedsim.common_args(ap, fedsim.DEFAULT_RESULTS / "sparsity_grid")
-    ap.add_argument("--delays", type=int, nargs="+", default=list(DELAYS))
-    ap.add_argument("--ps", type=float, nargs="+", default=list(PS), help="SBC p per cell; 1 = dense")
+    ap.add_argument("--delays", type=int_at_least(1), nargs="+", default=list(DELAYS))
+    ap.add_argument(
+        "--ps", type=float_in(0.0, 1.0, lo_open=True), nargs="+", default=list(PS), help="SBC p per cell; 1 = dense"
+    )
     ap.add_argument("--figures-to", type=Path, default=None, help="also copy the plots here (e.g. docs/figures)")
     ap.add_argument(
         "--long",
@@ -85,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         delays = sorted({min(d, iterations) for d in delays})
     bad = [d for d in delays if iterations % d]
     if bad:
-        sys.exit(f"error: iterations {iterations} is not a multiple of delay(s) {bad}")
+        ap.error(f"--iterations: {iterations} is not a multiple of --delays {bad}")
     if args.long:  # the Table II configurations (same hashes), at any --iterations
         grid = [
             (

@@ -1,0 +1,109 @@
+"""The example scripts' command lines (issue #18, item 6): a bad option or choice exits 2 with a
+message naming it (and the valid choices), before any run starts; a missing data folder exits 2
+naming FEDCOMP_DATA_DIR. No data and no training needed: every case stops at argument checking."""
+
+from __future__ import annotations
+
+import importlib
+import io
+import os
+import subprocess
+import sys
+from contextlib import redirect_stderr
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = REPO / "examples"
+
+
+def _script(name: str, *args: str, data_dir: str | None = None) -> subprocess.CompletedProcess:
+    """``python examples/<name>.py ARGS`` as a user runs it (fedcomp importable from this checkout)."""
+    env = {k: v for k, v in os.environ.items() if k != "FEDCOMP_DATA_DIR"}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    if data_dir is not None:
+        env["FEDCOMP_DATA_DIR"] = data_dir
+    return subprocess.run([sys.executable, str(EXAMPLES / f"{name}.py"), *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+
+
+def test_methods_table_only_with_an_unknown_label_exits_2_naming_it_and_the_valid_ones(tmp_path: Path) -> None:
+    proc = _script("methods_table", "--only", "foo", "--out", str(tmp_path), data_dir="/work/shared/data")
+    assert proc.returncode == 2
+    assert "--only: unknown method label(s) ['foo']; valid labels: ['dense FedAvg', 'SBC (p = 1 %)'" in proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    assert not (tmp_path / "table.md").exists()  # nothing ran, no table written
+
+
+def test_paper_examples_without_a_data_folder_name_the_env_var() -> None:
+    proc = _script("sbc_table2", "--smoke")
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: FEDCOMP_DATA_DIR is not set: set it to the folder holding mnist/")
+    assert "run config" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+DATA = os.environ.get("FEDCOMP_DATA_DIR", "")
+
+
+@pytest.fixture()
+def example_main(monkeypatch: pytest.MonkeyPatch):
+    """An example's ``main`` called in this process; returns (exit code, stderr). Without
+    FEDCOMP_DATA_DIR, so that a broken argument check stops at the data check, never training."""
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    monkeypatch.delenv("FEDCOMP_DATA_DIR", raising=False)
+
+    def run(script: str, *argv: str) -> tuple[int, str]:
+        main = importlib.import_module(script).main
+        err = io.StringIO()
+        with redirect_stderr(err), pytest.raises(SystemExit) as info:
+            main(list(argv))
+        code = info.value.code
+        return (code if isinstance(code, int) else 1), err.getvalue()
+
+    return run
+
+
+@pytest.mark.parametrize(
+    ("script", "argv", "message"),
+    [
+        ("methods_table", ["--only", "foo", "dense FedAvg", "bar"], "unknown method label(s) ['foo', 'bar']"),
+        ("methods_table", ["--only"], "argument --only: expected at least one argument"),
+        ("methods_table", ["--rounds", "0"], "argument --rounds: must be >= 1, got '0'"),
+        ("methods_table", ["--clients", "two"], "argument --clients: expected an integer >= 1, got 'two'"),
+        ("methods_table", ["--timeout", "0"], "argument --timeout: must be in (0, inf), got '0'"),
+        ("sbc_table2", ["--seeds", "0"], "argument --seeds: must be >= 1, got '0'"),
+        ("sbc_table2", ["--iterations", "-5"], "argument --iterations: must be >= 1, got '-5'"),
+        ("threelc_table2", ["--jobs", "0"], "argument --jobs: must be >= 1, got '0'"),
+        ("sparsity_grid", ["--ps", "2"], "argument --ps: must be in (0, 1], got '2'"),
+        ("sparsity_grid", ["--delays", "0"], "argument --delays: must be >= 1, got '0'"),
+        ("compression_gap", ["--rounds", "-1"], "argument --rounds: must be >= 0, got '-1'"),
+        ("compression_gap", ["--partition", "skewed"], "argument --partition: invalid choice: 'skewed'"),
+    ],
+)
+def test_bad_options_exit_2_naming_the_option(example_main, script: str, argv: list[str], message: str) -> None:  # type: ignore[no-untyped-def]
+    code, err = example_main(script, *argv)
+    assert code == 2 and message in err
+
+
+def test_methods_table_checks_its_choices_before_the_data_folder(example_main) -> None:  # type: ignore[no-untyped-def]
+    code, err = example_main("methods_table", "--only", "foo")
+    assert code == 2 and "unknown method label(s) ['foo']" in err
+    code, err = example_main("methods_table")
+    assert code == 2 and "FEDCOMP_DATA_DIR is not set" in err
+
+
+def test_sparsity_grid_iterations_must_be_a_multiple_of_the_delays(example_main, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    if not (Path(DATA) / "mnist").is_dir():
+        pytest.skip("the delay check comes after the data check: needs FEDCOMP_DATA_DIR with mnist/")
+    monkeypatch.setenv("FEDCOMP_DATA_DIR", DATA)
+    code, err = example_main("sparsity_grid", "--smoke", "--iterations", "3", "--delays", "2")
+    assert code == 2 and "--iterations: 3 is not a multiple of --delays [2]" in err
+
+
+def test_compression_gap_unknown_setting_names_the_known_ones(example_main) -> None:  # type: ignore[no-untyped-def]
+    module = importlib.import_module("compression_gap")
+    err = io.StringIO()
+    with redirect_stderr(err):
+        assert module.main(["--only", "nope"]) == 2
+    assert "--only: unknown setting(s) ['nope']; known: ['dense'," in err.getvalue()
