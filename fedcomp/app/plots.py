@@ -16,6 +16,9 @@ when a run ends):
   against the dense-fp32 equivalent, on a log axis (a round that moved nothing in a direction
   has no point there).
 
+Rounds in which no client update was aggregated (``updates_aggregated`` = 0 in results.json)
+are marked: a red cross on the accuracy curve, a red band in the bytes plot.
+
 :func:`plot_runs` overlays several runs (e.g. dense FedAvg against a compressed run) in the same
 two files, one colour per run, labelled with the run's name and its compression settings as
 recorded in ``results.json``'s ``config``.
@@ -93,6 +96,9 @@ class RunSeries:
     downlink_bytes: tuple[int, ...]
     dense_uplink_bytes: tuple[int, ...]
     dense_downlink_bytes: tuple[int, ...]
+    #: Training rounds in which no client update was aggregated (``updates_aggregated`` = 0, where
+    #: results.json records it): the model did not move there.
+    empty_rounds: tuple[int, ...] = ()
 
     @property
     def label(self) -> str:
@@ -169,6 +175,7 @@ def run_series(data: Any, source: Path) -> RunSeries:
     if not isinstance(config, Mapping):
         raise ResultsFileError(source, f"'config': expected an object, got {type(config).__name__}")
     cols: dict[str, list[Any]] = {key: [] for key in ("round", "accuracy", *_BYTE_KEYS)}
+    empty: list[int] = []
     for i, entry in enumerate(rounds):
         if not isinstance(entry, Mapping):
             raise ResultsFileError(source, f"rounds[{i}]: expected an object, got {type(entry).__name__}")
@@ -180,6 +187,9 @@ def run_series(data: Any, source: Path) -> RunSeries:
                 cols[key].append(float(_number(entry[key], source, where, integer=False)))
             else:
                 cols[key].append(int(_number(entry[key], source, where, integer=True)))
+        aggregated = entry.get("updates_aggregated")
+        if aggregated is not None and _number(aggregated, source, f"rounds[{i}].updates_aggregated", integer=True) == 0:
+            empty.append(cols["round"][-1])
     error = data.get("error")
     return RunSeries(
         source=source,
@@ -193,6 +203,7 @@ def run_series(data: Any, source: Path) -> RunSeries:
         downlink_bytes=tuple(cols["downlink_bytes"]),
         dense_uplink_bytes=tuple(cols["dense_uplink_bytes"]),
         dense_downlink_bytes=tuple(cols["dense_downlink_bytes"]),
+        empty_rounds=tuple(empty),
     )
 
 
@@ -282,6 +293,9 @@ def _draw_accuracy(ax: Axes, runs: Sequence[RunSeries], dense_equivalent: bool) 
         if x:
             ax.plot(x, y, "o-", color=color, markersize=3, label=run.label)
             drawn = True
+        xe, ye = _positive(*_at_rounds(run, run.cumulative_bytes, run.empty_rounds))
+        if xe:
+            ax.plot(xe, ye, "x", color="red", markersize=8, mew=2, label=f"no update aggregated ({len(xe)} rounds)")
         if dense_equivalent:
             xd, yd = _positive(run.cumulative_dense_bytes, run.accuracy)
             if xd and xd != x:
@@ -307,8 +321,17 @@ def _round_axis(ax: Axes, ylabel: str) -> None:
     ax.grid(True, which="both", alpha=0.3)
 
 
+def _at_rounds(run: RunSeries, xs: Sequence[int], rounds: Sequence[int]) -> tuple[list[int], list[float]]:
+    """(x, accuracy) of the given rounds."""
+    pick = [i for i, r in enumerate(run.rounds) if r in set(rounds)]
+    return [xs[i] for i in pick], [run.accuracy[i] for i in pick]
+
+
 def _draw_bytes_one(ax: Axes, run: RunSeries) -> None:
-    """Both directions of one run: actual (solid) and dense fp32 (dashed / dotted), per round."""
+    """Both directions of one run: actual (solid) and dense fp32 (dashed / dotted), per round;
+    rounds that aggregated no update shaded."""
+    for k, r in enumerate(run.empty_rounds):
+        ax.axvspan(r - 0.4, r + 0.4, color="red", alpha=0.12, lw=0, label="no update aggregated" if k == 0 else None)
     for j, direction in enumerate(("uplink", "downlink")):
         color = f"C{j}"
         actual, dense = getattr(run, f"{direction}_bytes"), getattr(run, f"dense_{direction}_bytes")
@@ -322,6 +345,8 @@ def _draw_bytes_one(ax: Axes, run: RunSeries) -> None:
         ax.legend(fontsize=8, loc="best")
     else:
         _note(ax, "no bytes recorded in any round")
+        if run.empty_rounds:
+            ax.legend(fontsize=8, loc="best")
     _round_axis(ax, "bytes per round, all clients (log)")
 
 

@@ -240,3 +240,23 @@ def test_plots_of_a_real_flower_run(tmp_path: Path) -> None:
     assert series.compression is not None and series.compression > 10  # SBC + 3LC by default
     assert "sbc p=0.05 up, 3lc s=1 down" in series.label
     assert os.access(run_dir / "results.json", os.R_OK)
+
+
+def test_rounds_that_aggregated_no_update_are_marked(tmp_path: Path) -> None:
+    """Every client failing from round 2 on: rounds 2 and 3 moved the model down but no update
+    came back (``updates_aggregated`` = 0, as the ServerApp records it)."""
+    rec = RunRecorder({"compress": False}, tmp_path, "failing", stream=None)
+    rec.end_round(0, accuracy=0.1, loss=2.3)
+    for r in (1, 2, 3):
+        rec.add_traffic(1, downlink_bytes=MODEL, dense_downlink_bytes=MODEL)
+        if r == 1:
+            rec.add_traffic(1, uplink_bytes=MODEL, dense_uplink_bytes=MODEL)
+        rec.end_round(r, accuracy=0.5 if r == 1 else 0.5, loss=1.0, updates_aggregated=int(r == 1))
+    rec.finish("failed", error="no client update was aggregated in 2 rounds in a row")
+
+    for p in write_run_plots(rec.run_dir):
+        _check_png(p)
+    series = read_run(rec.run_dir)
+    assert series.empty_rounds == (2, 3)
+    assert series.cumulative_bytes == (0, 2 * MODEL, 3 * MODEL, 4 * MODEL)
+    assert read_run(_recorded_run(tmp_path, "ok", {})).empty_rounds == ()  # not recorded: none marked
