@@ -64,6 +64,8 @@ _KNOWN_NOISE = (
     "Successfully installed",
     "Manually terminating ClientAppActor",  # Ray, at the end of every simulation
 )
+#: Lines Ray forwards from its worker processes: ``(pid=25435) ...``, ``(ClientAppActor pid=1747) ...``.
+_RAY_WORKER = re.compile(r"^\((\w+ )?pid=\d+\)")
 #: The results table (fedcomp.app.results.RunRecorder): its header and its rows.
 _TABLE_LINE = re.compile(r"^(round +acc +loss|\s*\d+ +\d\.\d{4} )")
 
@@ -144,7 +146,8 @@ def validate(app_dir: Path, overrides: Mapping[str, Any], check_devices: bool = 
 class OutputFilter:
     """Turns the flwr CLI's stream into what a user reads: the table, warnings, errors.
 
-    Quiet (default): drops Flower's DEBUG/INFO lines and the known noise (:data:`_KNOWN_NOISE`);
+    Quiet (default): drops Flower's DEBUG/INFO lines, the known noise (:data:`_KNOWN_NOISE`) and
+    the lines Ray forwards from its worker processes;
     of ERROR lines it shows each distinct one once and no tracebacks (neither Flower's nor the
     ones Ray prints for each failing client: results.json and the closing line carry the error;
     ``--verbose`` and the run's log show everything). The table's rows and fedcomp's own lines are
@@ -165,6 +168,8 @@ class OutputFilter:
             return True
         if line.startswith("[fedcomp]") or _TABLE_LINE.match(line):
             return True
+        if _RAY_WORKER.match(line):  # Ray forwarding its workers' own logs (crash dumps of idle workers)
+            return False
         level = _LEVEL.match(line)
         if level is None:
             return not self._in_traceback and not any(noise in line for noise in _KNOWN_NOISE)
@@ -265,9 +270,12 @@ def run(argv: list[str]) -> int:
         problem = f"--nodes: must be >= 1 (got {args.nodes})"
     if problem is None:
         try:
-            validate(app_dir, overrides)
+            cfg = validate(app_dir, overrides)
         except ConfigError as exc:
             problem = str(exc)
+        else:
+            if cfg.clients_per_round > args.nodes:  # the server would wait for clients that never come
+                problem = f"clients-per-round: {cfg.clients_per_round} clients per round, but --nodes is {args.nodes}"
     if problem is not None:
         from fedcomp.app.results import record_failure
 

@@ -190,6 +190,8 @@ FLWR_OUTPUT = [  # lines as `flwr run --stream` prints them (from a real run, sh
     "    2  0.3098  2.2464        0B        0B    3.45MB        0B       -       -    25.0\n",  # amid a traceback
     "fault_client.InjectedFailure: fail-train: injected\n",
     "\x1b[91mERROR \x1b[0m:     An exception was raised when processing a message by RayBackend\n",  # again
+    "(pid=25435) *** SIGABRT received at time=1795448730 on cpu 0 ***\n",  # an idle Ray worker's crash dump
+    "(pid=25435) Fatal Python error: Aborted\n",
     "\x1b[91mERROR \x1b[0m:     ServerApp thread raised an exception\n",
     "Traceback (most recent call last):\n",
     '  File "x.py", line 1, in main\n',
@@ -245,6 +247,7 @@ def _cuda() -> bool:
             marks=pytest.mark.skipif(_cuda(), reason="this machine has CUDA: asking for it is no error here"),
         ),
         ("compress=yes", "compress: must be true or false (got 'yes')"),
+        ("clients-per-round=3", "clients-per-round: 3 clients per round, but --nodes is 2"),
     ],
 )  # fmt: skip
 def test_bad_config_exits_2_within_10s_naming_the_key(run_config: str, message: str, tmp_path: Path) -> None:
