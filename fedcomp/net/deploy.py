@@ -554,14 +554,16 @@ class LocalDeployment:
         *,
         private_key: Path | None = None,
         insecure: bool | None = None,
+        root_certificates: Path | None = None,
         max_wait_s: float | None = None,
         index: int = 0,
     ) -> subprocess.Popen[Any]:
         """Start one ``flower-supernode`` against this SuperLink; its log is ``<work>/<name>/supernode.log``.
 
-        ``insecure`` defaults to "as the SuperLink" (``--root-certificates`` with TLS);
-        ``private_key``: its ``--auth-supernode-private-key``. Also how a drill starts a node the
-        SuperLink should refuse (an unregistered key, no key, no TLS).
+        ``insecure`` defaults to "as the SuperLink" (``--root-certificates`` with TLS, the run's CA
+        unless ``root_certificates`` names another); ``private_key``: its
+        ``--auth-supernode-private-key``. Also how a drill starts a node the SuperLink should
+        refuse (an unregistered key, no key, no TLS, another CA).
         """
         if self.port is None:
             raise DeployError("start() the deployment first")
@@ -576,8 +578,9 @@ class LocalDeployment:
         cmd = [*prefix, flwr_bin("flower-supernode"), "--superlink", superlink, "--port", str(port)]
         if insecure:
             cmd.append("--insecure")
-        elif self.tls is not None:
-            cmd += ["--root-certificates", str(self.tls.ca_cert)]
+        elif root_certificates is not None or self.tls is not None:
+            ca = root_certificates if root_certificates is not None else self.tls.ca_cert  # type: ignore[union-attr]
+            cmd += ["--root-certificates", str(Path(ca).resolve())]
         if private_key is not None:
             cmd += ["--auth-supernode-private-key", str(Path(private_key).resolve())]
         cmd += ["--max-wait-time", f"{self.node_max_wait_s if max_wait_s is None else max_wait_s:g}"]
@@ -996,14 +999,23 @@ def _cmd_supernode(args: argparse.Namespace) -> int:
     reader = threading.Thread(target=relay, daemon=True)
     reader.start()
     try:
-        code = proc.wait()
+        # After "Exit Code: 305" (refused, or gave up) Flower's SuperNode has been seen to hang on
+        # its SuperExec for 40 s and more: give it a few seconds to exit, then stop it.
+        given_up: float | None = None
+        while proc.poll() is None:
+            if seen and given_up is None:
+                given_up = time.monotonic()
+            if given_up is not None and time.monotonic() - given_up > 5.0:
+                break
+            time.sleep(0.2)
+        code = proc.returncode if proc.returncode is not None else EXIT_FAILED
     finally:
         # Its SuperExec outlives it (and holds the pipe): stop the whole session, by marker.
         terminate([proc], token, grace_s=5.0)
         reader.join(timeout=5)
     refused = refusal_reason("".join(lines)) if seen else None
     if refused is not None:
-        print(f"FAILED: the SuperLink at {args.superlink} refused this SuperNode: {refused}", file=sys.stderr)
+        print(f"FAILED: this SuperNode was not admitted ({refused}; SuperLink {args.superlink})", file=sys.stderr)
         return EXIT_FAILED
     if seen:
         print(
@@ -1048,6 +1060,22 @@ EXIT_CODES = f"""exit codes:
   {EXIT_UNREACHABLE}    supernode: the SuperLink could not be reached within --max-wait-time
   {EXIT_UNAVAILABLE}    local --netns: network namespaces are not available here (needs root and iproute2)
   130  interrupted (Ctrl-C); 143: stopped by SIGTERM (everything started is stopped first)"""
+
+
+def _cmd_certs(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"--out: {out} is not empty (never overwrite keys someone may use)")
+    hosts = tuple(args.host) or DEFAULT_HOSTS
+    m = make_tls_material(out, nodes=args.nodes, hosts=hosts)
+    print(f"CA:          {m.ca_cert}  (give it to every SuperNode and flwr CLI: --root-certificates)")
+    print(f"SuperLink:   {m.server_cert} {m.server_key}  (for {', '.join(hosts)})")
+    print(f"             flower-superlink {' '.join(m.superlink_args())} [--enable-supernode-auth]")
+    for i, node in enumerate(m.nodes):
+        print(
+            f"SuperNode {i}: {node.private} (its host only: --auth-key)  register: flwr supernode register {node.public}"
+        )
+    return EXIT_OK
 
 
 def main(argv: list[str] | None = None, check_run_config: RunConfigCheck | None = None) -> int:
@@ -1141,6 +1169,17 @@ def main(argv: list[str] | None = None, check_run_config: RunConfigCheck | None 
     rn.add_argument("--work-dir", default=None, help="FLWR_HOME for the CLI (default ./results/deploy-run)")
     rn.add_argument("--quiet", "-q", action="store_true")
     rn.set_defaults(func=_cmd_run)
+
+    ce = sub.add_parser("certs", help="make a throwaway CA, a server certificate and node key pairs in a folder")
+    ce.add_argument("--out", required=True, help="folder to create (must be new or empty)")
+    ce.add_argument("--nodes", type=int, default=0, help="SuperNode key pairs to make (for --enable-supernode-auth)")
+    ce.add_argument(
+        "--host",
+        action="append",
+        default=[],
+        help="a name or IP the SuperLink is reached at (repeat; default 127.0.0.1, ::1, localhost)",
+    )
+    ce.set_defaults(func=_cmd_certs)
 
     args = ap.parse_args(argv)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import socket
 import ssl
@@ -222,20 +223,26 @@ def tls_auth_deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lo
 
 
 def _wait_refused(dep: LocalDeployment, procs: dict[str, subprocess.Popen], timeout_s: float) -> dict[str, str]:
-    """Each rogue SuperNode's log once it was refused or exited (bounded by ``timeout_s``)."""
+    """Each rogue SuperNode's log once it exited, or was refused and had 5 s to exit (all bounded
+    by ``timeout_s``)."""
     logs: dict[str, str] = {}
+    marked: dict[str, float] = {}  # when Flower's "Exit Code:" line appeared
     deadline = time.monotonic() + timeout_s
     while len(logs) < len(procs) and time.monotonic() < deadline:
         for name, proc in procs.items():
+            if name in logs:
+                continue
             text = _scrub((dep.work_dir / name / "supernode.log").read_text(errors="replace"))
-            if name not in logs and (proc.poll() is not None or "Exit Code:" in text):
+            if "Exit Code:" in text:
+                marked.setdefault(name, time.monotonic())
+            if proc.poll() is not None or time.monotonic() - marked.get(name, math.inf) > 15:
                 logs[name] = text
         time.sleep(0.5)
     return logs
 
 
 @pytest.mark.flower
-@pytest.mark.slow  # real SuperLink + 4 SuperNodes + flwr run over TLS: ~90 s on 2 loaded cores
+@pytest.mark.slow  # real SuperLink + 5 SuperNodes + flwr run over TLS: ~90 s on 2 loaded cores
 def test_unregistered_keyless_and_insecure_clients_are_refused(tls_auth_deployment: LocalDeployment) -> None:
     dep = tls_auth_deployment
     assert dep.tls is not None and len(dep.registered) == 1
@@ -243,11 +250,24 @@ def test_unregistered_keyless_and_insecure_clients_are_refused(tls_auth_deployme
     assert dep.online_nodes() == [str(good)]
 
     stranger = make_node_key(dep.work_dir, "stranger")  # a valid key pair nobody registered
-    ports = free_ports(3)
+    other_ca = make_tls_material(dep.work_dir / "other-ca").ca_cert
+    ports = free_ports(4)
+    # The unregistered node through this project's own CLI (`deploy supernode --auth-key`).
+    (dep.work_dir / "unregistered").mkdir()
+    with open(dep.work_dir / "unregistered" / "supernode.log", "w") as log:
+        cli = subprocess.Popen(
+            [sys.executable, "-m", "fedcomp.deploy", "supernode", "--superlink", f"127.0.0.1:{dep.port}",
+             "--root-certificates", str(dep.tls.ca_cert), "--auth-key", str(stranger.private),
+             "--max-wait-time", "5", "--port", str(ports[0]), "--partition-id", "0", "--num-partitions", "1",
+             "--uplink-mbps", "10", "--downlink-mbps", "10"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO,
+            env={**os.environ, "FLWR_HOME": str(dep.work_dir / "unregistered")},
+        )  # fmt: skip
     rogues = {
-        "unregistered": dep.spawn_supernode("unregistered", ports[0], private_key=stranger.private, max_wait_s=5),
+        "unregistered": cli,
         "keyless": dep.spawn_supernode("keyless", ports[1], max_wait_s=5),
         "insecure": dep.spawn_supernode("insecure", ports[2], insecure=True, max_wait_s=5),
+        "other-ca": dep.spawn_supernode("other-ca", ports[3], root_certificates=other_ca, max_wait_s=5),
     }
     t0 = time.monotonic()
     try:
@@ -260,8 +280,14 @@ def test_unregistered_keyless_and_insecure_clients_are_refused(tls_auth_deployme
     assert set(logs) == set(rogues), f"not refused within 90 s: {set(rogues) - set(logs)}"
     assert "[code: 2004] Failed to activate SuperNode." in logs["unregistered"]
     assert refusal_reason(logs["unregistered"]) == "the SuperLink refused it: its public key is not registered"
+    assert cli.returncode == 1, logs["unregistered"][-2000:]
+    assert (
+        "FAILED: this SuperNode was not admitted (the SuperLink refused it: its public key is not registered"
+        in (logs["unregistered"])
+    )
     assert "[code: 2001] SuperNode authentication is enabled. All SuperNodes must be registered" in logs["keyless"]
     assert "Server disconnected without sending a response" in logs["insecure"]
+    assert "CERTIFICATE_VERIFY_FAILED" in logs["other-ca"]  # it does not trust this SuperLink either
     for text in logs.values():
         assert "Failed to initialize the connection to the SuperLink" in text
         assert "SuperNode ID:" not in text  # never activated, so never handed a task
@@ -283,3 +309,22 @@ def test_unregistered_keyless_and_insecure_clients_are_refused(tls_auth_deployme
     )
     assert data["status"] == "completed"
     assert data["rounds"][1]["clients"]["ids"] == [str(good)]
+
+
+def test_certs_command_makes_material_for_named_hosts_and_never_overwrites(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from fedcomp.deploy import main as deploy_main
+
+    out = tmp_path / "pki"
+    assert deploy_main(["certs", "--out", str(out), "--nodes", "2", "--host", "server.example"]) == 0
+    server = x509.load_pem_x509_certificate((out / "server.pem").read_bytes())
+    san = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert san.get_values_for_type(x509.DNSName) == ["server.example"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "ca.key", "ca.pem", "node-0.key", "node-0.pub", "node-1.key", "node-1.pub", "server.key", "server.pem",
+    ]  # fmt: skip
+    before = (out / "node-0.key").read_bytes()
+    assert deploy_main(["certs", "--out", str(out)]) == 2
+    assert "is not empty" in capsys.readouterr().err
+    assert (out / "node-0.key").read_bytes() == before
