@@ -304,7 +304,8 @@ def _draw_accuracy(ax: Axes, runs: Sequence[RunSeries], dense_equivalent: bool) 
                 ax.plot(xd, yd, "--", color=color, alpha=0.6, label=f"same rounds as dense fp32{extra}")
     if drawn:
         ax.set_xscale("log")
-        ax.legend(fontsize=8, loc="best")
+        # Below the axes: accuracy curves rise from the lower left, where "best" would cover them.
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncols=1, frameon=False)
     else:
         _note(ax, "no round moved any bytes yet: nothing to plot")
     ax.set_xlabel("cumulative bytes, uplink + downlink, all clients (log)")
@@ -369,7 +370,7 @@ def _title(runs: Sequence[RunSeries]) -> str:
         run = runs[0]
         note = _status_note(run)
         return run.label + (f"\n{note}" if note else "")
-    return f"{len(runs)} runs"
+    return f"{len(runs)} runs: " + ", ".join(run.run_name for run in runs)
 
 
 def _write_pair(runs: Sequence[RunSeries], out: Path, single: bool) -> list[Path]:
