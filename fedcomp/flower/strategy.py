@@ -298,7 +298,8 @@ class CompressionStrategy(Strategy):
                     log.exception("fedcomp: unexpected error decoding node %s's update", node)
                     exc = PayloadError("", f"decoder failed: {type(exc).__name__}: {exc}")
                 # The client's replica state (checked above) is still good; only this update is
-                # lost, like a dropout. Its residual already counted it as sent.
+                # not aggregated. The next downlink tells the client, which adds it back to its
+                # residual (protocol 2).
                 traffic.rejected[node] = str(exc)
                 self._last_update[node] = (server_round, UpdateStatus.REJECTED, _reason(str(exc)))
                 log.warning("fedcomp: rejected the update of node %s in round %s: %s", node, server_round, exc)
@@ -369,8 +370,11 @@ class CompressionStrategy(Strategy):
             last = {
                 int(n): (int(r), UpdateStatus(s), _reason(str(why))) for n, (r, s, why) in state["last-update"].items()
             }
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise PayloadError("", f"outcome state: {type(exc).__name__}: {exc}") from None
+        for r, s, why in [*last.values(), (0, UpdateStatus.NONE, "")]:
+            # What the clients will be sent must pass their checks.
+            UpdateOutcome.from_record(UpdateOutcome(settled + 1, settled, r, s, why, start).fields(), "outcome state")
         self._records_from, self._settled, self._last_update = start, settled, last
 
     def round_metrics(self, server_round: int) -> dict[str, Any]:

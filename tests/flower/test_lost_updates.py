@@ -334,9 +334,17 @@ def test_the_outcome_records_survive_a_checkpoint_and_reject_garbage() -> None:
     other = CompressionStrategy(RecordingFedAvg(), CompressionConfig.from_run_config({}))
     other.load_outcome_state(saved)
     assert other.outcome_state() == saved
-    for bad in ({}, {"settled-round": 1, "last-update": {"1": [1, "maybe", ""]}}, {"settled-round": "x"}):
+    for bad in (
+        {},
+        {"records-from-round": 1, "settled-round": 1, "last-update": {"1": [1, "maybe", ""]}},
+        {"records-from-round": 1, "settled-round": "x", "last-update": {}},
+        {"records-from-round": 1, "settled-round": 1, "last-update": {"1": [2, "aggregated", ""]}},
+        {"records-from-round": 3, "settled-round": 1, "last-update": {}},
+        {"records-from-round": 1, "settled-round": 1, "last-update": []},
+    ):
         with pytest.raises(PayloadError, match="outcome state"):
             other.load_outcome_state(bad)
+    assert other.outcome_state() == saved  # unchanged by the failed loads
 
 
 class DivergingLedgerClient(LedgerClient):
