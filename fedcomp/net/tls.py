@@ -25,6 +25,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +48,8 @@ __all__ = [
 
 #: Names the server certificate is valid for: the loopback deployment's addresses.
 DEFAULT_HOSTS: tuple[str, ...] = ("127.0.0.1", "::1", "localhost")
+#: A DNS name as a certificate may hold it: ASCII labels (LDH), an optional leading wildcard label.
+_DNS_NAME = re.compile(r"(\*\.)?(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*")
 #: Lifetime of the throwaway certificates (a local run lasts minutes; a day leaves room for clock skew).
 VALID_FOR = datetime.timedelta(days=1)
 
@@ -123,8 +126,11 @@ def _san(hosts: Sequence[str]) -> x509.SubjectAlternativeName:
         try:
             names.append(x509.IPAddress(ipaddress.ip_address(host)))
         except ValueError:
-            if not host or any(c.isspace() for c in host) or "/" in host:
-                raise ConfigError(f"tls hosts: {host!r} is neither an IP address nor a DNS name") from None
+            if len(host) > 253 or not _DNS_NAME.fullmatch(host):
+                raise ConfigError(
+                    f"tls hosts: {host!r} is neither an IP address nor a DNS name (ASCII labels of letters, digits "
+                    "and '-'; IDNA-encode others)"
+                ) from None
             names.append(x509.DNSName(host))
     return x509.SubjectAlternativeName(names)
 

@@ -127,6 +127,9 @@ def test_private_keys_are_0600_and_node_keys_are_what_flower_loads(tmp_path: Pat
         ({"nodes": -1}, "nodes must be an integer >= 0"),
         ({"hosts": ()}, "at least one name"),
         ({"hosts": ("127.0.0.1", "bad host")}, "'bad host' is neither an IP address nor a DNS name"),
+        ({"hosts": ("bücher.example",)}, "IDNA-encode"),
+        ({"hosts": ("a..b",)}, "'a..b' is neither"),
+        ({"hosts": ("-x.example",)}, "'-x.example' is neither"),
     ],
 )
 def test_bad_tls_requests_are_config_errors(tmp_path: Path, kwargs: dict, message: str) -> None:
