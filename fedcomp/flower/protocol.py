@@ -25,6 +25,7 @@ round): upgrade clients with or before the server.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
@@ -468,6 +469,14 @@ class UplinkReport:
         for key, attr, kind in cls._OPTIONAL:
             value = _opt(rec, key, numbers if kind is float else kind, w)
             optional[attr] = float(value) if kind is float and value is not None else value
+        # Ranges: every number is a count, a size, a time, a rate or a norm (finite, >= 0).
+        counted = [k for k, _, kind in cls._OPTIONAL if kind in (int, float)] + (list(cls._LINK) if link else [])
+        for key in ("replica-version", *(k for k in counted if k in rec)):
+            value = rec[key]
+            if not math.isfinite(value) or value < 0:
+                raise PayloadError("", f"{w}: field {key!r} must be finite and >= 0, got {value!r}")
+        if optional["sbc_p"] is not None and optional["sbc_p"] > 1:
+            raise PayloadError("", f"{w}: field 'sbc-p' must be <= 1, got {optional['sbc_p']!r}")
         return cls(replica_version, replica_digest, link=link, status=status, **optional)  # type: ignore[arg-type]
 
 

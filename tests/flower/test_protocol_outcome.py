@@ -181,3 +181,35 @@ def test_the_uplink_echo_round_trips_and_is_type_checked() -> None:
         with pytest.raises(PayloadError) as info:
             UplinkReport.from_record({**dict(rec), "update-round": value})
         assert str(info.value) == f"payload: uplink: field 'update-round' must be int, got {kind}"
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("replica-version", -1),
+        ("encode-seconds", float("nan")),
+        ("train-seconds", float("inf")),
+        ("train-seconds", -0.5),
+        ("sbc-p", -0.01),
+        ("local-iters", -3),
+        ("budget-bytes", -1),
+        ("estimated-bytes", -10),
+        ("residual-norm", float("nan")),
+        ("update-norm", float("-inf")),
+        ("update-round", -1),
+        ("uplink-mbps", float("inf")),
+        ("latency-ms", -5.0),
+    ],
+)
+def test_an_uplink_number_out_of_range_is_named(field: str, value: Any) -> None:
+    rec = {"replica-version": 1, "replica-digest": "x", "uplink-mbps": 1.0, "downlink-mbps": 1.0, "latency-ms": 1.0}
+    with pytest.raises(PayloadError) as info:
+        UplinkReport.from_record({**rec, field: value})
+    assert str(info.value) == f"payload: uplink: field {field!r} must be finite and >= 0, got {value!r}"
+
+
+def test_an_uplink_p_above_one_is_named() -> None:
+    with pytest.raises(PayloadError) as info:
+        UplinkReport.from_record({"replica-version": 1, "replica-digest": "x", "sbc-p": 1.5})
+    assert str(info.value) == "payload: uplink: field 'sbc-p' must be <= 1, got 1.5"
+    assert UplinkReport.from_record({"replica-version": 1, "replica-digest": "x", "sbc-p": 1}).sbc_p == 1.0
