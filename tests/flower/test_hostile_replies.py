@@ -7,14 +7,16 @@ from typing import Any
 
 import pytest
 import torch
-from flwr.app import ArrayRecord, Error, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
 
 from fedcomp.codecs import DenseFP32
 from fedcomp.flower import protocol
+from fedcomp.flower.records import record_from_tensors
 from fedcomp.methods.update import UpdateEncoder
 from fedcomp.wire.serde import update_from_bytes, update_to_bytes
 from tests.flower.helpers import (  # noqa: F401  (server_identity: autouse fixture)
     Client,
+    FixedGrid,
     make_strategy,
     mode_of,
     server_identity,
@@ -141,3 +143,40 @@ def test_after_an_app_error_the_next_chain_skips_the_deltas_the_client_already_h
     # client had applied and kept; it skips that delta, applies the rest and trains: no resync.
     assert mode_of(log.downlinks[2]) == "chain" and not log.replies[2].has_error()
     assert strategy.traffic[3].accepted == 2 and not strategy.traffic[3].rejected
+
+
+UPLINK_MUTATIONS = {
+    "replica-version-text": {"replica_version": "7"},
+    "replica-version-float": {"replica_version": 7.5},
+    "train-seconds-nan": {"train_seconds": float("nan")},
+    "update-round-text": {"update_round": "1"},
+    "update-round-other": {"update_round": 99},
+    "status-float": {"gradiveq.version": 1.5},
+}
+
+
+@pytest.mark.parametrize("method", ["sbc", "gradiveq"])
+@pytest.mark.parametrize("case", sorted(UPLINK_MUTATIONS))
+def test_a_malformed_uplink_record_never_ends_a_round_train_or_evaluate(method: str, case: str) -> None:
+    """Issue #14 item 2: a malformed uplink record raised outside the per-reply guard (in the
+    replica bookkeeping, also of aggregate_evaluate and GradiVeQ's node bookkeeping)."""
+    change = UPLINK_MUTATIONS[case]
+
+    def tamper(node: int, reply: Message) -> Message:
+        if node != 2 or not reply.has_content():
+            return reply
+        up = reply.content.config_records[protocol.UPLINK]
+        return _replace_content(reply, **{protocol.UPLINK: with_fields(up, **change)})
+
+    strategy = make_strategy(**{"uplink-codec": method})
+    clients = {n: Client(n) for n in (1, 2, 3)}
+    model = tiny_model()
+    new, _ = train_round(strategy, clients, 1, model, tamper=tamper)
+    assert new is not None and strategy.traffic[1].accepted == 2 and list(strategy.traffic[1].rejected) == [2]
+    # The evaluate round: the same mutation in node 2's evaluate reply.
+    grid_msgs = list(strategy.configure_evaluate(1, record_from_tensors(new), ConfigRecord({}), FixedGrid([1, 2, 3])))
+    replies = [tamper(m.metadata.dst_node_id, clients[m.metadata.dst_node_id].handle(m)) for m in grid_msgs]
+    assert strategy.aggregate_evaluate(1, replies) is not None
+    # The round after: node 2 is served (a full replica if the server forgot its state) and counts.
+    _, log = train_round(strategy, clients, 2, new)
+    assert not log.replies[2].has_error() and strategy.traffic[2].accepted == 3
