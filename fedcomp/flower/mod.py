@@ -300,18 +300,11 @@ def _compression_mod(
             raise ConfigError(f"the ClientApp's train reply has no ArrayRecord {dl.arrays_key!r}")
         trained = tensors_from_record(trained_rec, device)
         delta = {k: trained[k] - st.replica[k] for k in st.replica}
-        bad = [k for k, d in delta.items() if not bool(torch.isfinite(d).all())]
+        bad = _not_finite(delta)
         if bad:
             # Local training diverged: send nothing, keep the stored residual and replica as they
             # were (the server keeps counting this client at its last reported version).
-            log.warning("fedcomp: the local update is not finite in %s; not sent", bad[:3])
-            return Message(
-                Error(
-                    code=int(ErrorCode.LOCAL_UPDATE_REJECTED),
-                    reason=f"fedcomp: the local update is not finite (tensors {bad[:3]}); training diverged?",
-                ),
-                reply_to=msg,
-            )
+            return _local_update_rejected(msg, f"the local update is not finite (tensors {bad}); training diverged?")
         base_codec, overrides = codecs
         if plan is not None and plan.codec_config is not None:
             base_codec = get_codec(plan.codec_config)  # p as the bandwidth policy chose it
@@ -323,6 +316,11 @@ def _compression_mod(
         t0 = time.perf_counter()
         data = update_to_bytes(encoder.encode(delta, base_model_version=st.version, codecs=overrides, keep_sent=keep))
         seconds = time.perf_counter() - t0
+        bad = _not_finite(encoder.state_dict()) or _not_finite(encoder.sent or {})
+        if bad:
+            # The codec could not represent it (a dense-fp16 value beyond 65504): the same as a
+            # diverged update, rather than a residual poisoned with inf for every later round.
+            return _local_update_rejected(msg, f"the encoded update is not finite (tensors {bad}); values too large?")
         st.residual = encoder.state_dict()
         if keep:
             assert dl.outcome is not None and encoder.sent is not None
@@ -347,6 +345,17 @@ def _compression_mod(
         reply.content[protocol.UPLINK] = UplinkReport(st.version, st.digest(), status=status).to_record()
     st.save()
     return reply
+
+
+def _not_finite(tensors: Mapping[str, torch.Tensor]) -> list[str]:
+    """The first few tensors holding NaN or inf (empty: all finite)."""
+    return [k for k, t in tensors.items() if not bool(torch.isfinite(t).all())][:3]
+
+
+def _local_update_rejected(msg: Message, why: str) -> Message:
+    """The error reply for an update this client will not send; its stored state is untouched."""
+    log.warning("fedcomp: %s; not sent", why)
+    return Message(Error(code=int(ErrorCode.LOCAL_UPDATE_REJECTED), reason=f"fedcomp: {why}"), reply_to=msg)
 
 
 def _norm(tensors: Mapping[str, torch.Tensor]) -> float:

@@ -180,3 +180,34 @@ def test_a_malformed_uplink_record_never_ends_a_round_train_or_evaluate(method: 
     # The round after: node 2 is served (a full replica if the server forgot its state) and counts.
     _, log = train_round(strategy, clients, 2, new)
     assert not log.replies[2].has_error() and strategy.traffic[2].accepted == 3
+
+
+class OverflowingClient(Client):
+    """Its round-2 update holds a value beyond float16's range (65504)."""
+
+    def app(self, msg: Message, ctx: Any) -> Message:
+        reply = super().app(msg, ctx)
+        if int(msg.content.config_records["config"][protocol.SERVER_ROUND]) == 2:  # type: ignore[arg-type]
+            arrays = reply.content.array_records["arrays"].to_torch_state_dict()
+            arrays["w1"].view(-1)[0] += 1e6
+            reply.content["arrays"] = ArrayRecord(arrays)
+        return reply
+
+
+def test_an_update_the_codec_cannot_represent_is_not_sent_and_poisons_nothing() -> None:
+    strategy = make_strategy(**{"uplink-codec": "dense-fp16"})
+    clients: dict[int, Client] = {1: Client(1), 2: OverflowingClient(2)}
+    new, _ = train_round(strategy, clients, 1, tiny_model())
+    assert new is not None
+    state = clients[2].ctx.state
+    before = {k: dict(state.array_records[k].to_torch_state_dict()) for k in state.array_records}
+    new2, log = train_round(strategy, clients, 2, new)
+    reply = log.replies[2]
+    assert reply.has_error() and reply.error.code == int(protocol.ErrorCode.LOCAL_UPDATE_REJECTED)
+    assert "encoded update is not finite" in reply.error.reason and "w1" in reply.error.reason
+    after = {k: dict(state.array_records[k].to_torch_state_dict()) for k in state.array_records}
+    assert after.keys() == before.keys()
+    assert all(torch.equal(after[r][k], before[r][k]) for r in before for k in before[r])
+    assert new2 is not None
+    _, log = train_round(strategy, clients, 3, new2)
+    assert not log.replies[2].has_error() and strategy.traffic[3].accepted == 2
