@@ -4,7 +4,7 @@
     net (1): a utility layer beside wire; imports only ``fedcomp.errors`` and itself, and only
     ``methods``, ``flower``, ``app`` (and the top group) import it
 
-The top group (``bench``, ``testing``, ``deploy.py``, ``__init__.py``, ``__main__.py``) may import
+The top group (``bench``, ``testing``, ``deploy.py``, ``cli.py``, ``fuzz.py``, ``__init__.py``, ``__main__.py``) may import
 anything; no library layer may import it. A module may import its own layer and strictly lower
 ranks. Every ``fedcomp`` import counts: module-level, function-level, under ``TYPE_CHECKING``,
 relative, and ``importlib.import_module("fedcomp...")`` with a literal name; ``from fedcomp.x
@@ -41,6 +41,8 @@ LAYER_OF = {
     "bench": "top",
     "testing": "top",
     "deploy": "top",
+    "cli": "top",
+    "fuzz": "top",
     "__init__": "top",
     "__main__": "top",
 }
