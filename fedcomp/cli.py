@@ -45,9 +45,6 @@ EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
 
 #: The reference app: the folder holding this package (its pyproject.toml names the apps).
 REFERENCE_APP = Path(__file__).resolve().parent.parent
-#: The folder this ``fedcomp`` is imported from: on the apps' PYTHONPATH, so that an app whose
-#: bundle does not carry fedcomp (``--app``) imports the same one as this command.
-_PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 
 _PAIR = re.compile(r"""\s*([^\s=]+)=('[^']*'|"[^"]*"|\S*)""")
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -296,7 +293,6 @@ def run(argv: list[str]) -> int:
             num_supernodes=args.nodes,
             timeout_s=args.timeout,
             on_output=show,
-            env={"PYTHONPATH": os.pathsep.join(filter(None, [str(_PACKAGE_ROOT), os.environ.get("PYTHONPATH")]))},
         )
     except SimulationError as exc:
         first = str(exc).split("\n", 1)[0]
@@ -361,4 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     if command is None:
         print(f"{usage}\n\nunknown command {argv[0]!r}", file=sys.stderr)
         return EXIT_CONFIG
-    return command[0](argv[1:])
+    try:
+        return command[0](argv[1:])
+    except KeyboardInterrupt:  # before a run started (a started run handles it itself)
+        print("interrupted", file=sys.stderr)
+        return EXIT_FAILED

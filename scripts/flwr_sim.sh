@@ -8,7 +8,9 @@
 # and runtime `uv sync` off), runs `flwr run --stream`, checks results.json (flwr run exits 0
 # even when the run failed) and stops every process it started. Exit code 0 = run completed.
 # Results go to results-dir, else $FEDCOMP_RESULTS_DIR, else ./results (of the caller's cwd).
-# See fedcomp/testing/flower.py (run_simulation) for the details.
+# See fedcomp/testing/flower.py (run_simulation) for the details. For interactive use,
+# `python -m fedcomp run` (fedcomp/cli.py) runs the same sandbox after validating the run config,
+# with a quiet table and exit codes 0 completed / 1 failed / 2 bad configuration.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" FEDCOMP_APP_DIR="${FEDCOMP_APP_DIR:-$root}"

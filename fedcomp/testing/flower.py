@@ -56,6 +56,9 @@ from fedcomp.net.superlink import (
 
 __all__ = ["SimulationError", "alive_pids", "find_marked_pids", "flwr_env", "run_simulation"]
 
+#: The folder holding this ``fedcomp`` package.
+_PACKAGE_ROOT = Path(__file__).resolve().parents[2]
+
 RESULTS_FILE = "results.json"  # same as fedcomp.app.results.RESULTS_FILE (no torch import here)
 
 
@@ -145,6 +148,9 @@ def run_simulation(
     run_env = flwr_env(flwr_home)
     run_env.update(env or {})
     run_env[TOKEN_ENV] = token
+    # The apps import the fedcomp this driver imports: an app whose bundle does not carry fedcomp
+    # (tests/flower_app) would otherwise depend on how, and from where, fedcomp was installed.
+    run_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_PACKAGE_ROOT), run_env.get("PYTHONPATH")]))
 
     fed = {"num-supernodes": int(num_supernodes), **(federation_config or {})}
     fed_arg = " ".join(f"{k}={_toml_value(v)}" for k, v in fed.items())
