@@ -298,7 +298,7 @@ def test_unreachable_superlink_fails_fast(tmp_path: Path) -> None:
         [sys.executable, "-m", "fedcomp.net.deploy", "supernode", "--superlink", f"127.0.0.1:{port}", "--insecure",
          "--max-wait-time", "3", "--partition-id", "0", "--num-partitions", "1",
          "--uplink-mbps", "10", "--downlink-mbps", "10", "--port", str(free_ports(1)[0])],
-        capture_output=True, text=True, timeout=60, cwd=tmp_path, env={**__import__("os").environ, "FLWR_HOME": str(tmp_path / "h2")},
+        capture_output=True, text=True, timeout=60, cwd=tmp_path, env={**__import__("os").environ, "FLWR_HOME": str(tmp_path / "h2"), "PYTHONPATH": str(REPO)},
     )  # fmt: skip
     assert out.returncode == 3, out.stderr[-2000:]
     assert f"could not reach the SuperLink at 127.0.0.1:{port} within 3s" in out.stderr
