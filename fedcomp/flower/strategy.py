@@ -21,7 +21,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -266,6 +267,10 @@ class CompressionStrategy(Strategy):
         the decoded model in), exactly one MetricRecord, and a weight in (0, max-num-examples]."""
         if content.array_records:
             raise PayloadError("", f"reply carries ArrayRecord(s) {sorted(content.array_records)} beside its update")
+        self._check_metrics(content)
+
+    def _check_metrics(self, content: RecordDict) -> None:
+        """Exactly one MetricRecord, with a weight in (0, max-num-examples] (train and evaluate)."""
         if len(content.metric_records) != 1:
             raise PayloadError("", f"reply has {len(content.metric_records)} MetricRecords, expected 1")
         key = getattr(self.strategy, "weighted_by_key", None)
@@ -306,6 +311,15 @@ class CompressionStrategy(Strategy):
                 continue
             accepted.append(msg)
             traffic.accepted += 1
+
+        def reject(msg: Message, why: str) -> None:
+            node = msg.metadata.src_node_id
+            traffic.accepted -= 1
+            traffic.rejected[node] = f"payload: {why}"
+            self._last_update[node] = (server_round, UpdateStatus.REJECTED, _reason(f"payload: {why}"))
+            log.warning("fedcomp: rejected the update of node %s in round %s: %s", node, server_round, why)
+
+        accepted = self._consistent(accepted, reject)
         arrays, metrics = self.strategy.aggregate_train(server_round, accepted)
         for msg in accepted:
             if not msg.has_error():
@@ -323,13 +337,48 @@ class CompressionStrategy(Strategy):
                 arrays = record_from_tensors(model)
         return arrays, self._with_figures(server_round, metrics, "train")
 
+    def _consistent(self, replies: list[Message], reject: Callable[[Message, str], None]) -> list[Message]:
+        """The replies whose MetricRecord has the round's common shape (record name, keys, list
+        lengths): Flower's strategies require one shape of all replies and raise otherwise, so a
+        single odd reply would end the run. The shape most replies share wins (ties: the first
+        seen); ``reject`` is told of each other one. Error replies pass through."""
+        if getattr(self.strategy, "weighted_by_key", None) is None:
+            return replies
+        shapes = Counter(_metric_shape(m) for m in replies if not m.has_error())
+        if len(shapes) <= 1:
+            return replies
+        (name, keys), _ = shapes.most_common(1)[0]
+        out = []
+        for msg in replies:
+            if msg.has_error() or _metric_shape(msg) == (name, keys):
+                out.append(msg)
+            else:
+                got_name, got_keys = _metric_shape(msg)
+                reject(msg, f"MetricRecord {got_name!r} {_describe(got_keys)} differs from the round's "
+                       f"other replies ({name!r} {_describe(keys)})")  # fmt: skip
+        return out
+
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         replies = list(replies)
+        checked = []
         for msg in replies:
             if _needs_resync_bookkeeping(msg):
                 self._note_node(msg.metadata.src_node_id, self._report_of(msg))
-        metrics = self.strategy.aggregate_evaluate(server_round, replies)
+            if not msg.has_error() and getattr(self.strategy, "weighted_by_key", None) is not None:
+                try:
+                    self._check_metrics(msg.content)
+                except PayloadError as exc:
+                    self._reject_evaluate(msg, str(exc), server_round)
+                    continue
+            checked.append(msg)
+        checked = self._consistent(checked, lambda m, why: self._reject_evaluate(m, why, server_round))
+        metrics = self.strategy.aggregate_evaluate(server_round, checked)
         return None if metrics is None else self._with_figures(server_round, metrics, "evaluate")
+
+    def _reject_evaluate(self, msg: Message, why: str, server_round: int) -> None:
+        node = msg.metadata.src_node_id
+        self._traffic(server_round).rejected_evaluate[node] = why
+        log.warning("fedcomp: rejected the evaluate reply of node %s in round %s: %s", node, server_round, why)
 
     def _with_figures(self, server_round: int, metrics: MetricRecord | None, phase: str) -> MetricRecord:
         """The inner strategy's metrics plus this round's compression figures (``fedcomp.*``
@@ -387,6 +436,20 @@ class CompressionStrategy(Strategy):
 
     def __repr__(self) -> str:
         return f"CompressionStrategy({self.strategy!r})"
+
+
+def _metric_shape(msg: Message) -> tuple[str, tuple[tuple[str, int], ...]]:
+    """A reply's MetricRecord name and its keys with their list lengths (-1: a number)."""
+    name, rec = next(iter(msg.content.metric_records.items()))
+    return name, tuple(sorted((k, len(v) if isinstance(v, list) else -1) for k, v in rec.items()))
+
+
+def _describe(keys: tuple[tuple[str, int], ...]) -> str:
+    return (
+        "with keys ["
+        + ", ".join(k if n < 0 else f"{k}[{n}]" for k, n in keys[:8])
+        + (", ...]" if len(keys) > 8 else "]")
+    )
 
 
 def _reason(text: str) -> str:

@@ -50,6 +50,8 @@ class RoundTraffic:
     dense_downlink: dict[int, int] = field(default_factory=dict)
     downlink_mode: dict[int, str] = field(default_factory=dict)
     rejected: dict[int, str] = field(default_factory=dict)
+    #: Evaluate replies left out of the inner strategy's aggregation, and why.
+    rejected_evaluate: dict[int, str] = field(default_factory=dict)
     accepted: int = 0  # train replies decoded and handed to the inner strategy
     #: Nodes sent a train message that have not replied (once aggregated: those that never did).
     unanswered: set[int] = field(default_factory=set)

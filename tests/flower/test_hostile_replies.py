@@ -211,3 +211,82 @@ def test_an_update_the_codec_cannot_represent_is_not_sent_and_poisons_nothing() 
     assert new2 is not None
     _, log = train_round(strategy, clients, 3, new2)
     assert not log.replies[2].has_error() and strategy.traffic[3].accepted == 2
+
+
+def _metrics_of(reply: Message) -> tuple[str, MetricRecord]:
+    return next(iter(reply.content.metric_records.items()))
+
+
+def _renamed(reply: Message) -> Message:
+    name, rec = _metrics_of(reply)
+    return _replace_content(reply, **{name: None, "other-metrics": rec})
+
+
+def _extra_key(reply: Message) -> Message:
+    name, rec = _metrics_of(reply)
+    return _replace_content(reply, **{name: MetricRecord({**dict(rec), "extra": 1.0})})
+
+
+def _list_metric(length: int) -> Any:
+    def tamper(reply: Message) -> Message:
+        name, rec = _metrics_of(reply)
+        return _replace_content(reply, **{name: MetricRecord({**dict(rec), "curve": [0.5] * length})})
+
+    return tamper
+
+
+SHAPE_TAMPERS = {
+    "renamed-metric-record": _renamed,
+    "extra-metric-key": _extra_key,
+    "list-metric": _list_metric(3),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SHAPE_TAMPERS))
+def test_a_train_reply_whose_metrics_differ_from_the_others_is_rejected(case: str) -> None:
+    """Flower's strategies require every reply's MetricRecord to have one name and one key set
+    (InconsistentMessageReplies otherwise): the odd reply out is rejected, the round goes on, and
+    its client hears so (its update goes back into its residual)."""
+    strategy = make_strategy()
+    clients = {n: Client(n) for n in (1, 2, 3)}
+    new, _ = train_round(
+        strategy, clients, 1, tiny_model(), tamper=lambda n, r: SHAPE_TAMPERS[case](r) if n == 3 else r
+    )
+    t = strategy.traffic[1]
+    assert new is not None and t.accepted == 2 and list(t.rejected) == [3], t.rejected
+    assert "differs from the round's other replies ('metrics' with keys [num-examples])" in t.rejected[3]
+    assert strategy.outcome_state()["last-update"]["3"][:2] == [1, "rejected"]
+
+
+def test_the_shape_most_replies_share_wins_whoever_replies_first() -> None:
+    strategy = make_strategy()
+    clients = {n: Client(n) for n in (1, 2, 3)}
+    new, _ = train_round(strategy, clients, 1, tiny_model(), tamper=lambda n, r: _renamed(r) if n == 1 else r)
+    assert new is not None and list(strategy.traffic[1].rejected) == [1]
+
+
+EVALUATE_TAMPERS = {
+    "num-examples-missing": (_metrics(None), "MetricRecords, expected 1"),
+    "num-examples-nan": (_metrics(float("nan")), "not a number"),
+    "extra-metric-record": (lambda r: _replace_content(r, more=MetricRecord({"x": 1.0})), "2 MetricRecords"),
+    "renamed-metric-record": (_renamed, "differs from the round's other replies"),
+    "list-metric-length": (_list_metric(2), "differs from the round's other replies"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EVALUATE_TAMPERS))
+def test_a_malformed_evaluate_reply_is_left_out_and_the_round_goes_on(case: str) -> None:
+    tamper, why = EVALUATE_TAMPERS[case]
+    strategy = make_strategy()
+    clients = {n: Client(n) for n in (1, 2, 3)}
+    new, _ = train_round(strategy, clients, 1, tiny_model())
+    assert new is not None
+    msgs = list(strategy.configure_evaluate(1, record_from_tensors(new), ConfigRecord({}), FixedGrid([1, 2, 3])))
+    honest = {m.metadata.dst_node_id: clients[m.metadata.dst_node_id].handle(m) for m in msgs}
+    # The two honest clients report lists of length 3 when the case is about list lengths.
+    if case == "list-metric-length":
+        honest = {n: _list_metric(3)(r) if n != 2 else r for n, r in honest.items()}
+    replies = [tamper(r) if n == 2 else r for n, r in honest.items()]
+    metrics = strategy.aggregate_evaluate(1, replies)
+    assert metrics is not None and "loss" in metrics
+    assert list(strategy.traffic[1].rejected_evaluate) == [2] and why in strategy.traffic[1].rejected_evaluate[2]
