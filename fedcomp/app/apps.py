@@ -24,6 +24,7 @@ from flwr.app import (
     MetricRecord,
     RecordDict,
 )
+from flwr.app.message_type import MessageType
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Strategy
 
@@ -77,6 +78,8 @@ class _WatchedGrid(MeteredGrid):
     def _in(self, replies: Iterable[Message]) -> list[Message]:
         replies = super()._in(replies)
         for m in replies:
+            if m.metadata.message_type != MessageType.TRAIN:  # evaluate replies carry no update
+                continue
             if m.has_error():
                 self.errors[str(m.metadata.src_node_id)] = (
                     f"code {m.error.code}: {client_error_text(m.error.reason or '')}"
