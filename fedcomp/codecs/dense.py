@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from fedcomp.codecs.base import Codec, TensorSpec, expect_payload
@@ -44,8 +45,11 @@ class _DenseCodec(Codec):
             raise PayloadError(spec.name, f"dense data is {len(payload.data)} bytes, expected {want}")
         if want == 0:
             return torch.zeros(0, dtype=TORCH_DTYPES[payload.encoding], device=device)
-        raw = torch.frombuffer(bytearray(payload.data), dtype=TORCH_DTYPES[payload.encoding])
-        return raw.to(device)
+        # One copy, straight from the received bytes into the output (a bytearray() of the data
+        # first would hold a second whole-tensor copy at the decoder's peak: FORMAT.md bounds a
+        # decode's memory by the model's size).
+        raw = torch.from_numpy(np.frombuffer(payload.data, dtype=np.uint8).copy())
+        return raw.view(TORCH_DTYPES[payload.encoding]).to(device)
 
 
 class DenseFP32(_DenseCodec):
