@@ -185,6 +185,9 @@ def test_overflow_with_huge_quotients_is_caught_before_shifting():
     bits = _pack("0" * 62 + "1110")
     with pytest.raises(PayloadError, match="overflow"):
         decode_positions(bits, 1, 62, 2**40, "t")
+    # q = 4: q << 62 is 2**64, which wraps int64 to exactly 0; decoded anyway it would be position 0
+    with pytest.raises(PayloadError, match="overflow"):
+        decode_positions(_pack("0" * 62 + "11110"), 1, 62, 2**40, "t")
     # the same stream with q = 0 is fine
     assert decode_positions(_pack("0" * 62 + "0"), 1, 62, 2**40, "t").tolist() == [0]
 

@@ -251,8 +251,26 @@ def test_bad_payloads_raise_payload_error():
             enc.name, enc.shape, enc.dtype, enc.codec_id, enc.codec_version, DensePayload("float32", b"")
         ),
     }
+    # exactly what the server logs (10 positions with golomb_b 6, float32 values)
+    reasons = {
+        "truncated bits": "position bits truncated: 8 bytes cannot hold 10 codewords of at least 7 bits",
+        "trailing bits": "1 trailing bytes after the position bitstream",
+        "nnz > numel": "nnz 1001 exceeds the tensor's 1000 elements",
+        "values short": "values are 39 bytes, expected 40 for nnz 10",
+        "values long": "values are 44 bytes, expected 40 for nnz 10",
+        "nnz vs values": "values are 40 bytes, expected 44 for nnz 11",
+        "float16 values": "value encoding 'float16' where 'float32' was expected",
+        "bfloat16 values": "value encoding 'bfloat16' where 'float32' was expected",
+        "float64 values": "value encoding 'float64' where 'float32' was expected",
+        "position past numel": "positions overflow the tensor's 1000 elements",
+        "nan value": "a value is NaN or infinite",
+        "inf value": "a value is NaN or infinite",
+        "golomb_b too big": "golomb_b 63 is outside [0, 62]",
+        "wrong payload type": "payload is DensePayload, expected SparsePayload",
+    }
+    assert set(reasons) == set(cases)
     assert torch.equal(codec.decode(enc, spec), codec.decode(_with(enc), spec))
-    kit.check_rejects(codec, spec, cases, not_on_wire=("wrong payload type",))
+    kit.check_rejects(codec, spec, cases, not_on_wire=("wrong payload type",), reasons=reasons)
 
 
 def test_decoder_with_ranges_rejects_selections_outside_them():
@@ -261,11 +279,29 @@ def test_decoder_with_ranges_rejects_selections_outside_them():
     spec = TensorSpec.of("w", x)
     mine = TopK(ranges=ranges)
     assert TopK(ranges=ranges).decode(mine.encode(x, "w"), spec).count_nonzero() == 5
-    for other in (TopK(0.01), TopK(ranges=((100, 200, 4),)), TopK(ranges=((150, 250, 2),))):
+    outside = {  # what the server logs: the first stray position, or the range over its k
+        TopK(0.01): "position 24 is outside the allocated ranges",
+        TopK(ranges=((100, 200, 4),)): "4 positions in range [100, 200) allocated k = 3",
+        TopK(ranges=((150, 250, 2),)): "position 212 is outside the allocated ranges",
+    }
+    for other, reason in outside.items():
         enc = other.encode(x, "w")
         TopK(0.5).decode(enc, spec)  # a p-codec accepts any valid message
-        with pytest.raises(PayloadError, match="'w'"):
+        with pytest.raises(PayloadError) as info:
             mine.decode(enc, spec)
+        assert (info.value.tensor, info.value.reason) == ("w", reason)
+    # a client allocated nothing this round sends nothing
+    with pytest.raises(PayloadError) as info:
+        TopK(ranges=()).decode(TopK(0.01).encode(x, "w"), spec)
+    assert (info.value.tensor, info.value.reason) == ("w", "10 positions where no range was allocated")
+
+
+def test_ranges_past_the_tensor_are_a_config_error_naming_it():
+    x = seeded(1000, 12)
+    with pytest.raises(ConfigError) as info:
+        TopK(ranges=((0, 10, 1), (20, 2000, 5))).encode(x, "w")
+    assert str(info.value) == "ranges: stop 2000 exceeds tensor 'w''s 1000 elements"
+    assert TopK(ranges=((0, 10, 1), (20, 1000, 5))).encode(x, "w").payload.nnz == 6  # stop == numel is fine
 
 
 @given(
