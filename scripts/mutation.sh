@@ -22,9 +22,10 @@
 #   MUTMUT_SAMPLE=70 MUTMUT_SEED=17 scripts/mutation.sh --retry base dense   # the sample's survivors
 #   MUTMUT_SAMPLE=70 MUTMUT_SEED=17 scripts/mutation.sh --report base dense  # scores of the sample
 # With MUTMUT_SAMPLE set, run, --retry and --report all work on the same seeded sample: for each
-# named file (in sorted order; all files when none is named) one shared random.Random(MUTMUT_SEED)
-# picks MUTMUT_SAMPLE of its mutants (all of a smaller file), so the same command names pick the
-# same mutants, and --report scores exactly those (other verdicts in mutants/ are left out).
+# named file (all files when none is named) random.Random(MUTMUT_SEED) picks MUTMUT_SAMPLE of its
+# mutants (all of a smaller file). A file's sample depends only on the seed, the size and its own
+# mutants (a change to the file's source changes it), and --report scores exactly those mutants
+# (other verdicts in mutants/ are left out).
 # Without MUTMUT_SAMPLE, --report counts every mutant with a verdict in mutants/.
 #
 # flower: fedcomp/flower/ and the method files it drives ([mutmut] overridden by [mutmut:flower]
@@ -112,13 +113,12 @@ from pathlib import Path
 
 target, which, n, seed, patterns = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5:]
 dirs = {"codecs": ["codecs"], "flower": ["flower", "methods"]}[target]
-rng = random.Random(seed)
 for d in dirs:
     for meta in sorted(Path("mutants/fedcomp", d).glob("*.py.meta")):
         codes = json.loads(meta.read_text()).get("exit_code_by_key", {})
         keys = sorted(k for k in codes if not patterns or any(fnmatch.fnmatch(k, p) for p in patterns))
-        if n:
-            keys = sorted(rng.sample(keys, min(int(n), len(keys))))
+        if n:  # a fresh generator per file: a file's sample does not depend on the others named
+            keys = sorted(random.Random(seed).sample(keys, min(int(n), len(keys))))
         for k in keys:
             # not killed: survived (0), no tests (33), never judged (None); 5: pytest found no test
             if which == "all" or codes[k] in (None, 0, 5, 33):
