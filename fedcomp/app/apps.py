@@ -165,6 +165,9 @@ def server_main(
             recorder.add_metrics(
                 downlink_modes={str(k): v for k, v in sorted(t.downlink_mode.items())},
                 rejected={str(k): v for k, v in sorted(t.rejected.items())},
+                # Train messages that got no reply at all; evaluate replies left out (and why).
+                replies_missing=sorted(str(n) for n in t.unanswered),
+                rejected_evaluate={str(k): v for k, v in sorted(t.rejected_evaluate.items())},
                 payload_uplink_bytes=sum(t.uplink.values()),
                 payload_downlink_bytes=sum(t.downlink.values()),
                 replica_version=wrapper.replica.version if wrapper.replica else 0,
