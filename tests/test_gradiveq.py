@@ -188,6 +188,19 @@ def test_aggregate_sums_in_float32_whatever_the_coefficients_dtype():
     assert aggregate(comp, "w", [big, one], [1.0, 1.0], 4).tolist() == [2049.0, 0.0, 0.0, 0.0]
 
 
+def test_compress_and_decompress_take_any_float_dtype():
+    """The maths is float32 whatever the caller hands over: a float64 update (or float64
+    coefficients, as a server summing in double precision has) gives the float32 result."""
+    comp = fit_compressor({"w": low_rank_updates(3, 100, [1.0, 0.5])}, 1, D, 0.1)
+    x = low_rank_updates(1, 100, [1.0, 0.5], seed=4)[0]
+    c = compress(comp, "w", x)
+    assert torch.equal(compress(comp, "w", x.double()), c)
+    out = decompress(comp, "w", c.double(), x.numel())
+    assert out.dtype == torch.float32 and torch.equal(out, decompress(comp, "w", c, x.numel()))
+    # one client: the aggregate is that client's decompression, weighted
+    torch.testing.assert_close(aggregate(comp, "w", [c], [0.5], x.numel()), 0.5 * decompress(comp, "w", c, x.numel()))
+
+
 def test_decompress_checks_the_coefficient_shape():
     comp = fit_compressor({"w": low_rank_updates(3, 100, [1.0, 0.5])}, 1, D, 0.1)
     with pytest.raises(ValueError, match="'w'"):
@@ -266,6 +279,8 @@ def test_hostile_compressors_are_rejected():
         "inf whitening": _with(wire, whitening=bytes(inf_mu)),
         "not unit norm": _with(wire, basis=big.tobytes()),
         "dim 0 with data": _with(wire, dim=0),
+        "dim 0 with a basis": _with(wire, dim=0, whitening=b""),
+        "dim 0 with a whitening": _with(wire, dim=0, basis=b""),
         "huge k, tiny bytes": _with(wire, dim=2**31),
     }
     # what the client's log says for each (exactly: it is the operator's only clue)
@@ -282,6 +297,8 @@ def test_hostile_compressors_are_rejected():
         "inf whitening": "basis or whitening holds NaN or infinite values",
         "not unit norm": "basis columns must have unit norm",
         "dim 0 with data": "dim 0 (sent dense) with a non-empty basis or whitening",
+        "dim 0 with a basis": "dim 0 (sent dense) with a non-empty basis or whitening",
+        "dim 0 with a whitening": "dim 0 (sent dense) with a non-empty basis or whitening",
         "huge k, tiny bytes": f"dim {2**31} is not in [1, slice_size {d}]",
     }
     Compressor.from_wire(wire, SPECS)  # the unaltered one is fine
@@ -296,9 +313,10 @@ def test_hostile_compressors_are_rejected():
     with pytest.raises(PayloadError) as info:
         Compressor.from_wire(twice, SPECS)
     assert (info.value.tensor, info.value.reason) == ("w", "the compressor lists the tensor twice")
-    with pytest.raises(PayloadError) as info:
-        Compressor.from_wire(GradiVeQCompressor(0, wire.tensors), SPECS)
-    assert (info.value.tensor, info.value.reason) == ("", "compressor version 0 is not in [1, 2**64)")
+    for version in (0, 2**64):  # 2**64: only a Python caller can build it (uint64 on the wire)
+        with pytest.raises(PayloadError) as info:
+            Compressor.from_wire(GradiVeQCompressor(version, wire.tensors), SPECS)
+        assert (info.value.tensor, info.value.reason) == ("", f"compressor version {version} is not in [1, 2**64)")
     # what a Python caller (not protobuf) can hand over
     with pytest.raises(PayloadError) as info:
         Compressor.from_wire(wire.tensors[0], SPECS)  # type: ignore[arg-type]
@@ -341,6 +359,10 @@ def test_compressor_constructor_checks_its_bases():
     u = torch.linalg.qr(torch.randn(8, 3))[0]
     Compressor(1, {"w": Basis(u, torch.zeros(8))})
     Compressor(1, {"w": Basis(torch.ones(1, 1), torch.zeros(1))})  # d = k = 1: the smallest basis
+    for u_bad, mu_bad in ((torch.zeros(4), torch.zeros(4)), (u, torch.zeros(8, 1))):  # a vector basis, a matrix mu
+        with pytest.raises(ConfigError) as info:
+            Compressor(1, {"w": Basis(u_bad, mu_bad)})
+        assert str(info.value) == "w: basis must be a float32 d x k matrix and whitening a float32 d-vector"
     with pytest.raises(ConfigError):
         Compressor(1, {"w": Basis(u.double(), torch.zeros(8))})
     with pytest.raises(ConfigError):

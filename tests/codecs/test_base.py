@@ -153,3 +153,18 @@ def test_float64_default_dtype_changes_nothing(codec, float64_default):
     torch.set_default_dtype(torch.float32)
     enc32, recon32 = codec.encode_with_reconstruction(x, "w")
     assert enc == enc32 and torch.equal(recon, recon32)
+
+
+# decoding reads no decoded values back: every dense and 3LC tensor, the sparse codecs' empty ones
+META_CASES = [(c, (0, 4)) for c in PLAIN] + [(c, (6, 7)) for c in PLAIN if not isinstance(c, (SBC, STC, TopK))]
+
+
+@pytest.mark.parametrize("codec, shape", META_CASES, ids=lambda v: repr(v))
+def test_decode_allocates_on_the_device_asked_for(codec, shape):
+    """A decoder builds its output on the device it is given (a server decodes onto its GPU).
+    The "meta" device, present on every machine, stands in for CUDA: it has shapes but no data,
+    so it is used where decoding reads no decoded values back."""
+    x = torch.linspace(-1.0, 1.0, 42).reshape(6, 7)[: shape[0]].reshape(shape)
+    enc = codec.encode(x, "w")
+    dec = codec.decode(enc, TensorSpec.of("w", x), device="meta")
+    assert dec.device.type == "meta" and dec.shape == shape and dec.dtype == torch.float32

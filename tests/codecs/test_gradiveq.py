@@ -117,6 +117,9 @@ def test_coefficients_of_puts_them_on_the_device_asked_for():
     assert coefficients_of(enc, spec, COMP, device="cpu").device == torch.device("cpu")
     on_meta = coefficients_of(enc, spec, COMP, device="meta")
     assert on_meta.device.type == "meta" and on_meta.shape == (4, K) and on_meta.dtype == torch.float32
+    # and the decoder builds the tensor there, basis and all
+    dec = CODEC.decode(enc, spec, device="meta")
+    assert dec.device.type == "meta" and dec.shape == (7, 9)
 
 
 # --- config ---------------------------------------------------------------------------------------
