@@ -29,6 +29,7 @@ from fedcomp.codecs import DenseFP32, TensorSpec, get_codec
 from fedcomp.errors import ConfigError, PayloadError
 from fedcomp.flower import protocol
 from fedcomp.flower.pending import PendingUpdate
+from fedcomp.flower.persist import ClientStore, store_for
 from fedcomp.flower.protocol import DownlinkHeader, DownlinkMode, ErrorCode, ReplicaMeta, UplinkReport
 from fedcomp.flower.records import digest, record_from_tensors, tensors_from_record
 from fedcomp.flower.replica import apply_delta
@@ -179,7 +180,8 @@ def _apply_downlink(st: ClientState, dl: DownlinkHeader, initial: Mapping[str, t
     if dl.mode is DownlinkMode.FULL:
         if len(dl.payloads) != 1:
             raise PayloadError("", "a full resync carries exactly one payload")
-        update = update_from_bytes(dl.payloads[0])
+        # A client holding a replica knows the model: the tensor count is bounded by it.
+        update = update_from_bytes(dl.payloads[0], expected=specs_of(st.replica) if st.replica is not None else None)
         if update.base_model_version != dl.version:
             raise PayloadError("", f"full replica is version {update.base_model_version}, expected {dl.version}")
         if st.replica is None:
@@ -247,6 +249,45 @@ def _compression_mod(
         method = get_uplink(dl.uplink_method)
     except (PayloadError, ConfigError) as exc:
         return _resync(msg, str(exc))
+    store, rnd_no = _store_of(msg, context, dl)
+    if store is not None and rnd_no is not None and len(context.state) == 0:
+        _restore(store, rnd_no, context)
+    reply = _handle(msg, context, call_next, initial_model, dl, method)
+    if store is not None and rnd_no is not None:
+        store.save(context.state, rnd_no)  # after every message: a restarted server finds it
+    return reply
+
+
+def _store_of(msg: Message, context: Context, dl: DownlinkHeader) -> tuple[ClientStore | None, int | None]:
+    """Where this client persists its state (``fedcomp.flower.persist``) and the message's round."""
+    config = msg.content.config_records.get(dl.config_key)
+    lineage = config.get(protocol.LINEAGE) if config is not None else None
+    value = config.get(protocol.SERVER_ROUND) if config is not None else None
+    rnd_no = value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+    if rnd_no is None and dl.outcome is not None:
+        rnd_no = dl.outcome.round
+    return store_for(context.run_config, context.node_config, lineage), rnd_no
+
+
+def _restore(store: ClientStore, server_round: int, context: Context) -> None:
+    """A new Flower run of a resumed server: load the state this client had before this round."""
+    found = store.load_before(server_round)
+    if found is None:
+        return
+    saved_round, state = found
+    for key, value in state.items():
+        context.state[key] = value
+    log.info("fedcomp: resumed the client state of round %s from %s", saved_round, store.folder)
+
+
+def _handle(
+    msg: Message,
+    context: Context,
+    call_next: ClientAppCallable,
+    initial_model: InitialModel | None,
+    dl: DownlinkHeader,
+    method: type[UplinkMethod],
+) -> Message:
     device = pick_device(dl.device)
     st = ClientState(context, device)
     is_train = msg.metadata.message_type == MessageType.TRAIN

@@ -40,6 +40,7 @@ from fedcomp.methods.base import extra_key
 __all__ = [
     "CONFIG_RECORD",
     "DOWNLINK",
+    "LINEAGE",
     "LOCAL_ITERS",
     "PROTOCOL_VERSION",
     "SERVER_ROUND",
@@ -80,6 +81,9 @@ STATE_META = "fedcomp.meta"
 STATE_PENDING = "fedcomp.pending"
 #: The mod's own measurements for the bandwidth policy (seconds per local iteration).
 STATE_BANDWIDTH = "fedcomp.bandwidth"
+#: Train/evaluate config key: the run's identity across server restarts (a hex token). Clients
+#: key the state they persist on disk by it (``fedcomp.flower.persist``).
+LINEAGE = "fedcomp.lineage"
 _SECONDS_PER_ITER = "seconds-per-iter"
 
 

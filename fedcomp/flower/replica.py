@@ -108,7 +108,7 @@ def apply_delta(
     """
     first = next(iter(tensors.values()), None)
     device = first.device if first is not None else torch.device("cpu")
-    update = update_from_bytes(data)
+    update = update_from_bytes(data, expected=specs)  # the tensor count bounded by the model
     if update.base_model_version != base_version:
         raise PayloadError("", f"delta is against version {update.base_model_version}, replica is at {base_version}")
     decoded = decode_update(update, specs, [codec, DenseFP32()], device)

@@ -18,8 +18,10 @@ Pair it with :func:`fedcomp.flower.mod.compression_mod` on the clients.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
+import secrets
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -72,6 +74,10 @@ class CompressionStrategy(Strategy):
         self._last_update: dict[int, tuple[int, UpdateStatus, str]] = {}
         self._settled = 0
         self._records_from: int | None = None  # the first round these records cover
+        #: This run's identity across restarts (kept in a checkpoint, sent in every config as
+        #: ``fedcomp.lineage``): clients key the state they persist by it, so a resumed run finds
+        #: its clients' state and a new run with the same name never picks up an old one's.
+        self.lineage: str = secrets.token_hex(8)
         self.downlink_method = get_downlink(self.config.downlink_codec)
         #: The uplink method's server side (fedcomp.methods.registry). ``weighted_mean``: the inner
         #: strategy aggregates by FedAvg's weighted mean, which commutes with linear methods.
@@ -160,12 +166,15 @@ class CompressionStrategy(Strategy):
         self._start_round(server_round)
         config = ConfigRecord(dict(config))
         config[protocol.LOCAL_ITERS] = self.config.local_iters_at(server_round)
+        config[protocol.LINEAGE] = self.lineage
         msgs = self.strategy.configure_train(server_round, arrays, config, grid)
         return self._with_downlink(msgs, server_round, train=True)
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
+        config = ConfigRecord(dict(config))
+        config[protocol.LINEAGE] = self.lineage
         msgs = list(self.strategy.configure_evaluate(server_round, arrays, config, grid))
         if not msgs:
             return msgs
@@ -236,7 +245,7 @@ class CompressionStrategy(Strategy):
         traffic.uplink[node] = len(report.payload)
         traffic.dense_uplink[node] = fp32_bytes(self.replica.tensors)
         t0 = time.perf_counter()
-        update = update_from_bytes(report.payload)
+        update = update_from_bytes(report.payload, expected=self.replica.specs)  # bounded by the model
         if update.base_model_version != self.replica.version:
             raise PayloadError(
                 "", f"update is against version {update.base_model_version}, expected {self.replica.version}"
@@ -288,7 +297,10 @@ class CompressionStrategy(Strategy):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         accepted = []
         traffic = self._traffic(server_round)
-        for msg in replies:
+        # The inner strategy sums the replies in the order it gets them, and float addition is
+        # not associative: in arrival order, two runs with the same seed (or a resumed run) would
+        # end with different models. Sorted by content, the aggregate is reproducible.
+        for msg in sorted(replies, key=_reply_order):
             node = msg.metadata.src_node_id
             traffic.unanswered.discard(node)  # it replied (what is left never did)
             if _needs_resync_bookkeeping(msg):
@@ -426,6 +438,56 @@ class CompressionStrategy(Strategy):
             UpdateOutcome.from_record(UpdateOutcome(settled + 1, settled, r, s, why, start).fields(), "outcome state")
         self._records_from, self._settled, self._last_update = start, settled, last
 
+    #: Uplink-method attributes rebuilt from the config, not saved.
+    _METHOD_CONFIG_FIELDS = ("config", "weighted_mean")
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything this wrapper knows that a resumed server needs (for a checkpoint, saved with
+        ``torch.save``): the replica with its delta log, digests and version, the model the
+        replica was last synced to, what each node holds, the update outcomes, the lineage, and
+        the uplink method's own state (GradiVeQ's compressor and samples, DEFT's last aggregate).
+
+        Not included: the inner strategy's state (FedAvg has none; FedAdam's moments, FedProx's
+        proximal term settings live in the inner strategy and are not saved) and ``traffic``
+        (per-round figures already written to results.json)."""
+        return {
+            "lineage": self.lineage,
+            "replica": self.replica,
+            "target": self._target,
+            "nodes": dict(self._nodes),
+            "assumed-seeded": set(self._assumed_seeded),
+            "not-seeded": set(self._not_seeded),
+            "outcomes": self.outcome_state(),
+            "records-from": self._records_from,
+            "uplink-method": type(self.uplink).__name__,
+            "uplink": {k: v for k, v in vars(self.uplink).items() if k not in self._METHOD_CONFIG_FIELDS},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved; raise :class:`PayloadError` when it is malformed
+        or was saved with another uplink method than this run's config names."""
+        try:
+            lineage, replica, target = state["lineage"], state["replica"], state["target"]
+            nodes = {int(n): (int(v), str(d)) for n, (v, d) in state["nodes"].items()}
+            assumed, not_seeded = {int(n) for n in state["assumed-seeded"]}, {int(n) for n in state["not-seeded"]}
+            method, uplink, records_from = state["uplink-method"], dict(state["uplink"]), state["records-from"]
+            outcomes = state["outcomes"]
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise PayloadError("", f"strategy state: {type(exc).__name__}: {exc}") from None
+        if not isinstance(lineage, str) or not lineage:
+            raise PayloadError("", f"strategy state: lineage {lineage!r} is not a token")
+        if replica is not None and not isinstance(replica, ServerReplica):
+            raise PayloadError("", f"strategy state: replica is a {type(replica).__name__}")
+        if method != type(self.uplink).__name__:
+            raise PayloadError("", f"strategy state: saved with uplink method {method}, this run uses "
+                               f"{type(self.uplink).__name__}")  # fmt: skip
+        self.load_outcome_state(outcomes)
+        self._records_from = None if records_from is None else int(records_from)
+        self.lineage, self.replica, self._target = lineage, replica, target
+        self._nodes, self._assumed_seeded, self._not_seeded = nodes, assumed, not_seeded
+        for k, v in uplink.items():
+            setattr(self.uplink, k, v)
+
     def round_metrics(self, server_round: int) -> dict[str, Any]:
         """The uplink method's own figures for ``server_round`` (for the results)."""
         return self.uplink.round_metrics(server_round)
@@ -436,6 +498,17 @@ class CompressionStrategy(Strategy):
 
     def __repr__(self) -> str:
         return f"CompressionStrategy({self.strategy!r})"
+
+
+def _reply_order(msg: Message) -> tuple[int, str, int]:
+    """Sort key of a train reply: errors first, then by the SHA-256 of its uplink payload (the
+    same bytes sort the same in every run, whatever the node ids or arrival order), then node."""
+    payload = b""
+    if not msg.has_error() and msg.has_content():
+        rec = msg.content.config_records.get(protocol.UPLINK)
+        value = rec.get("payload") if rec is not None else None
+        payload = value if isinstance(value, bytes) else b""
+    return (0 if msg.has_error() else 1, hashlib.sha256(payload).hexdigest(), int(msg.metadata.src_node_id))
 
 
 def _metric_shape(msg: Message) -> tuple[str, tuple[tuple[str, int], ...]]:
