@@ -5,7 +5,19 @@ hashing by config, shapes, dtypes and devices of what decode returns."""
 import pytest
 import torch
 
-from fedcomp.codecs import CODECS, SBC, STC, DenseFP16, DenseFP32, Identity, TensorSpec, ThreeLC, TopK, get_codec
+from fedcomp.codecs import (
+    CODECS,
+    SBC,
+    STC,
+    Codec,
+    DenseFP16,
+    DenseFP32,
+    Identity,
+    TensorSpec,
+    ThreeLC,
+    TopK,
+    get_codec,
+)
 from fedcomp.codecs.base import check_wire_dtype, expect_payload
 from fedcomp.errors import ConfigError, PayloadError
 from fedcomp.wire.payloads import DensePayload, EncodedTensor, SBCPayload
@@ -168,3 +180,27 @@ def test_decode_allocates_on_the_device_asked_for(codec, shape):
     enc = codec.encode(x, "w")
     dec = codec.decode(enc, TensorSpec.of("w", x), device="meta")
     assert dec.device.type == "meta" and dec.shape == shape and dec.dtype == torch.float32
+
+
+class _Halves(Codec):
+    """A codec of the kind a user may add: every value rounded to a multiple of 1/2, sent as
+    float32, and no reconstruction from ``_encode`` (so ``Codec`` decodes its own payload)."""
+
+    codec_id = "test-halves"
+
+    def _encode(self, flat: torch.Tensor, name: str) -> tuple[DensePayload, None]:
+        return DensePayload("float32", (torch.round(flat * 2) / 2).numpy().tobytes()), None
+
+    def _decode(self, payload, spec: TensorSpec, device: torch.device) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        expect_payload(payload, DensePayload, spec.name)
+        return torch.frombuffer(bytearray(payload.data), dtype=torch.float32)[: spec.numel].to(device)
+
+
+def test_a_codec_without_its_own_reconstruction_gets_the_decoded_one():
+    """``encode_with_reconstruction`` (what error feedback calls) decodes the payload when a
+    codec's ``_encode`` gives no reconstruction: the receiver's tensor, in the input's shape."""
+    x = torch.tensor([[0.2, 0.8, -1.3], [2.6, -0.1, 4.0]])
+    enc, recon = _Halves().encode_with_reconstruction(x, "w")
+    assert recon.shape == (2, 3) and recon.device == x.device
+    assert recon.tolist() == [[0.0, 1.0, -1.5], [2.5, -0.0, 4.0]]
+    assert torch.equal(recon, _Halves().decode(enc, TensorSpec.of("w", x)))
