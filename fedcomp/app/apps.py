@@ -8,9 +8,11 @@
 
 from __future__ import annotations
 
+import datetime as _dt
 import logging
 import random
 import re
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,7 @@ from flwr.app.message_type import MessageType
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Strategy
 
+from fedcomp.app.checkpoint import CHECKPOINT_FILE, ServerCheckpoint, load_checkpoint, save_checkpoint
 from fedcomp.app.config import AppConfig
 from fedcomp.app.data import load_dataset, load_partition
 from fedcomp.app.fl import (
@@ -38,7 +41,7 @@ from fedcomp.app.fl import (
     wait_for_nodes,
 )
 from fedcomp.app.models import LeNet5Caffe, resolve_device, train_local
-from fedcomp.app.results import RunRecorder, record_failure
+from fedcomp.app.results import RESULTS_FILE, RunRecorder, record_failure
 from fedcomp.errors import ConfigError
 from fedcomp.flower import protocol
 from fedcomp.flower.records import digest, tensors_from_record
@@ -131,8 +134,11 @@ def server_main(
     the rounds, and a run whose clients all fail (``max-empty-rounds`` train rounds in a row
     without an aggregated update). The error is then re-raised, so Flower marks the run failed.
     """
+    ckpt: ServerCheckpoint | None = None
     try:
         cfg = AppConfig.from_run_config(context.run_config, ignore=extra_keys)  # a bad key stops the run here
+        if cfg.resume:
+            ckpt = _checkpoint_to_resume(cfg)
         comp = cfg.compression
         if not comp.compress and comp.local_iters.kind != "constant":
             raise ConfigError("local-iters: a per-round schedule needs compress = true (the wrapper applies it)")
@@ -143,8 +149,11 @@ def server_main(
         test = load_dataset(cfg.dataset, cfg.resolved_data_dir()).test  # fail before round 1
         wait_for_nodes(grid, max(cfg.clients_per_round, 1))
     except Exception as err:
-        record_failure(dict(context.run_config), f"{type(err).__name__}: {err}")
+        if not _resumed_run_dir_exists(context.run_config):  # never overwrite the results of the run to resume
+            record_failure(dict(context.run_config), f"{type(err).__name__}: {err}")
         raise
+    if ckpt is not None:
+        model.load_state_dict(ckpt.model)  # W after the checkpoint's round
     arrays = ArrayRecord(model.state_dict())
     random.seed(cfg.seed)  # FedAvg samples clients with `random`
     recorder = RunRecorder(cfg.to_run_config(), cfg.resolved_results_dir(), cfg.run_name)
@@ -152,6 +161,15 @@ def server_main(
     wrapper: CompressionStrategy | None = None
     if comp.compress:
         strategy = wrapper = CompressionStrategy(strategy, comp)
+    done = 0  # rounds finished before this process started (resume)
+    if ckpt is not None:
+        done = ckpt.round
+        _restore_recorder(recorder, ckpt)
+        if wrapper is not None and ckpt.strategy is not None:
+            wrapper.load_state_dict(ckpt.strategy)
+        ckpt.restore_rng()
+        log.info("fedcomp: resuming run %s after round %s of %s", cfg.run_name, done, cfg.num_server_rounds)
+    latest = {"arrays": arrays}
     evaluate = centralized_evaluate_fn(model, test.x, test.y, recorder, resolve_device(cfg.device))
     watched = _WatchedGrid(grid, recorder, dense_nbytes=arrayrecord_nbytes(arrays))
     empty_rounds: list[int] = []  # the current streak of train rounds without an aggregated update
@@ -189,9 +207,32 @@ def server_main(
                 recorder.add_metrics(uplink_union_density=t.union_nnz / t.sparse_numel)
             recorder.add_metrics(**wrapper.round_metrics(server_round))
         metrics = evaluate(server_round, arrays)
+        latest["arrays"] = arrays
         if len(empty_rounds) >= cfg.max_empty_rounds:
             raise NoProgressError(_no_progress_message(empty_rounds, recorder.rounds))
+        if server_round > 0:
+            _save_state(server_round, arrays)
         return metrics
+
+    def _save_state(server_round: int, arrays: ArrayRecord) -> None:
+        """The checkpoint of ``server_round`` (after results.json has the round: a resumed run
+        rewrites results.json from the checkpoint's rounds, so a crash between the two is fine)."""
+        python_rng, torch_rng = ServerCheckpoint.rng_now()
+        ckpt = ServerCheckpoint(
+            round=server_round,
+            model=tensors_from_record(arrays),
+            strategy=wrapper.state_dict() if wrapper is not None else None,
+            rounds=recorder.rounds,
+            config=cfg.to_run_config(),
+            empty_rounds=list(empty_rounds),
+            python_rng=python_rng,
+            torch_rng=torch_rng,
+            started_at=recorder.started_at.isoformat(),
+        )
+        save_checkpoint(recorder.run_dir, ckpt)
+
+    if ckpt is not None:
+        empty_rounds.extend(ckpt.empty_rounds)
 
     def _record_progress(server_round: int) -> None:
         """Count this round's aggregated updates (the wrapper's accepted replies, or the replies
@@ -210,22 +251,113 @@ def server_main(
         else:
             empty_rounds.clear()
 
+    def shifted_evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+        if done and server_round == 0:
+            return None  # round `done` was evaluated and recorded before the crash
+        return evaluate_fn(server_round + done, arrays)
+
     try:
-        result = strategy.start(
+        runner = _FromRound(strategy, done) if done else strategy
+        runner.start(
             grid=watched,
             initial_arrays=arrays,
-            num_rounds=cfg.num_server_rounds,
+            num_rounds=cfg.num_server_rounds - done,
             timeout=cfg.round_timeout,
-            train_config=ConfigRecord({protocol.LOCAL_ITERS: comp.local_iters_at(1), "lr": cfg.lr}),
-            evaluate_fn=evaluate_fn,
+            train_config=ConfigRecord({protocol.LOCAL_ITERS: comp.local_iters_at(done + 1), "lr": cfg.lr}),
+            evaluate_fn=shifted_evaluate_fn,
         )
     except BaseException as err:
         recorder.finish("failed", error=f"{type(err).__name__}: {err}")
         write_plots(recorder.run_dir)
         raise
-    torch.save(result.arrays.to_torch_state_dict(), Path(recorder.run_dir) / "final_model.pt")
+    # The model after the last round (the one evaluate_fn saw last: Result.arrays stays unset
+    # when no round aggregated anything, and a resumed run may have no round left to run).
+    torch.save(latest["arrays"].to_torch_state_dict(), Path(recorder.run_dir) / "final_model.pt")
     recorder.finish()
     write_plots(recorder.run_dir)
+
+
+class _FromRound(Strategy):
+    """``strategy`` continued after round ``done``: Flower's ``Strategy.start`` counts rounds from
+    1, so a resumed run passes every round on shifted by ``done`` (the inner strategy, the
+    wrapper, the clients' ``server-round`` all see the true round; only Flower's own
+    ``[ROUND i/n]`` log line counts from the resume)."""
+
+    def __init__(self, strategy: Strategy, done: int) -> None:
+        self.strategy, self.done = strategy, done
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        return self.strategy.configure_train(server_round + self.done, arrays, config, grid)
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        return self.strategy.aggregate_train(server_round + self.done, replies)
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        return self.strategy.configure_evaluate(server_round + self.done, arrays, config, grid)
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        return self.strategy.aggregate_evaluate(server_round + self.done, replies)
+
+    def summary(self) -> None:
+        log.info("fedcomp: resumed after round %s", self.done)
+        self.strategy.summary()
+
+
+#: Run-config keys a resumed run may set differently from the checkpointed one.
+RESUME_MAY_CHANGE = ("resume", "num-server-rounds", "round-timeout", "max-empty-rounds", "torch-threads")
+
+
+def _checkpoint_to_resume(cfg: AppConfig) -> ServerCheckpoint:
+    """The checkpoint of ``results-dir/run-name``; a :class:`ConfigError` when ``run-name`` is
+    empty, the run config differs from the checkpointed run's (other than
+    :data:`RESUME_MAY_CHANGE`), or the run already did every round."""
+    if not cfg.run_name:
+        raise ConfigError("resume: needs run-name (the folder of the run to resume, under results-dir)")
+    ckpt = load_checkpoint(cfg.resolved_results_dir() / cfg.run_name)
+    now = cfg.to_run_config()
+    changed = sorted(
+        k for k in set(now) | set(ckpt.config) if k not in RESUME_MAY_CHANGE and now.get(k) != ckpt.config.get(k)
+    )
+    if changed:
+        diffs = ", ".join(f"{k} = {ckpt.config.get(k)!r} -> {now.get(k)!r}" for k in changed[:5])
+        raise ConfigError(f"resume: the run config differs from the checkpointed run's: {diffs}")
+    if ckpt.round >= cfg.num_server_rounds:
+        raise ConfigError(
+            f"resume: the checkpoint is of round {ckpt.round}, num-server-rounds is {cfg.num_server_rounds}: "
+            "nothing left to run (raise num-server-rounds to go on)"
+        )
+    return ckpt
+
+
+def _resumed_run_dir_exists(run_config: dict[str, Any] | Any) -> bool:
+    """Whether this is a resume of a run whose folder holds results (not to be overwritten by a
+    results.json of a run that never started: the checkpoint's rounds are what matters)."""
+    if run_config.get("resume") is not True:
+        return False
+    name, root = run_config.get("run-name"), run_config.get("results-dir", "")
+    if not isinstance(name, str) or not name or "/" in name or name in (".", ".."):
+        return False
+    from fedcomp.app.results import resolve_results_root
+
+    folder = resolve_results_root(root if isinstance(root, str) else None) / name
+    return (folder / RESULTS_FILE).is_file() or (folder / CHECKPOINT_FILE).is_file()
+
+
+def _restore_recorder(recorder: RunRecorder, ckpt: ServerCheckpoint) -> None:
+    """Give a fresh recorder the checkpoint's rounds, start time and elapsed wall time, so the
+    resumed run appends to the same results.json."""
+    recorder._rounds = [dict(r) for r in ckpt.rounds]
+    if ckpt.started_at:
+        recorder.started_at = _dt.datetime.fromisoformat(ckpt.started_at)
+    wall = ckpt.rounds[-1].get("wall_time_s", 0.0) if ckpt.rounds else 0.0
+    recorder._t0 = time.monotonic() - float(wall or 0.0)
+    recorder._write()
 
 
 def _no_progress_message(empty_rounds: list[int], rounds: list[dict[str, Any]]) -> str:

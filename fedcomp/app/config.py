@@ -73,6 +73,9 @@ class AppConfig(BaseModel):
     #: A run that aggregates no client update in this many train rounds in a row fails (status
     #: "failed", the clients' errors in results.json) instead of evaluating the same model on.
     max_empty_rounds: int = Field(3, alias="max-empty-rounds", ge=1)
+    #: Continue the run in ``results-dir/run-name`` from its ``checkpoint.pt`` (written after every
+    #: round) instead of starting over; the rest of the run config must be the checkpointed run's.
+    resume: bool = Field(False, alias="resume")
     #: Codecs, schedules (local iterations, p, s) and the other compression keys; validated by
     #: :class:`fedcomp.flower.settings.CompressionConfig`, from the same flat run config.
     compression: CompressionConfig = Field(default_factory=lambda: CompressionConfig(**APP_COMPRESSION_DEFAULTS))

@@ -86,8 +86,9 @@ class ClientStore:
         return self.folder / f"round-{server_round}.state"
 
     def save(self, state: RecordDict, server_round: int) -> Path:
-        """Write ``state`` as round ``server_round``'s snapshot (atomically), drop snapshots of
-        later rounds (a dead server's future) and all but the newest :data:`KEEP`."""
+        """Write ``state`` as round ``server_round``'s snapshot (atomically) and keep the newest
+        :data:`KEEP` rounds. (A snapshot of a round a dead server sent is overwritten when the
+        resumed server sends that round again.)"""
         self.folder.mkdir(parents=True, exist_ok=True)
         body = recorddict_to_proto(state).SerializeToString()
         data = _MAGIC + zlib.crc32(body).to_bytes(4, "little") + body
@@ -102,10 +103,8 @@ class ClientStore:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
-        kept = [r for r in self.rounds() if r <= server_round][-KEEP:]
-        for r in self.rounds():
-            if r not in kept:
-                self.path(r).unlink(missing_ok=True)
+        for r in self.rounds()[:-KEEP]:
+            self.path(r).unlink(missing_ok=True)
         return target
 
     def load(self, server_round: int) -> RecordDict:

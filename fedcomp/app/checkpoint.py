@@ -1,0 +1,146 @@
+"""The ServerApp's checkpoint: the whole server state after a round, so a crashed run can resume.
+
+After every round the reference ServerApp writes ``checkpoint.pt`` into its run folder (beside
+results.json), atomically (temp file, fsync, ``os.replace``): a reader, or a resumed run, sees the
+previous checkpoint or the new one, never half of one. With ``resume = true`` in the run config
+(same ``results-dir`` and ``run-name``) the ServerApp loads it and continues from the next round.
+
+What it holds (:class:`ServerCheckpoint`): the round, the global model W, the compression
+wrapper's state (:meth:`fedcomp.flower.strategy.CompressionStrategy.state_dict`: replica, delta
+log, version, per-node records, update outcomes, the uplink method's state, the lineage token the
+clients key their own state by), the RNG states the server draws from (``random`` samples
+clients in FedAvg, torch), the ``max-empty-rounds`` streak, and results.json's rounds. Not held:
+an inner strategy's own state (FedAvg has none; FedAdam's moments would be lost) — say so if you
+resume with another strategy.
+
+The file is a ``torch.save`` pickle: it is the server's own file in its own run folder, never
+something received, so loading it with ``weights_only=False`` is as trusted as the code itself.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["CHECKPOINT_FILE", "CheckpointError", "ServerCheckpoint", "load_checkpoint", "save_checkpoint"]
+
+CHECKPOINT_FILE = "checkpoint.pt"
+#: Bumped when the layout changes; a checkpoint of another format is refused, naming the file.
+FORMAT = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, truncated, corrupt, or not one of this run (the message names the
+    file and what is wrong)."""
+
+
+@dataclass
+class ServerCheckpoint:
+    """The server's state after ``round`` (see the module docstring)."""
+
+    round: int
+    model: dict[str, torch.Tensor]
+    strategy: dict[str, Any] | None
+    rounds: list[dict[str, Any]]
+    config: dict[str, Any]
+    empty_rounds: list[int] = field(default_factory=list)
+    python_rng: Any = None
+    torch_rng: torch.Tensor | None = None
+    started_at: str = ""
+
+    @staticmethod
+    def rng_now() -> tuple[Any, torch.Tensor]:
+        """The server process's RNG states (``random``, torch's CPU generator)."""
+        return random.getstate(), torch.get_rng_state()
+
+    def restore_rng(self) -> None:
+        """Put the saved RNG states back (what an uninterrupted run would draw next)."""
+        if self.python_rng is not None:
+            random.setstate(self.python_rng)
+        if self.torch_rng is not None:
+            torch.set_rng_state(self.torch_rng)
+
+
+def save_checkpoint(run_dir: Path, ckpt: ServerCheckpoint) -> Path:
+    """Write ``ckpt`` to ``run_dir/checkpoint.pt`` atomically; return the path."""
+    run_dir = Path(run_dir)
+    path = run_dir / CHECKPOINT_FILE
+    data = {
+        "format": FORMAT,
+        "round": int(ckpt.round),
+        "model": {k: v.detach().cpu().clone() for k, v in ckpt.model.items()},
+        "strategy": ckpt.strategy,
+        "rounds": ckpt.rounds,
+        "config": ckpt.config,
+        "empty-rounds": list(ckpt.empty_rounds),
+        "python-rng": ckpt.python_rng,
+        "torch-rng": ckpt.torch_rng,
+        "started-at": ckpt.started_at,
+    }
+    fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=".checkpoint-", suffix=".pt")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(data, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "round": int,
+    "model": dict,
+    "strategy": (dict, type(None)),
+    "rounds": list,
+    "config": dict,
+    "empty-rounds": list,
+    "started-at": str,
+}
+
+
+def load_checkpoint(run_dir: Path) -> ServerCheckpoint:
+    """Read ``run_dir/checkpoint.pt``; raise :class:`CheckpointError` naming the file when it is
+    missing, truncated or corrupt, of another format, or malformed."""
+    path = Path(run_dir) / CHECKPOINT_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no checkpoint to resume from (did the run finish a round?)")
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:  # zip errors, unpickling errors, EOF: all mean "not a good file"
+        raise CheckpointError(f"{path}: cannot be read (truncated or corrupt?): {type(exc).__name__}: {exc}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: not a fedcomp checkpoint (a {type(data).__name__})")
+    if data.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: checkpoint format {data.get('format')!r}, this fedcomp reads {FORMAT}")
+    for key, kind in _FIELDS.items():
+        if not isinstance(data.get(key), kind) or isinstance(data.get(key), bool):
+            raise CheckpointError(f"{path}: field {key!r} is missing or malformed")
+    model = data["model"]
+    if not model or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in model.items()):
+        raise CheckpointError(f"{path}: field 'model' is not a dict of tensors")
+    last = data["rounds"][-1].get("round") if data["rounds"] and isinstance(data["rounds"][-1], dict) else None
+    if data["round"] < 1 or last != data["round"]:
+        raise CheckpointError(f"{path}: round {data['round']} does not match the last recorded round {last!r}")
+    torch_rng = data.get("torch-rng")
+    if torch_rng is not None and not isinstance(torch_rng, torch.Tensor):
+        raise CheckpointError(f"{path}: field 'torch-rng' is malformed")
+    return ServerCheckpoint(
+        round=data["round"],
+        model=model,
+        strategy=data["strategy"],
+        rounds=data["rounds"],
+        config=data["config"],
+        empty_rounds=[int(r) for r in data["empty-rounds"]],
+        python_rng=data.get("python-rng"),
+        torch_rng=torch_rng,
+        started_at=data["started-at"],
+    )
