@@ -1,0 +1,141 @@
+"""Client state on disk (``fedcomp.flower.persist``) and the wrapper's ``state_dict``: a server
+that dies after round 3 (having sent round 4) and resumes from its round-3 state, with clients
+that come back with an empty ``context.state``, ends with the uninterrupted run's model, bit for
+bit. In process (the real mod and strategy, a fake training); the real deployment is
+``tests/app/test_resume.py``."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+import torch
+from flwr.app import ConfigRecord, Context, RecordDict
+
+from fedcomp.flower.persist import KEEP, ClientStore, store_for
+from fedcomp.flower.strategy import CompressionStrategy
+from tests.flower.helpers import Client, FixedGrid, make_strategy, server_identity, tiny_model, train_round
+
+__all__ = ["server_identity"]  # the autouse fixture, imported so it applies here
+
+NODES = (1, 2, 3)
+
+
+def _clients(state_dir: Path) -> dict[int, Client]:
+    out = {}
+    for n in NODES:
+        c = Client(n)
+        c.ctx = Context(
+            run_id=n, node_id=n, node_config={"partition-id": n - 1, "state-dir": str(state_dir)},
+            state=RecordDict(), run_config={"run-name": "r"},
+        )  # fmt: skip
+        out[n] = c
+    return out
+
+
+def _copy_state(strategy: CompressionStrategy) -> dict[str, Any]:
+    """The wrapper's state through torch.save/torch.load, as a checkpoint holds it."""
+    buf = io.BytesIO()
+    torch.save(strategy.state_dict(), buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+def _run(strategy: CompressionStrategy, clients: dict[int, Client], rounds: range, model: dict) -> dict:
+    for rnd in rounds:
+        new, _ = train_round(strategy, clients, rnd, model)
+        model = new if new is not None else model  # None: no update aggregated, W stays
+    return model
+
+
+def test_a_resumed_server_and_restored_clients_give_the_uninterrupted_model(tmp_path: Path) -> None:
+    cfg = {"sbc-p": 0.1}
+    full = _run(make_strategy(**cfg), _clients(tmp_path / "a"), range(1, 6), tiny_model())
+
+    strategy = make_strategy(**cfg)
+    clients = _clients(tmp_path / "b")
+    model = _run(strategy, clients, range(1, 4), tiny_model())
+    saved, saved_model = _copy_state(strategy), {k: v.clone() for k, v in model.items()}
+    _run(strategy, clients, range(4, 5), model)  # round 4 reaches the clients; then the server dies
+
+    resumed = make_strategy(**cfg)
+    resumed.load_state_dict(saved)
+    fresh = _clients(tmp_path / "b")  # a new Flower run: every context.state is empty
+    final = _run(resumed, fresh, range(4, 6), saved_model)
+    assert all(torch.equal(final[k], full[k]) for k in full)
+    # The clients came back from disk: each took round 3's state, not the dead server's round 4.
+    assert all(len(c.ctx.state) > 0 for c in fresh.values())
+
+
+def test_without_the_clients_state_the_resumed_model_differs(tmp_path: Path) -> None:
+    """The guard on the test above: clients that lose their state (residuals, replica) do change
+    the model, so the equality there is the persistence's doing."""
+    cfg = {"sbc-p": 0.1}
+    full = _run(make_strategy(**cfg), _clients(tmp_path / "a"), range(1, 6), tiny_model())
+    strategy = make_strategy(**cfg)
+    model = _run(strategy, _clients(tmp_path / "b"), range(1, 4), tiny_model())
+    resumed = make_strategy(**cfg)
+    resumed.load_state_dict(_copy_state(strategy))
+    final = _run(resumed, _clients(tmp_path / "elsewhere"), range(4, 6), model)
+    assert not all(torch.equal(final[k], full[k]) for k in full)
+
+
+def test_a_new_run_with_the_same_name_starts_clean(tmp_path: Path) -> None:
+    strategy = make_strategy()
+    _run(strategy, _clients(tmp_path), range(1, 3), tiny_model())
+    other = make_strategy()  # another run: another lineage, whatever its name
+    assert other.lineage != strategy.lineage
+    clients = _clients(tmp_path)
+    msgs = list(other.configure_train(3, __import__("flwr").app.ArrayRecord(tiny_model()), ConfigRecord({}),
+                                      FixedGrid(NODES)))  # fmt: skip
+    clients[1].handle(msgs[0])
+    store = store_for({"run-name": "r"}, {"partition-id": 0, "state-dir": str(tmp_path)}, other.lineage)
+    assert store is not None and store.rounds() == [3]  # nothing of the old run was loaded or kept
+
+
+def test_snapshots_are_atomic_bounded_and_a_damaged_one_is_skipped(tmp_path: Path) -> None:
+    store = ClientStore(tmp_path / "c")
+    for rnd in range(1, 7):
+        store.save(RecordDict({"x": ConfigRecord({"round": rnd})}), rnd)
+    assert store.rounds() == list(range(7 - KEEP, 7))
+    assert not [p for p in store.folder.iterdir() if p.name.startswith(".")]  # no temp file left
+    found = store.load_before(6)
+    assert found is not None and found[0] == 5 and found[1]["x"]["round"] == 5  # type: ignore[index]
+    path = store.path(5)
+    path.write_bytes(path.read_bytes()[:-3])  # truncated
+    found = store.load_before(6)
+    assert found is not None and found[0] == 4  # the damaged one skipped, the next older taken
+    store.path(4).write_bytes(b"garbage")
+    store.path(3).write_bytes(b"")
+    assert store.load_before(6) is None
+
+
+def test_no_persistence_without_a_partition_a_lineage_or_when_off(tmp_path: Path) -> None:
+    assert store_for({}, {"partition-id": 0, "state-dir": "off"}, "ab12") is None
+    assert store_for({}, {"state-dir": str(tmp_path)}, "ab12") is None
+    assert store_for({}, {"partition-id": 0, "state-dir": str(tmp_path)}, None) is None
+    assert store_for({}, {"partition-id": 0, "state-dir": str(tmp_path)}, "../../etc") is None
+    s = store_for({"run-name": "../x"}, {"partition-id": 0, "state-dir": str(tmp_path)}, "ab12")
+    assert s is not None and s.folder.resolve().is_relative_to(tmp_path.resolve())
+
+
+def _run_ordered(reverse: bool, state_dir: Path) -> dict:
+    """Three rounds with the replies handed to the wrapper in node order or reversed."""
+    from fedcomp.flower.records import record_from_tensors, tensors_from_record
+
+    strategy, clients, model = make_strategy(**{"sbc-p": 0.1}), _clients(state_dir), tiny_model()
+    for rnd in range(1, 4):
+        msgs = list(strategy.configure_train(rnd, record_from_tensors(model), ConfigRecord({}), FixedGrid(NODES)))
+        replies = [clients[m.metadata.dst_node_id].handle(m) for m in msgs]
+        arrays, _ = strategy.aggregate_train(rnd, replies[::-1] if reverse else replies)
+        assert arrays is not None
+        model = tensors_from_record(arrays)
+    return model
+
+
+def test_the_aggregate_does_not_depend_on_the_order_replies_arrive_in(tmp_path: Path) -> None:
+    """Float sums depend on their order; replies arrive in any order: the wrapper sorts them, so
+    two runs with the same seed (or a resumed one) end with the same bits."""
+    a, b = _run_ordered(False, tmp_path / "a"), _run_ordered(True, tmp_path / "b")
+    assert all(torch.equal(a[k], b[k]) for k in a)
