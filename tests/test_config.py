@@ -46,6 +46,7 @@ def test_pyproject_defaults_are_valid_and_match_the_model() -> None:
         ({"compress": "yes"}, "compress: must be true or false (got 'yes')"),
         ({"error-feedback": 1}, "error-feedback: must be true or false (got 1)"),
         ({"max-empty-rounds": 0}, "max-empty-rounds: must be >= 1"),
+        ({"resume": "yes"}, "resume: must be true or false (got 'yes')"),
     ],
 )
 def test_bad_values_name_the_key(override: dict, message: str) -> None:

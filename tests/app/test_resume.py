@@ -193,3 +193,26 @@ def test_a_serverapp_killed_after_round_3_resumes_to_the_same_model(tmp_path: Pa
     b = torch.load(results / "crash" / "final_model.pt")
     assert all(torch.equal(a[k], b[k]) for k in a)
     print(f"resume: killed ServerApp {killed[0]} after round 3 (checkpoint {ckpt.round}); digest {_final_digest(full)}")
+
+
+def test_resume_refuses_what_it_cannot_continue(tmp_path: Path) -> None:
+    """``resume = true`` needs a run name, the checkpointed run's config, and rounds left."""
+    from fedcomp.app.apps import _checkpoint_to_resume
+    from fedcomp.app.config import AppConfig
+    from fedcomp.errors import ConfigError
+
+    base = {"results-dir": str(tmp_path), "resume": True, "num-server-rounds": 4}
+    with pytest.raises(ConfigError, match="resume: needs run-name"):
+        _checkpoint_to_resume(AppConfig.from_run_config(base))
+    cfg = AppConfig.from_run_config({**base, "run-name": "r"})
+    with pytest.raises(CheckpointError, match="no checkpoint"):
+        _checkpoint_to_resume(cfg)
+    ckpt = _checkpoint()
+    ckpt.config = cfg.to_run_config()
+    (tmp_path / "r").mkdir()
+    save_checkpoint(tmp_path / "r", ckpt)
+    assert _checkpoint_to_resume(cfg).round == 2
+    with pytest.raises(ConfigError, match=r"differs from the checkpointed run's: sbc-p = 0\.05 -> 0\.1"):
+        _checkpoint_to_resume(AppConfig.from_run_config({**base, "run-name": "r", "sbc-p": 0.1}))
+    with pytest.raises(ConfigError, match="nothing left to run"):
+        _checkpoint_to_resume(AppConfig.from_run_config({**base, "run-name": "r", "num-server-rounds": 2}))
