@@ -21,7 +21,8 @@ clients before it died: a client that already trained it holds state the resumed
 see (its pending update would be added back to the residual, and the redone round would count the
 same local work twice). So the client loads the newest snapshot of a round *before* the message's
 round: exactly the state an uninterrupted run would have, and the resumed run's model is
-bit-identical to it (``tests/app/test_resume.py``). The last :data:`KEEP` rounds are kept.
+bit-identical to it (``tests/app/test_resume.py``). The last :data:`KEEP` rounds are kept, and
+per run name the last :data:`KEEP_RUNS` runs (lineages).
 
 Writes are atomic (temp file + ``os.replace``). A snapshot that cannot be read is skipped with a
 warning (the next older one is tried; with none, the client starts empty and the protocol's full
@@ -33,6 +34,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import tempfile
 import zlib
 from collections.abc import Mapping
@@ -51,6 +53,8 @@ __all__ = ["KEEP", "STATE_DIR_KEY", "ClientStore", "default_state_dir", "store_f
 STATE_DIR_KEY = "state-dir"
 #: Snapshots kept per client: the server can be at most one round past its checkpoint.
 KEEP = 3
+#: Runs (lineages) of one run name whose client state is kept on a node.
+KEEP_RUNS = 3
 _MAGIC = b"FCSTATE1"
 _NAME = re.compile(r"round-(\d{1,9})\.state")
 _TOKEN = re.compile(r"[0-9a-f]{1,64}")
@@ -89,7 +93,9 @@ class ClientStore:
         """Write ``state`` as round ``server_round``'s snapshot (atomically) and keep the newest
         :data:`KEEP` rounds. (A snapshot of a round a dead server sent is overwritten when the
         resumed server sends that round again.)"""
-        self.folder.mkdir(parents=True, exist_ok=True)
+        if not self.folder.is_dir():
+            self.folder.mkdir(parents=True, exist_ok=True)
+            _prune_lineages(self.folder.parent)
         body = recorddict_to_proto(state).SerializeToString()
         data = _MAGIC + zlib.crc32(body).to_bytes(4, "little") + body
         target = self.path(server_round)
@@ -129,6 +135,17 @@ class ClientStore:
             except (OSError, ValueError) as exc:  # protobuf's DecodeError is a ValueError too
                 log.warning("fedcomp: skipping an unreadable client state: %s", exc)
         return None
+
+
+def _prune_lineages(lineage_dir: Path) -> None:
+    """Keep the :data:`KEEP_RUNS` most recently written lineages of a run name (a new run with an
+    old name makes the old one's state obsolete; a running run keeps its own in memory, so only
+    its resumability is at stake). Bounds the disk a node spends on runs that never resume."""
+    runs = [p for p in lineage_dir.parent.iterdir() if p.is_dir() and _TOKEN.fullmatch(p.name)]
+    runs.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in runs[KEEP_RUNS:]:
+        if old != lineage_dir:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def store_for(run_config: Mapping[str, Any], node_config: Mapping[str, Any], lineage: object) -> ClientStore | None:

@@ -139,3 +139,18 @@ def test_the_aggregate_does_not_depend_on_the_order_replies_arrive_in(tmp_path: 
     two runs with the same seed (or a resumed one) end with the same bits."""
     a, b = _run_ordered(False, tmp_path / "a"), _run_ordered(True, tmp_path / "b")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_node_keeps_the_state_of_the_last_few_runs_of_a_name(tmp_path: Path) -> None:
+    import os
+
+    from fedcomp.flower.persist import KEEP_RUNS
+
+    tokens = [f"{i:04x}" for i in range(KEEP_RUNS + 2)]
+    for i, token in enumerate(tokens):
+        store = store_for({"run-name": "same"}, {"partition-id": 0, "state-dir": str(tmp_path)}, token)
+        assert store is not None
+        store.save(RecordDict({"x": ConfigRecord({"i": i})}), 1)
+        os.utime(store.folder.parent, (1000 + i, 1000 + i))  # distinct ages, oldest first
+    kept = sorted(p.name for p in (tmp_path / "same").iterdir())
+    assert kept == tokens[-KEEP_RUNS:]
