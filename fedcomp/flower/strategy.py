@@ -438,9 +438,6 @@ class CompressionStrategy(Strategy):
             UpdateOutcome.from_record(UpdateOutcome(settled + 1, settled, r, s, why, start).fields(), "outcome state")
         self._records_from, self._settled, self._last_update = start, settled, last
 
-    #: Uplink-method attributes rebuilt from the config, not saved.
-    _METHOD_CONFIG_FIELDS = ("config", "weighted_mean")
-
     def state_dict(self) -> dict[str, Any]:
         """Everything this wrapper knows that a resumed server needs (for a checkpoint, saved with
         ``torch.save``): the replica with its delta log, digests and version, the model the
@@ -460,7 +457,7 @@ class CompressionStrategy(Strategy):
             "outcomes": self.outcome_state(),
             "records-from": self._records_from,
             "uplink-method": type(self.uplink).__name__,
-            "uplink": {k: v for k, v in vars(self.uplink).items() if k not in self._METHOD_CONFIG_FIELDS},
+            "uplink": self.uplink.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -485,8 +482,8 @@ class CompressionStrategy(Strategy):
         self._records_from = None if records_from is None else int(records_from)
         self.lineage, self.replica, self._target = lineage, replica, target
         self._nodes, self._assumed_seeded, self._not_seeded = nodes, assumed, not_seeded
-        for k, v in uplink.items():
-            setattr(self.uplink, k, v)
+        if replica is not None:
+            self.uplink.load_state_dict(uplink, replica.specs)
 
     def round_metrics(self, server_round: int) -> dict[str, Any]:
         """The uplink method's own figures for ``server_round`` (for the results)."""

@@ -91,6 +91,20 @@ class UplinkMethod:
         self.config = config
         self.weighted_mean = weighted_mean
 
+    #: Attributes rebuilt from the config, never part of :meth:`state_dict`.
+    CONFIG_ATTRIBUTES: ClassVar[tuple[str, ...]] = ("config", "weighted_mean")
+
+    def state_dict(self) -> dict[str, Any]:
+        """The server side's state across rounds, for a checkpoint (``torch.save``-able): every
+        attribute but the config ones. Override when an attribute cannot be pickled."""
+        return {k: v for k, v in vars(self).items() if k not in self.CONFIG_ATTRIBUTES}
+
+    def load_state_dict(self, state: Mapping[str, Any], specs: Sequence[TensorSpec]) -> None:
+        """Restore :meth:`state_dict`'s values (``specs``: the model's tensors, for state that is
+        rebuilt and checked against them)."""
+        for k, v in state.items():
+            setattr(self, k, v)
+
     # --- configuration (both sides) ------------------------------------------------------------
 
     @classmethod

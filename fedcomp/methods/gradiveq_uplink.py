@@ -74,6 +74,18 @@ class GradiVeQUplink(UplinkMethod):
             f"refresh {c.gradiveq_refresh}, slice {c.gradiveq_slice or 'fan-in'})"
         )
 
+    def state_dict(self) -> dict[str, Any]:
+        """As the base class, but the compressor as its broadcast bytes (``_wire``): the
+        compressor object holds read-only mappings that do not pickle."""
+        return {**super().state_dict(), "compressor": None}
+
+    def load_state_dict(self, state: Mapping[str, Any], specs: Sequence[TensorSpec]) -> None:
+        super().load_state_dict(state, specs)
+        self.compressor = None
+        if self._wire:
+            # The server decompresses with exactly what the clients rebuilt from the same bytes.
+            self.compressor = Compressor.from_wire(compressor_from_bytes(self._wire), specs)
+
     # --- phases ---------------------------------------------------------------------------------
 
     def _cycle_position(self, server_round: int) -> int:

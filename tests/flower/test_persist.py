@@ -10,6 +10,7 @@ import io
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from flwr.app import ConfigRecord, Context, RecordDict
 
@@ -49,8 +50,17 @@ def _run(strategy: CompressionStrategy, clients: dict[int, Client], rounds: rang
     return model
 
 
-def test_a_resumed_server_and_restored_clients_give_the_uninterrupted_model(tmp_path: Path) -> None:
-    cfg = {"sbc-p": 0.1}
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        {"sbc-p": 0.1},
+        {"uplink-codec": "gradiveq", "gradiveq-dense-rounds": 2, "gradiveq-refresh": 2},
+        {"uplink-codec": "deft", "topk-density": 0.05},
+        {"uplink-codec": "topk", "topk-density": 0.05},
+    ],
+    ids=["sbc", "gradiveq", "deft", "topk"],
+)
+def test_a_resumed_server_and_restored_clients_give_the_uninterrupted_model(tmp_path: Path, cfg: dict) -> None:
     full = _run(make_strategy(**cfg), _clients(tmp_path / "a"), range(1, 6), tiny_model())
 
     strategy = make_strategy(**cfg)
