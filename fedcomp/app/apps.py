@@ -229,7 +229,11 @@ def server_main(
             torch_rng=torch_rng,
             started_at=recorder.started_at.isoformat(),
         )
-        save_checkpoint(recorder.run_dir, ckpt)
+        try:
+            save_checkpoint(recorder.run_dir, ckpt)
+        except Exception as err:  # a full disk must not end the training; the run log says it
+            log.error("fedcomp: no checkpoint of round %s (the run goes on): %s: %s", server_round,
+                      type(err).__name__, err)  # fmt: skip
 
     if ckpt is not None:
         empty_rounds.extend(ckpt.empty_rounds)
