@@ -254,7 +254,10 @@ def _compression_mod(
         _restore(store, rnd_no, context)
     reply = _handle(msg, context, call_next, initial_model, dl, method)
     if store is not None and rnd_no is not None:
-        store.save(context.state, rnd_no)  # after every message: a restarted server finds it
+        try:  # after every message: a restarted server finds it
+            store.save(context.state, rnd_no)
+        except OSError as exc:  # a full or read-only disk costs resumability, never the reply
+            log.warning("fedcomp: could not persist the client state (resume will resync): %s", exc)
     return reply
 
 

@@ -22,7 +22,8 @@ see (its pending update would be added back to the residual, and the redone roun
 same local work twice). So the client loads the newest snapshot of a round *before* the message's
 round: exactly the state an uninterrupted run would have, and the resumed run's model is
 bit-identical to it (``tests/app/test_resume.py``). The last :data:`KEEP` rounds are kept, and
-per run name the last :data:`KEEP_RUNS` runs (lineages).
+per run name the last :data:`KEEP_RUNS` runs (lineages), and the last :data:`KEEP_RUN_NAMES` run
+names: the folder stays bounded however many runs a node serves.
 
 Writes are atomic (temp file + ``os.replace``). A snapshot that cannot be read is skipped with a
 warning (the next older one is tried; with none, the client starts empty and the protocol's full
@@ -55,6 +56,9 @@ STATE_DIR_KEY = "state-dir"
 KEEP = 3
 #: Runs (lineages) of one run name whose client state is kept on a node.
 KEEP_RUNS = 3
+#: Run names whose client state is kept on a node (the most recently started): run names are often
+#: unique (timestamps), so the per-name bound alone would let the folder grow with every run.
+KEEP_RUN_NAMES = 8
 _MAGIC = b"FCSTATE1"
 _NAME = re.compile(r"round-(\d{1,9})\.state")
 _TOKEN = re.compile(r"[0-9a-f]{1,64}")
@@ -145,6 +149,12 @@ def _prune_lineages(lineage_dir: Path) -> None:
     runs.sort(key=lambda p: p.stat().st_mtime, reverse=True)
     for old in runs[KEEP_RUNS:]:
         if old != lineage_dir:
+            shutil.rmtree(old, ignore_errors=True)
+    run_dir = lineage_dir.parent
+    names = [p for p in run_dir.parent.iterdir() if p.is_dir()]
+    names.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in names[KEEP_RUN_NAMES:]:
+        if old != run_dir:
             shutil.rmtree(old, ignore_errors=True)
 
 

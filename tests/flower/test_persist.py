@@ -164,3 +164,32 @@ def test_a_node_keeps_the_state_of_the_last_few_runs_of_a_name(tmp_path: Path) -
         os.utime(store.folder.parent, (1000 + i, 1000 + i))  # distinct ages, oldest first
     kept = sorted(p.name for p in (tmp_path / "same").iterdir())
     assert kept == tokens[-KEEP_RUNS:]
+
+
+def test_a_node_keeps_the_state_of_the_last_few_run_names(tmp_path: Path) -> None:
+    """Run names are often unique (timestamps): the folder stays bounded across names too."""
+    import os
+
+    from fedcomp.flower.persist import KEEP_RUN_NAMES
+
+    names = [f"run-{i:02d}" for i in range(KEEP_RUN_NAMES + 3)]
+    for i, name in enumerate(names):
+        store = store_for({"run-name": name}, {"partition-id": 0, "state-dir": str(tmp_path)}, "ab12")
+        assert store is not None
+        store.save(RecordDict({"x": ConfigRecord({"i": i})}), 1)
+        os.utime(tmp_path / name, (1000 + i, 1000 + i))  # distinct ages, oldest first
+    assert sorted(p.name for p in tmp_path.iterdir()) == names[-KEEP_RUN_NAMES:]
+
+
+def test_a_client_whose_state_cannot_be_written_still_replies(tmp_path: Path) -> None:
+    """Persistence buys resumability; a full or unwritable disk must not cost the round."""
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_bytes(b"")
+    strategy, clients, model = make_strategy(**{"sbc-p": 0.1}), _clients(blocker / "state"), tiny_model()
+    from fedcomp.flower.records import record_from_tensors
+
+    msgs = list(strategy.configure_train(1, record_from_tensors(model), ConfigRecord({}), FixedGrid(NODES)))
+    replies = [clients[m.metadata.dst_node_id].handle(m) for m in msgs]
+    assert all(not r.has_error() for r in replies)
+    arrays, _ = strategy.aggregate_train(1, replies)
+    assert arrays is not None and not blocker.is_dir()
