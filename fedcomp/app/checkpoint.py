@@ -19,14 +19,14 @@ something received, so loading it with ``weights_only=False`` is as trusted as t
 
 from __future__ import annotations
 
-import os
 import random
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from fedcomp.flower.persist import write_atomically
 
 __all__ = ["CHECKPOINT_FILE", "CheckpointError", "ServerCheckpoint", "load_checkpoint", "save_checkpoint"]
 
@@ -83,16 +83,7 @@ def save_checkpoint(run_dir: Path, ckpt: ServerCheckpoint) -> Path:
         "torch-rng": ckpt.torch_rng,
         "started-at": ckpt.started_at,
     }
-    fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=".checkpoint-", suffix=".pt")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(data, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomically(path, lambda f: torch.save(data, f))
     return path
 
 

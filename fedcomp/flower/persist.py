@@ -38,9 +38,9 @@ import re
 import shutil
 import tempfile
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from flwr.app import RecordDict
 from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
@@ -103,16 +103,7 @@ class ClientStore:
         body = recorddict_to_proto(state).SerializeToString()
         data = _MAGIC + zlib.crc32(body).to_bytes(4, "little") + body
         target = self.path(server_round)
-        fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=".round-", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, target)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_atomically(target, lambda f: f.write(data))
         for r in self.rounds()[:-KEEP]:
             self.path(r).unlink(missing_ok=True)
         return target
@@ -139,6 +130,22 @@ class ClientStore:
             except (OSError, ValueError) as exc:  # protobuf's DecodeError is a ValueError too
                 log.warning("fedcomp: skipping an unreadable client state: %s", exc)
         return None
+
+
+def write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """Call ``write`` on a temporary file beside ``path``, flush it to disk, then rename it over
+    ``path``: a reader (or a process restarted after a crash) sees the old file or the new one,
+    never a half-written one. The temporary file is removed if anything fails."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def _prune_lineages(lineage_dir: Path) -> None:
