@@ -411,15 +411,41 @@ def main(argv: list[str] | None = None) -> int:
         "--rounds", type=int_at_least(0), default=0, help="0 = the default: 60 (Dirichlet), 25 (IID), 30 (sampled)"
     )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--extra",
+        action="append",
+        default=[],
+        metavar="NAME=JSON",
+        help="an ad-hoc setting: a name and a JSON object of run-config keys, e.g. "
+        "'s2={\"sbc-p\": 0.02}' (repeatable; run it with --only NAME or alone)",
+    )
     ap.add_argument("--data-dir", default=None, help="folder holding mnist/ (default: $FEDCOMP_DATA_DIR)")
     ap.add_argument("--refresh", action="store_true", help="rerun even when cached")
     ap.add_argument("--cached-only", action="store_true", help="report only settings already run; run nothing")
     ap.add_argument("--write-docs", action="store_true", help="write the tables and plot into docs/")
     args = ap.parse_args(argv)
-    names = [n for n in args.only.split(",") if n] or (["dense", "default"] if args.quick else list(SETTINGS))
-    unknown = [n for n in names if n not in SETTINGS]
+    settings = dict(SETTINGS)
+    extra_names = []
+    for item in args.extra:
+        name, sep, blob = item.partition("=")
+        try:
+            value = json.loads(blob) if sep else None
+        except json.JSONDecodeError as err:
+            value, blob = None, f"{blob!r} ({err.msg})"
+        if not name or name in SETTINGS or not isinstance(value, dict):
+            print(
+                f"error: --extra {item!r}: expected NEW_NAME=JSON_OBJECT, e.g. 's2={{\"sbc-p\": 0.02}}'",
+                file=sys.stderr,
+            )
+            return 2
+        settings[name] = value
+        extra_names.append(name)
+    names = [n for n in args.only.split(",") if n] or (
+        ["dense", "default"] if args.quick else (["dense", *extra_names] if extra_names else list(SETTINGS))
+    )
+    unknown = [n for n in names if n not in settings]
     if unknown:
-        print(f"error: --only: unknown setting(s) {unknown}; known: {list(SETTINGS)}", file=sys.stderr)
+        print(f"error: --only: unknown setting(s) {unknown}; known: {list(settings)}", file=sys.stderr)
         return 2
     torch.set_num_threads(1)
     logging.getLogger("flwr").setLevel(logging.WARNING)  # Flower's per-round INFO lines
@@ -436,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
             title = f"MNIST {part}{' (Dirichlet 0.3)' if part == 'dirichlet' else ''}, {per_round} of {clients} clients per round"
             results = {}
             for name in names:
-                task = Task(name, SETTINGS[name], part, 0.3, clients, per_round, rounds, seed=args.seed)
+                task = Task(name, settings[name], part, 0.3, clients, per_round, rounds, seed=args.seed)
                 if args.cached_only:
                     hit = cached(task)
                     if hit is not None:
