@@ -8,6 +8,7 @@ from fedcomp.codecs.base import Codec, TensorSpec
 from fedcomp.codecs.dense import DenseFP16, DenseFP32, Identity
 from fedcomp.codecs.gradiveq import GradiVeQ
 from fedcomp.codecs.sbc import SBC
+from fedcomp.codecs.sparse import Sparse
 from fedcomp.codecs.stc import STC
 from fedcomp.codecs.threelc import ThreeLC
 from fedcomp.codecs.topk import TopK
@@ -22,6 +23,7 @@ __all__ = [
     "DenseFP32",
     "GradiVeQ",
     "Identity",
+    "Sparse",
     "TensorSpec",
     "ThreeLC",
     "TopK",
@@ -30,7 +32,7 @@ __all__ = [
 
 #: Every codec a config may name, by ``codec_id``.
 CODECS: dict[str, type[Codec]] = {
-    c.codec_id: c for c in (SBC, STC, ThreeLC, TopK, DenseFP32, DenseFP16, Identity, GradiVeQ)
+    c.codec_id: c for c in (SBC, STC, ThreeLC, TopK, DenseFP32, DenseFP16, Identity, GradiVeQ, Sparse)
 }
 
 

@@ -53,6 +53,7 @@ PAYLOAD_OF_CODEC: dict[str, str] = {
     "stc": "stc",
     "3lc": "three_lc",
     "topk": "sparse",
+    "sparse": "sparse",
     "gradiveq": "gradiveq",
     "dense-fp32": "dense",
     "dense-fp16": "dense",

@@ -1,0 +1,142 @@
+"""Exact sparse coding: every entry above a threshold, as Golomb-coded positions plus values.
+
+Made for the downlink delta ``W - R`` under a sparse uplink: the aggregate of SBC/top-k updates
+is nonzero only on the union of the clients' positions, so with an exact replica ``W - R`` has
+exactly that support and sending it costs the union, not the model (issue 12; 3LC's max-based
+scale rounds most of such a spiky delta to zero).
+
+``Sparse(values="float32")`` keeps every nonzero entry and sends its float32 value: the decoded
+tensor equals the input bit for bit. ``Sparse(values="float16")`` sends float16 values, and a
+relative ``threshold`` (default ``2**-10``) drops entries with ``|x| <= threshold * max|x|``.
+Why: float16 rounding leaves a residual of up to ``2**-11 |x|`` on every sent entry, which
+``W - R`` keeps and the next round would resend; without a threshold every entry ever sent
+would be resent, forever, as rounding noise. With ``threshold = 2**-10`` a residual is below the
+next round's threshold whenever the next delta's largest entry is at least half this one's.
+
+The bound (FORMAT.md, "sparse"): with ``m = max|x|`` over the tensor and ``t`` the threshold,
+every decoded entry ``y`` of an input ``x`` satisfies ``|x - y| <= max(t * m, 2**-11 |x|, 2**-25)``
+for float16 (``2**-25``: float16's subnormal spacing, entries that round to zero are dropped;
+values beyond 65504 saturate, as :mod:`~fedcomp.codecs.topk`'s do) and ``|x - y| <= t * m`` for
+float32. Entries are sent only if their wire value is nonzero, so a decoder rejects a zero
+value: the encoding of a tensor is unique.
+
+The message is a :class:`~fedcomp.wire.payloads.SparsePayload`, the same as top-k's: positions
+ascending, Golomb-Rice coded exactly as SBC's (:mod:`fedcomp.codecs.golomb`, parameter
+``golomb_b(nnz / numel)``), and the values little-endian. A decoder accepts either value
+encoding whatever its own ``values`` (the payload names it; neither needs a setting of the
+decoder), so one decoder serves a downlink that switches between float16 and float32 rounds.
+Inputs must be finite (:class:`ValueError` otherwise).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fedcomp.codecs.base import Codec, TensorSpec, expect_payload
+from fedcomp.codecs.golomb import decode_positions, encode_positions, golomb_b
+from fedcomp.errors import ConfigError, PayloadError
+from fedcomp.wire.payloads import DTYPE_SIZES, TORCH_DTYPES, Payload, SparsePayload
+
+VALUE_ENCODINGS = ("float32", "float16")
+
+#: The float16 codec's default relative threshold: twice float16's unit roundoff (``2**-11``).
+FP16_THRESHOLD = 2.0**-10
+
+#: Largest finite float16.
+_F16_MAX = 65504.0
+
+
+class Sparse(Codec):
+    """Every entry with ``|x| > threshold * max|x|`` (all nonzero entries when ``threshold`` is 0),
+    at Golomb-coded positions, values in ``values`` ("float32" or "float16").
+
+    ``threshold`` in ``[0, 1)``; ``None`` means 0 for float32 (exact) and :data:`FP16_THRESHOLD`
+    for float16 (see the module docstring for why and for the bound it gives).
+    """
+
+    codec_id = "sparse"
+    version = 1
+
+    def __init__(self, values: str = "float32", threshold: float | None = None) -> None:
+        if values not in VALUE_ENCODINGS:
+            raise ConfigError(f"values: must be one of {list(VALUE_ENCODINGS)}, got {values!r}")
+        if threshold is None:
+            threshold = FP16_THRESHOLD if values == "float16" else 0.0
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 <= threshold < 1.0:
+            raise ConfigError(f"threshold: must be a number in [0, 1), got {threshold!r}")
+        self.values = values
+        self.threshold = float(threshold)
+
+    def _params(self) -> dict[str, Any]:
+        return {"values": self.values, "threshold": self.threshold}
+
+    # --- encoding -----------------------------------------------------------------------------
+
+    def select(self, flat: torch.Tensor, name: str = "") -> torch.Tensor:
+        """Ascending positions (int64) this codec sends of the flat float32 tensor ``flat``."""
+        a = flat.abs()
+        if flat.numel() and not bool(torch.isfinite(a).all()):
+            raise ValueError(f"tensor {name!r}: cannot encode NaN or infinite values")
+        limit = self.threshold * float(a.max()) if flat.numel() else 0.0
+        keep = a > limit
+        if self.values == "float16":
+            keep &= flat.to(torch.float16) != 0  # underflows to zero: nothing to send
+        return keep.nonzero().view(-1)
+
+    def _encode(self, flat: torch.Tensor, name: str) -> tuple[Payload, torch.Tensor | None]:
+        n = flat.numel()
+        idx = self.select(flat, name)
+        vals = flat.index_select(0, idx)
+        if self.values == "float16":
+            vals = vals.clamp(-_F16_MAX, _F16_MAX).to(torch.float16)
+        nnz = idx.numel()
+        b = golomb_b(nnz / n) if nnz else 0
+        raw = vals.contiguous().cpu().view(torch.uint8).numpy().tobytes()
+        payload = SparsePayload(
+            golomb_b=b, nnz=nnz, bits=encode_positions(idx, b), value_encoding=self.values, values=raw
+        )
+        recon = torch.zeros(n, dtype=torch.float32, device=flat.device)
+        return payload, recon.index_copy_(0, idx, vals.to(torch.float32))
+
+    # --- decoding -----------------------------------------------------------------------------
+
+    def _decode(self, payload: Payload, spec: TensorSpec, device: torch.device) -> torch.Tensor:
+        name, numel = spec.name, spec.numel
+        expect_payload(payload, SparsePayload, name)
+        assert isinstance(payload, SparsePayload)
+        nnz = int(payload.nnz)
+        if payload.value_encoding not in VALUE_ENCODINGS:
+            raise PayloadError(name, f"value encoding {payload.value_encoding!r} is not one of {list(VALUE_ENCODINGS)}")
+        if nnz > numel:
+            raise PayloadError(name, f"nnz {nnz} exceeds the tensor's {numel} elements")
+        want = nnz * DTYPE_SIZES[payload.value_encoding]
+        if len(payload.values) != want:
+            raise PayloadError(name, f"values are {len(payload.values)} bytes, expected {want} for nnz {nnz}")
+        # The values (nnz <= numel of them, checked above) are checked before anything of the
+        # tensor's size, or the positions, is allocated.
+        vals = torch.frombuffer(bytearray(payload.values), dtype=TORCH_DTYPES[payload.value_encoding]) if nnz else None
+        if vals is not None:
+            if not bool(torch.isfinite(vals).all()):
+                raise PayloadError(name, "a value is NaN or infinite")
+            if not bool((vals != 0).all()):
+                raise PayloadError(name, "a value is zero (the encoder never sends one)")
+        # decode_positions guarantees nnz strictly increasing positions in [0, numel)
+        idx = decode_positions(payload.bits, nnz, payload.golomb_b, numel, name, device)
+        out = torch.zeros(numel, dtype=torch.float32, device=device)
+        if vals is not None:
+            out.index_copy_(0, idx, vals.to(device=device, dtype=torch.float32))
+        return out
+
+
+def fp16_error_bound(x: torch.Tensor, threshold: float = FP16_THRESHOLD) -> torch.Tensor:
+    """Per entry of ``x`` (float32), the most ``Sparse("float16", threshold)`` may change it by:
+    ``max(threshold * max|x|, 2**-11 |x|, 2**-25)`` (the module docstring's bound; for
+    ``|x| <= 65504``)."""
+    a = x.detach().to(torch.float32).abs()
+    m = float(a.max()) if a.numel() else 0.0
+    return torch.clamp(a * 2.0**-11, min=max(threshold * m, 2.0**-25))
+
+
+__all__ = ["FP16_THRESHOLD", "VALUE_ENCODINGS", "Sparse", "fp16_error_bound"]
