@@ -177,15 +177,18 @@ def test_links_mnist_without_data_stops_before_any_run(monkeypatch) -> None:  # 
 def test_codecs_rows_print_the_target_without_a_verdict(capsys) -> None:  # type: ignore[no-untyped-def]
     from fedcomp.bench.__main__ import _print_row
 
-    row = {"codec": "3lc", "config": {"id": "3lc", "s": 1.0}, "op": "encode", "device": "cpu", "median_s": 0.3,
-           "clone_median_s": 0.03, "ratio": 11.87, "target_ratio": 3.0, "bytes": 626_263, "bits_per_value": 0.196}  # fmt: skip
+    row = {"codec": "3lc", "config": {"id": "3lc", "s": 1.0}, "scope": "update", "op": "encode", "device": "cpu",
+           "median_s": 0.3, "copy_median_s": 0.007, "copy_ratio": 42.86, "clone_median_s": 0.03, "ratio": 11.87,
+           "target_ratio": 4.0, "target_vs": "copy_ratio", "bytes": 626_263, "bits_per_value": 0.196}  # fmt: skip
     _print_row(row)
-    _print_row({**row, "ratio": 0.5})
-    _print_row({**row, "target_ratio": None})
-    missed, met, none = capsys.readouterr().out.splitlines()
-    assert "11.87x" in missed and missed.rstrip().endswith("<= 3x")
-    assert met.rstrip().endswith("<= 3x") and none.rstrip().endswith("0.196")
-    for line in (missed, met):
+    _print_row({**row, "copy_ratio": 0.5})
+    _print_row({**row, "target_ratio": None, "target_vs": None})
+    _print_row({**row, "codec": "dense-fp16", "half_ratio": 1.25, "target_ratio": 1.5, "target_vs": "half_ratio"})
+    missed, met, none, half = capsys.readouterr().out.splitlines()
+    assert "42.86x" in missed and "11.87x" in missed and missed.rstrip().endswith("<= 4x copy")
+    assert met.rstrip().endswith("<= 4x copy") and none.rstrip().endswith("0.196")
+    assert "1.25x" in half and half.rstrip().endswith("<= 1.5x half")
+    for line in (missed, met, half):
         assert "MISSED" not in line.upper() and "met" not in line.split()
 
 
@@ -218,9 +221,10 @@ def test_codecs_benchmark_exits_0_and_prints_no_alarm() -> None:
     proc = _bench("codecs", "--values", "student-t", "--repeat", "1", timeout=600)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
-    assert len(lines) == 1 + 12  # header + 6 codecs x (encode, decode)
+    assert len(lines) == 1 + 24  # header + 6 codecs x 2 scopes x (encode, decode)
     assert "MISSED" not in proc.stdout.upper()
-    assert sum(line.rstrip().endswith(("<= 2x", "<= 3x")) for line in lines) == 4
+    assert sum(line.rstrip().endswith(("<= 3x copy", "<= 4x copy")) for line in lines) == 8
+    assert sum(line.rstrip().endswith("<= 1.5x half") for line in lines) == 4
 
 
 # --- gradiveq and netns ---------------------------------------------------------------------------
