@@ -7,6 +7,18 @@ wrapper decodes it, rebuilds ``global model + delta`` as an ordinary ArrayRecord
 to the inner strategy, which aggregates as usual. A reply whose payload is corrupt or hostile is
 dropped with a logged reason and the round goes on with the others.
 
+Streaming aggregation: when the inner strategy's aggregation is the weighted mean of the replies
+followed by its own server step (FedAvg, FedProx, FedAvgM, FedAdam, FedYogi, FedAdagrad:
+:func:`streams_weighted_mean`), the wrapper does not build one full model per reply. It decodes
+each reply straight into a running float64 weighted sum (an SBC reply is a scatter-add of its kept
+positions; nothing of the model's size is allocated for it) and drops the reply's payload; the
+inner strategy then gets one reply carrying that mean and the total weight, so its own step
+(momentum, adaptive moments) still runs, and its ``train_metrics_aggr_fn`` aggregates every
+reply's MetricRecord as before. Server memory is O(model + one payload) instead of
+O(clients x model). Strategies that need every reply (FedMedian, Krum, FedTrimmedAvg, Bulyan,
+differential-privacy wrappers, any subclass with its own ``aggregate_train``) keep the
+materialising path. :attr:`CompressionStrategy.streaming` says which one a wrapper uses.
+
 No update is lost silently (protocol 2, :class:`~fedcomp.flower.protocol.UpdateOutcome`): the
 wrapper remembers, per node, the round and fate of the last update it received (aggregated, or
 rejected and why) and how far its rounds are settled, and every downlink tells the client. A
@@ -22,16 +34,22 @@ import hashlib
 import logging
 import math
 import secrets
+import struct
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import FedAvg, Strategy
+from flwr.serverapp.strategy import FedAdagrad, FedAdam, FedAvg, FedAvgM, FedYogi, Strategy
 
+from fedcomp.codecs import DenseFP32, TensorSpec, get_codec
+from fedcomp.codecs.base import expect_payload
+from fedcomp.codecs.golomb import decode_positions
+from fedcomp.codecs.sbc import SBC
 from fedcomp.errors import ConfigError, PayloadError
 from fedcomp.flower import protocol
 from fedcomp.flower.protocol import DownlinkHeader, UpdateOutcome, UpdateStatus, UplinkReport
@@ -41,12 +59,29 @@ from fedcomp.flower.settings import CompressionConfig
 from fedcomp.flower.traffic import RoundTraffic, metric_record
 from fedcomp.methods.base import UplinkMethod
 from fedcomp.methods.registry import get_downlink, get_uplink
+from fedcomp.wire.payloads import EncodedUpdate, SBCPayload
 from fedcomp.wire.serde import update_from_bytes
 
-__all__ = ["CompressionConfig", "CompressionStrategy", "RoundTraffic", "aggregates_by_weighted_mean"]
+__all__ = [
+    "CompressionConfig",
+    "CompressionStrategy",
+    "RoundTraffic",
+    "aggregates_by_weighted_mean",
+    "streams_weighted_mean",
+]
 
 # A child of Flower's logger: our lines go wherever Flower sends its own (the run log, the console).
 log = logging.getLogger("flwr").getChild("fedcomp")
+
+_T = TypeVar("_T")
+
+#: One tensor of a decoded delta on the streaming path: dense, or (positions, the one value they
+#: share) for an SBC tensor, which is never expanded to the tensor's size.
+_Term = torch.Tensor | tuple[torch.Tensor, float]
+
+#: Inner strategies whose ``aggregate_train`` is FedAvg's weighted mean of the replies' arrays,
+#: then (for all but FedAvg) a server step on that mean that reads nothing else of the replies.
+_MEAN_FIRST = (FedAvg, FedAvgM, FedAdam, FedYogi, FedAdagrad)
 
 
 class CompressionStrategy(Strategy):
@@ -84,6 +119,11 @@ class CompressionStrategy(Strategy):
         self.uplink: UplinkMethod = get_uplink(self.config.uplink_codec)(
             self.config, weighted_mean=aggregates_by_weighted_mean(strategy)
         )
+        #: Whether train replies are summed as they are decoded (memory O(model + one payload))
+        #: rather than each materialised as a full model for the inner strategy; on by default
+        #: exactly when the inner strategy's aggregation starts with the weighted mean of the
+        #: replies (:func:`streams_weighted_mean`). Set False to force the materialising path.
+        self.streaming: bool = streams_weighted_mean(strategy)
 
     # --- downlink ------------------------------------------------------------------------------
 
@@ -96,15 +136,27 @@ class CompressionStrategy(Strategy):
             t = self._traffic(server_round)
             before = after = _distance(target, self.replica.tensors)
             moved = _distance(target, self._target) if self._target is not None else 0.0
-            codec = self.config.downlink_codec_at(server_round)
             t0 = time.perf_counter()
-            for _ in range(self.config.downlink_passes):
-                # One delta version per pass: every up-to-date client gets the passes as a chain.
-                self.replica.advance(target, codec)
-                t.downlink_passes += 1
-                after = _distance(target, self.replica.tensors)
-                if after == 0.0 or (moved > 0 and after / moved <= self.config.replica_lag_max):
-                    break
+            # (imported here: the downlink policy's hook is all of this method's business)
+            from fedcomp.flower.downlink_policy import advance_by_policy, candidates_of
+
+            candidates = candidates_of(self.config)
+            if candidates is not None:
+                # "auto": the smallest candidate that keeps the lag under replica-lag-max, tried on
+                # a scratch copy; this round's downlinks name the chosen method's codec.
+                chosen = advance_by_policy(self.replica, target, moved, self.config, server_round, candidates)
+                self.downlink_method = chosen.method
+                t.downlink_passes += chosen.passes
+                after = chosen.after
+            else:
+                codec = self.config.downlink_codec_at(server_round)
+                for _ in range(self.config.downlink_passes):
+                    # One delta version per pass: every up-to-date client gets the passes as a chain.
+                    self.replica.advance(target, codec)
+                    t.downlink_passes += 1
+                    after = _distance(target, self.replica.tensors)
+                    if after == 0.0 or (moved > 0 and after / moved <= self.config.replica_lag_max):
+                        break
             t.encode_seconds += time.perf_counter() - t0
             # Diagnostics: how far the clients' replica R trails the model W, relative to how far
             # W moved this round, and how much of the outstanding W - R this downlink closed.
@@ -225,10 +277,10 @@ class CompressionStrategy(Strategy):
                 self._not_seeded.add(node)  # it could not build version 0: full replicas from now
         self._assumed_seeded.discard(node)
 
-    def _decode_reply(self, msg: Message, server_round: int) -> None:
-        """Replace the compressed payload in ``msg`` by what the inner strategy aggregates
-        (``W + delta`` for most methods); raise :class:`PayloadError` on a bad reply."""
-        assert self.replica is not None and self._target is not None
+    def _open_reply(self, msg: Message, server_round: int) -> tuple[EncodedUpdate, int, float]:
+        """The reply's update, parsed and checked against this round and the replica version (its
+        traffic noted), with its node and the clock at which decoding started."""
+        assert self.replica is not None
         rec = msg.content.config_records.get(protocol.UPLINK)
         if rec is None:
             raise PayloadError("", f"reply has no {protocol.UPLINK} record")
@@ -250,6 +302,14 @@ class CompressionStrategy(Strategy):
             raise PayloadError(
                 "", f"update is against version {update.base_model_version}, expected {self.replica.version}"
             )
+        return update, node, t0
+
+    def _decode_reply(self, msg: Message, server_round: int) -> None:
+        """Replace the compressed payload in ``msg`` by what the inner strategy aggregates
+        (``W + delta`` for most methods); raise :class:`PayloadError` on a bad reply."""
+        assert self.replica is not None and self._target is not None
+        update, node, t0 = self._open_reply(msg, server_round)
+        traffic = self._traffic(server_round)
         decoded = self.uplink.decode(update, self.replica.specs, self._target, server_round, node)
         self._check_values(decoded.delta if decoded.delta is not None else decoded.arrays)
         if self.uplink.reports_selection and decoded.delta is not None:
@@ -260,16 +320,75 @@ class CompressionStrategy(Strategy):
         content[self._arrays_key] = record_from_tensors(decoded.arrays)
         msg.content = content
 
+    def _stream_reply(self, msg: Message, server_round: int) -> _Contribution:
+        """The streaming path's :meth:`_decode_reply`: the same checks, but the reply is turned
+        into what :class:`_WeightedSum` adds (its delta, sparse where the codec is SBC, or the
+        arrays its method decodes to) and its payload is dropped from ``msg``."""
+        assert self.replica is not None and self._target is not None
+        update, node, t0 = self._open_reply(msg, server_round)
+        traffic = self._traffic(server_round)
+        base_decode = getattr(self.uplink.decode, "__func__", None) is UplinkMethod.decode
+        if base_decode and not self.uplink.reports_selection:
+            # The base method's decode (W + delta, the round's codec): kept sparse, never W + delta.
+            delta = self._sparse_delta(update, server_round)
+            self._check_terms(delta)
+            contribution = _Contribution(delta=delta)
+        else:  # the method's own decode (DEFT's checks, GradiVeQ's coefficients): one dense reply
+            decoded = self.uplink.decode(update, self.replica.specs, self._target, server_round, node)
+            self._check_values(decoded.delta if decoded.delta is not None else decoded.arrays)
+            if self.uplink.reports_selection and decoded.delta is not None:
+                traffic.note_selection(decoded.delta, self.config.min_compress_numel)
+            contribution = _Contribution(arrays=decoded.arrays)
+        traffic.decode_seconds += time.perf_counter() - t0
+        content = RecordDict({k: v for k, v in msg.content.items() if k != protocol.UPLINK})
+        self._check_structure(content)
+        msg.content = content  # the payload is not needed any more: let it go
+        return contribution
+
+    def _sparse_delta(self, update: EncodedUpdate, server_round: int) -> dict[str, _Term]:
+        """What the base method's ``decode`` decodes (``decode_update`` with the round's codec and
+        dense fp32), with the same checks and errors, but an SBC tensor comes back as its kept
+        positions and their one value instead of a dense tensor."""
+        assert self.replica is not None
+        specs = self.replica.specs
+        accepted = {c.codec_id: c for c in (get_codec(self.uplink.round_codec_config(server_round)), DenseFP32())}
+        if len(update.tensors) != len(specs):
+            raise PayloadError("", f"update has {len(update.tensors)} tensors, expected {len(specs)}")
+        out: dict[str, _Term] = {}
+        for spec, enc in zip(specs, update.tensors, strict=True):
+            if enc.name != spec.name:
+                raise PayloadError(spec.name, f"found tensor {enc.name!r} in its place")
+            codec = accepted.get(enc.codec_id)
+            if codec is None:
+                raise PayloadError(spec.name, f"codec {enc.codec_id!r} is not accepted here ({sorted(accepted)})")
+            out[spec.name] = _sbc_positions(codec, enc, spec) if isinstance(codec, SBC) else codec.decode(enc, spec)
+        return out
+
+    def _check_terms(self, delta: dict[str, _Term]) -> None:
+        """:meth:`_check_values` of a delta from :meth:`_sparse_delta` (an SBC tensor's value is
+        finite by its decoder's checks; its squared norm is ``nnz * value**2``)."""
+        squares = 0.0
+        for name, term in delta.items():
+            if isinstance(term, tuple):
+                squares += term[0].numel() * term[1] * term[1]
+            elif not bool(torch.isfinite(term).all()):
+                raise PayloadError(name, "decoded values are not all finite")
+            else:
+                squares += float(term.double().pow(2).sum())
+        self._check_norm(squares**0.5)
+
     def _check_values(self, tensors: dict[str, torch.Tensor]) -> None:
         """Every decoded value finite, and the update within ``max-update-norm``."""
         for name, t in tensors.items():
             if not bool(torch.isfinite(t).all()):
                 raise PayloadError(name, "decoded values are not all finite")
+        if self.config.max_update_norm > 0:
+            self._check_norm(float(sum(float(t.double().pow(2).sum()) for t in tensors.values())) ** 0.5)
+
+    def _check_norm(self, norm: float) -> None:
         bound = self.config.max_update_norm
-        if bound > 0:
-            norm = float(sum(float(t.double().pow(2).sum()) for t in tensors.values())) ** 0.5
-            if norm > bound:
-                raise PayloadError("", f"update norm {norm:.4g} exceeds max-update-norm {bound:g}")
+        if bound > 0 and norm > bound:
+            raise PayloadError("", f"update norm {norm:.4g} exceeds max-update-norm {bound:g}")
 
     def _check_structure(self, content: RecordDict) -> None:
         """What the inner strategy will read: no ArrayRecord of the client's own (the wrapper puts
@@ -295,34 +414,11 @@ class CompressionStrategy(Strategy):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        accepted = []
         traffic = self._traffic(server_round)
         # The inner strategy sums the replies in the order it gets them, and float addition is
         # not associative: in arrival order, two runs with the same seed (or a resumed run) would
         # end with different models. Sorted by content, the aggregate is reproducible.
-        for msg in sorted(replies, key=_reply_order):
-            node = msg.metadata.src_node_id
-            traffic.unanswered.discard(node)  # it replied (what is left never did)
-            if _needs_resync_bookkeeping(msg):
-                self._note_node(node, self._report_of(msg))
-            if msg.has_error():
-                accepted.append(msg)  # the inner strategy logs and skips it
-                continue
-            try:
-                self._decode_reply(msg, server_round)
-            except Exception as exc:  # one client's bytes must never stop the round
-                if not isinstance(exc, PayloadError | ConfigError):
-                    log.exception("fedcomp: unexpected error decoding node %s's update", node)
-                    exc = PayloadError("", f"decoder failed: {type(exc).__name__}: {exc}")
-                # The client's replica state (checked above) is still good; only this update is
-                # not aggregated. The next downlink tells the client, which adds it back to its
-                # residual (protocol 2).
-                traffic.rejected[node] = str(exc)
-                self._last_update[node] = (server_round, UpdateStatus.REJECTED, _reason(str(exc)))
-                log.warning("fedcomp: rejected the update of node %s in round %s: %s", node, server_round, exc)
-                continue
-            accepted.append(msg)
-            traffic.accepted += 1
+        ordered = sorted(replies, key=_reply_order)
 
         def reject(msg: Message, why: str) -> None:
             node = msg.metadata.src_node_id
@@ -331,8 +427,15 @@ class CompressionStrategy(Strategy):
             self._last_update[node] = (server_round, UpdateStatus.REJECTED, _reason(f"payload: {why}"))
             log.warning("fedcomp: rejected the update of node %s in round %s: %s", node, server_round, why)
 
-        accepted = self._consistent(accepted, reject)
-        arrays, metrics = self.strategy.aggregate_train(server_round, accepted)
+        if self.streaming:
+            accepted, arrays, metrics = self._aggregate_streaming(server_round, ordered, reject)
+        else:
+            accepted = []
+            for msg in ordered:
+                if self._admit(msg, server_round, self._decode_reply) is not None:
+                    accepted.append(msg)
+            accepted = self._consistent(accepted, reject)
+            arrays, metrics = self.strategy.aggregate_train(server_round, accepted)
         for msg in accepted:
             if not msg.has_error():
                 self._last_update[msg.metadata.src_node_id] = (
@@ -348,6 +451,82 @@ class CompressionStrategy(Strategy):
             if model is not None:
                 arrays = record_from_tensors(model)
         return arrays, self._with_figures(server_round, metrics, "train")
+
+    def _admit(self, msg: Message, server_round: int, decode: Callable[[Message, int], _T]) -> _T | Message | None:
+        """One train reply's bookkeeping, then ``decode(msg, server_round)``: its result, ``msg``
+        itself for an error reply (the inner strategy logs and skips it), or None when the
+        update was rejected (the reason recorded for the client's next downlink)."""
+        traffic = self._traffic(server_round)
+        node = msg.metadata.src_node_id
+        traffic.unanswered.discard(node)  # it replied (what is left never did)
+        if _needs_resync_bookkeeping(msg):
+            self._note_node(node, self._report_of(msg))
+        if msg.has_error():
+            return msg
+        try:
+            out = decode(msg, server_round)
+        except Exception as exc:  # one client's bytes must never stop the round
+            if not isinstance(exc, PayloadError | ConfigError):
+                log.exception("fedcomp: unexpected error decoding node %s's update", node)
+                exc = PayloadError("", f"decoder failed: {type(exc).__name__}: {exc}")
+            # The client's replica state (checked above) is still good; only this update is
+            # not aggregated. The next downlink tells the client, which adds it back to its
+            # residual (protocol 2).
+            traffic.rejected[node] = str(exc)
+            self._last_update[node] = (server_round, UpdateStatus.REJECTED, _reason(str(exc)))
+            log.warning("fedcomp: rejected the update of node %s in round %s: %s", node, server_round, exc)
+            return None
+        traffic.accepted += 1
+        return msg if out is None else out
+
+    def _aggregate_streaming(
+        self, server_round: int, ordered: list[Message], reject: Callable[[Message, str], None]
+    ) -> tuple[list[Message], ArrayRecord | None, MetricRecord | None]:
+        """The replies the inner strategy aggregated (content and error replies), its arrays and
+        the metrics, with each reply summed as it is decoded (see the module docstring).
+
+        The round's MetricRecord shape (:meth:`_consistent`) is decided before decoding, by the
+        replies whose records are well formed, since a reply cannot be taken out of the sum
+        afterwards; the materialising path decides it after decoding, by the replies that
+        decoded. The two differ only when replies that fail to decode would have swung it."""
+        key: str = self.strategy.weighted_by_key  # type: ignore[attr-defined]  # FedAvg's family
+        assert self._target is not None
+        shapes = Counter(_metric_shape(m) for m in ordered if _well_formed(m, self._check_structure))
+        common = shapes.most_common(1)[0][0] if len(shapes) > 1 else None
+        total = _WeightedSum(self._target)
+        kept: list[Message] = []
+        contents: list[RecordDict] = []
+        errors: list[Message] = []
+        for msg in ordered:
+            got = self._admit(msg, server_round, self._stream_reply)
+            if got is None:
+                continue
+            if isinstance(got, Message):
+                errors.append(msg)
+                continue
+            if common is not None and _metric_shape(msg) != common:
+                reject(msg, _shape_differs(msg, common))
+                continue
+            weight = float(next(iter(msg.content.metric_records.values()))[key])  # type: ignore[arg-type]
+            total.add(got, weight)
+            kept.append(msg)
+            contents.append(msg.content)
+        if not kept:  # nothing to aggregate: the inner strategy sees the errors, as it would
+            arrays, metrics = self.strategy.aggregate_train(server_round, errors)
+            return errors, arrays, metrics
+        # One reply carries the weighted mean with the total weight: the inner strategy's mean of
+        # it is itself (weight / total = 1), then its own server step runs on it.
+        carrier = kept[0]
+        name = next(iter(carrier.content.metric_records))
+        carrier.content = RecordDict(
+            {self._arrays_key: record_from_tensors(total.mean()), name: MetricRecord({key: total.weight})}
+        )
+        try:
+            arrays, _ = self.strategy.aggregate_train(server_round, [carrier, *errors])
+        finally:
+            carrier.content = contents[0]
+        metrics = self.strategy.train_metrics_aggr_fn(contents, key)  # type: ignore[attr-defined]
+        return [*kept, *errors], arrays, metrics
 
     def _consistent(self, replies: list[Message], reject: Callable[[Message, str], None]) -> list[Message]:
         """The replies whose MetricRecord has the round's common shape (record name, keys, list
@@ -365,9 +544,7 @@ class CompressionStrategy(Strategy):
             if msg.has_error() or _metric_shape(msg) == (name, keys):
                 out.append(msg)
             else:
-                got_name, got_keys = _metric_shape(msg)
-                reject(msg, f"MetricRecord {got_name!r} {_describe(got_keys)} differs from the round's "
-                       f"other replies ({name!r} {_describe(keys)})")  # fmt: skip
+                reject(msg, _shape_differs(msg, (name, keys)))
         return out
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
@@ -508,6 +685,114 @@ def _reply_order(msg: Message) -> tuple[int, str, int]:
     return (0 if msg.has_error() else 1, hashlib.sha256(payload).hexdigest(), int(msg.metadata.src_node_id))
 
 
+@dataclass
+class _Contribution:
+    """One decoded train reply on the streaming path: its delta against the global model W (it
+    stands for ``W + delta``), or the arrays its uplink method decodes to (GradiVeQ's coefficients,
+    DEFT's ``W + delta``), whichever the method gives."""
+
+    delta: dict[str, _Term] | None = None
+    arrays: dict[str, torch.Tensor] | None = None
+
+
+class _WeightedSum:
+    """The running weighted sum of the replies, in float64, one tensor per name allocated on its
+    first use; a delta reply adds ``weight * delta`` (a scatter-add for SBC) and ``weight`` to the
+    weight of the base ``W``. In float64 the order and number of replies change the mean by no
+    more than float64 rounding, far below the float32 the model is kept in."""
+
+    def __init__(self, base: dict[str, torch.Tensor]) -> None:
+        self.base = base
+        self.sums: dict[str, torch.Tensor] = {}
+        self.base_weight = 0.0
+        self.weight = 0.0
+
+    def _sum(self, name: str, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
+        out = self.sums.get(name)
+        if out is None:
+            out = self.sums[name] = torch.zeros(shape, dtype=torch.float64)
+        return out
+
+    def add(self, part: _Contribution, weight: float) -> None:
+        if part.delta is not None:
+            for name, term in part.delta.items():
+                acc = self._sum(name, self.base[name].shape)
+                if isinstance(term, tuple):
+                    idx, value = term
+                    if idx.numel():  # positions are distinct (strictly increasing): no collisions
+                        acc.view(-1).index_add_(0, idx, torch.full((idx.numel(),), weight * value, dtype=acc.dtype))
+                else:
+                    acc.add_(term.reshape(acc.shape), alpha=weight)
+            self.base_weight += weight
+        if part.arrays is not None:
+            for name, t in part.arrays.items():
+                self._sum(name, t.shape).add_(t, alpha=weight)
+        self.weight += weight
+
+    def mean(self) -> dict[str, torch.Tensor]:
+        """The weighted mean, float32, in the base's order (then any other names); the sums are
+        released as it goes."""
+        names = dict.fromkeys([*(self.base if self.base_weight else ()), *self.sums])
+        share = self.base_weight / self.weight  # exactly 1.0 when every reply was a delta
+        out = {}
+        for name in names:
+            acc = self.sums.pop(name, None)
+            m = acc.div_(self.weight) if acc is not None else torch.zeros(self.base[name].shape, dtype=torch.float64)
+            if share:
+                m.add_(self.base[name], alpha=share)
+            out[name] = m.to(torch.float32)
+        return out
+
+
+def _sbc_positions(codec: SBC, enc: Any, spec: TensorSpec) -> tuple[torch.Tensor, float]:
+    """SBC's decoder without its dense output: the kept positions and the one float32 value they
+    share, after the same checks as ``SBC.decode`` (envelope, field types, ``nnz``, a finite
+    float32 mean, a well-formed position stream)."""
+    codec.check_envelope(enc, spec)
+    name, payload = spec.name, enc.payload
+    expect_payload(payload, SBCPayload, name)
+    assert isinstance(payload, SBCPayload)
+    nnz, b, mean, bits = payload.nnz, payload.golomb_b, payload.mean, payload.bits
+    if not (
+        isinstance(nnz, int)
+        and isinstance(b, int)
+        and isinstance(mean, int | float)
+        and isinstance(bits, bytes | bytearray)
+    ):
+        raise PayloadError(name, "SBC payload fields have the wrong types")
+    if nnz > spec.numel:
+        raise PayloadError(name, f"nnz {nnz} exceeds the tensor's {spec.numel} elements")
+    mean = float(mean)
+    try:  # float32 rounding; packing raises OverflowError past float32's range
+        mean32 = struct.unpack("<f", struct.pack("<f", mean))[0] if math.isfinite(mean) else mean
+    except OverflowError:
+        mean32 = math.inf
+    if not math.isfinite(mean32):
+        raise PayloadError(name, f"mean {mean!r} is not a finite float32")
+    return decode_positions(bits, nnz, b, spec.numel, name, "cpu"), float(mean32)
+
+
+def _well_formed(msg: Message, check: Callable[[RecordDict], None]) -> bool:
+    """Whether ``msg`` is a content reply whose records pass ``check`` (the structure checks)."""
+    if msg.has_error() or not msg.has_content():
+        return False
+    try:
+        check(msg.content)
+    except PayloadError:
+        return False
+    return True
+
+
+def _shape_differs(msg: Message, shape: tuple[str, tuple[tuple[str, int], ...]]) -> str:
+    """Why a reply whose MetricRecord shape is not the round's ``shape`` is rejected."""
+    got_name, got_keys = _metric_shape(msg)
+    name, keys = shape
+    return (
+        f"MetricRecord {got_name!r} {_describe(got_keys)} differs from the round's "
+        f"other replies ({name!r} {_describe(keys)})"
+    )
+
+
 def _metric_shape(msg: Message) -> tuple[str, tuple[tuple[str, int], ...]]:
     """A reply's MetricRecord name and its keys with their list lengths (-1: a number)."""
     name, rec = next(iter(msg.content.metric_records.items()))
@@ -543,6 +828,16 @@ def _distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 def _overrides(method: UplinkMethod, hook: str) -> bool:
     """Whether ``method`` has its own ``hook`` (skips converting the aggregate when not)."""
     return getattr(type(method), hook) is not getattr(UplinkMethod, hook)
+
+
+def streams_weighted_mean(strategy: Strategy) -> bool:
+    """Whether the wrapper may sum ``strategy``'s train replies as they are decoded: its
+    ``aggregate_train`` is FedAvg's (FedAvg, FedProx, FedOpt) or that of FedAvgM, FedAdam, FedYogi
+    or FedAdagrad, which take FedAvg's weighted mean and then a server step on it alone. A
+    subclass with its own ``aggregate_train``, and any other strategy (FedMedian, Krum,
+    FedTrimmedAvg, Bulyan, the differential-privacy wrappers), gets every reply materialised."""
+    agg = type(strategy).aggregate_train
+    return any(agg is cls.aggregate_train for cls in _MEAN_FIRST) and hasattr(strategy, "train_metrics_aggr_fn")
 
 
 def aggregates_by_weighted_mean(strategy: Strategy) -> bool:
