@@ -3,7 +3,7 @@ import torch
 
 from fedcomp.codecs import DenseFP16, DenseFP32, Identity, TensorSpec
 from fedcomp.errors import PayloadError
-from fedcomp.methods.feedback import ErrorFeedback
+from fedcomp.methods.feedback import ErrorFeedback, StaleResidual
 from fedcomp.methods.update import UpdateEncoder, decode_update, specs_of
 from fedcomp.wire.serde import update_from_bytes, update_to_bytes
 
@@ -62,3 +62,64 @@ def test_decode_update_rejects_wrong_structure():
         decode_update(upd, specs[::-1], [Identity()])
     with pytest.raises(PayloadError, match="not accepted"):
         decode_update(upd, specs, [DenseFP32()])
+
+
+def _sent_with_residual(stale: StaleResidual | None, age: int, fresh: torch.Tensor, residual: torch.Tensor):
+    """What a lossless codec sends for ``fresh`` when ``residual`` waited ``age`` rounds."""
+    fb = ErrorFeedback(Identity(), stale=stale)
+    fb.load_state_dict({"w": residual})
+    fb.age = age
+    enc = fb.encode(fresh, "w")
+    return Identity().decode(enc, TensorSpec("w", tuple(fresh.shape)))
+
+
+def test_stale_residual_decays_per_round_of_waiting_beyond_the_first():
+    gen = torch.Generator().manual_seed(3)
+    fresh, residual = torch.randn(100, generator=gen), torch.randn(100, generator=gen)
+    policy = StaleResidual(decay=0.5)
+    # A client that sends every round (age 1) keeps its whole residual; one away 3 rounds, a quarter.
+    torch.testing.assert_close(_sent_with_residual(policy, 1, fresh, residual), fresh + residual)
+    torch.testing.assert_close(_sent_with_residual(policy, 3, fresh, residual), fresh + 0.25 * residual)
+    # The default policy (and none) is the classic rule, whatever the age.
+    for off in (StaleResidual(), None):
+        torch.testing.assert_close(_sent_with_residual(off, 10, fresh, residual), fresh + residual)
+
+
+def test_stale_residual_clip_bounds_its_norm_against_the_fresh_update():
+    gen = torch.Generator().manual_seed(4)
+    fresh = torch.randn(100, generator=gen)
+    big = 10 * fresh.norm() * torch.nn.functional.normalize(torch.randn(100, generator=gen), dim=0)
+    sent = _sent_with_residual(StaleResidual(clip=2.0), 5, fresh, big)
+    kept = sent - fresh
+    assert float(kept.norm()) == pytest.approx(2.0 * float(fresh.norm()), rel=1e-5)
+    assert float(torch.nn.functional.cosine_similarity(kept, big, dim=0)) == pytest.approx(1.0, abs=1e-6)
+    small = 0.5 * big / 10  # within the bound: untouched
+    torch.testing.assert_close(_sent_with_residual(StaleResidual(clip=2.0), 5, fresh, small), fresh + small)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"decay": 0.0}, "stale-residual-decay: 0.0 is outside"),
+        ({"decay": 1.5}, "stale-residual-decay: 1.5 is outside"),
+        ({"clip": -1.0}, "stale-residual-clip: -1.0"),
+        ({"clip": float("nan")}, "stale-residual-clip: nan"),
+    ],
+)
+def test_stale_residual_rejects_bad_settings(kwargs: dict[str, float], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        StaleResidual(**kwargs)
+
+
+def test_stale_residual_age_is_at_least_one_and_keys_are_validated():
+    with pytest.raises(ValueError, match="age is at least 1"):
+        StaleResidual(decay=0.9).apply(torch.ones(2), torch.ones(2), 0)
+    from fedcomp.errors import ConfigError
+    from fedcomp.methods.config import CompressionConfig
+
+    cfg = CompressionConfig.from_run_config({"stale-residual-decay": 0.8, "stale-residual-clip": 1.5})
+    assert (cfg.stale_residual_decay, cfg.stale_residual_clip) == (0.8, 1.5)
+    with pytest.raises(ConfigError, match="stale-residual-decay"):
+        CompressionConfig.from_run_config({"stale-residual-decay": 0})
+    with pytest.raises(ConfigError, match="stale-residual-clip"):
+        CompressionConfig.from_run_config({"stale-residual-clip": -1})

@@ -4,16 +4,62 @@ SBC and 3LC are biased compressors: what one round drops must be sent later or t
 ``ErrorFeedback`` wraps any codec and keeps, per tensor name, what the decoded message lacked:
 compensate (add the residual) -> compress -> update memory (residual = input - reconstruction).
 Residuals live on the device of the tensors they belong to.
+
+Stale residuals: with partial participation a client's residual waits for its next turn (about
+10 rounds when 10 of 100 clients train per round) while the model moves on. :class:`StaleResidual`
+optionally shrinks such a residual before it is added back: a decay ``gamma ** (age - 1)``
+(``age`` = rounds since the client last sent, so a client that sends every round keeps its
+residual whole) and/or a clip of its norm to ``clip`` times the fresh update's, per tensor. Both
+depart from plain error feedback (Seide et al. 2014; SBC, 3LC): what they remove is never sent,
+so ``sum(sent) + residual == sum(inputs)`` no longer holds. Off by default: see
+docs/compression_gap.md for the measurement.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
 from fedcomp.codecs.base import Codec
 from fedcomp.wire.payloads import EncodedTensor
+
+
+@dataclass(frozen=True)
+class StaleResidual:
+    """How a residual that waited is shrunk before use (run-config keys ``stale-residual-decay``
+    and ``stale-residual-clip``); the defaults change nothing."""
+
+    #: Factor per round of waiting beyond the first, in (0, 1]; 1 = no decay.
+    decay: float = 1.0
+    #: Largest ||residual|| as a multiple of ||fresh update||, per tensor; 0 = no clip.
+    clip: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (0.0 < self.decay <= 1.0):
+            raise ValueError(f"stale-residual-decay: {self.decay} is outside (0, 1]")
+        if not (self.clip >= 0.0 and math.isfinite(self.clip)):
+            raise ValueError(f"stale-residual-clip: {self.clip} is not a finite number >= 0")
+
+    @property
+    def active(self) -> bool:
+        return self.decay < 1.0 or self.clip > 0.0
+
+    def apply(self, residual: torch.Tensor, fresh: torch.Tensor, age: int) -> torch.Tensor:
+        """``residual`` as it should be added to ``fresh`` after waiting ``age`` rounds (>= 1)."""
+        if age < 1:
+            raise ValueError(f"a residual's age is at least 1 round, got {age}")
+        out = residual
+        if self.decay < 1.0 and age > 1:
+            out = out * self.decay ** (age - 1)
+        if self.clip > 0.0:
+            bound = self.clip * float(fresh.norm())
+            norm = float(out.norm())
+            if norm > bound:
+                out = out * (bound / norm) if norm > 0 else out
+        return out
 
 
 class ErrorFeedback:
@@ -24,9 +70,13 @@ class ErrorFeedback:
     losing the residuals.
     """
 
-    def __init__(self, codec: Codec) -> None:
+    def __init__(self, codec: Codec, stale: StaleResidual | None = None) -> None:
         self.codec = codec
         self._residuals: dict[str, torch.Tensor] = {}
+        #: The stale-residual remedy (None: residuals are added back whole, the classic rule).
+        self.stale = stale
+        #: Rounds since this client last sent (set by the caller each round; 1 = every round).
+        self.age = 1
 
     def encode(self, tensor: torch.Tensor, name: str, codec: Codec | None = None) -> EncodedTensor:
         """Compress ``tensor`` plus its residual with ``codec`` (default: ``self.codec``); the
@@ -46,7 +96,10 @@ class ErrorFeedback:
                 raise ValueError(
                     f"residual for {name!r} has shape {list(residual.shape)}, tensor has {list(acc.shape)}"
                 )
-            acc = acc + residual.to(acc.device)
+            residual = residual.to(acc.device)
+            if self.stale is not None and self.stale.active:
+                residual = self.stale.apply(residual, acc, self.age)
+            acc = acc + residual
         enc, recon = codec.encode_with_reconstruction(acc, name)
         recon = recon.to(torch.float32)
         self._residuals[name] = acc - recon
