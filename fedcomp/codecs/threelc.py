@@ -35,8 +35,15 @@ the data must be exactly ``ceil(n / 5)`` bytes (without zero runs; bytes above 2
 rejected) or expand to exactly that many (with zero runs; the expanded length is computed from
 the compressed bytes first). Anything else is a :class:`PayloadError` naming the tensor.
 
-Everything is vectorized torch (no Python loop over elements or bytes) and runs unchanged on
-CPU and CUDA. The hot paths (quantize + pack + reconstruction on encode, unpack + scale on
+On CPU the hot paths run in NumPy and quantize without dividing: correctly rounded division is
+monotone, so ``round(x / m) == 1`` exactly when ``x >= t`` for one float32 threshold ``t``
+(:func:`round_threshold`, found next to ``m / 2``), and -1 exactly when ``x <= -t``; two
+compares per value then give the same bytes and reconstruction as the division, bit for bit
+(tested against the torch path on CPU). Packing accumulates the digits in uint8, and decoding
+takes the digits off each byte by division by 3. Neither allocates more than a few bytes per
+group of a chunk beyond its output.
+
+On other devices everything is vectorized torch (no Python loop over elements or bytes). The hot paths (quantize + pack + reconstruction on encode, unpack + scale on
 decode) walk the tensor in chunks of groups, handling the five parts of a chunk together as a
 (5, width) float32 buffer that stays in cache; so the input is read twice on encode (max|T|,
 then quantize), the float32 reconstruction or output is written once, and no temporary of the
@@ -55,9 +62,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedcomp.codecs.base import Codec, TensorSpec, expect_payload
+from fedcomp.codecs.base import Codec, TensorSpec, check_wire_dtype, expect_payload
 from fedcomp.errors import ConfigError, PayloadError
-from fedcomp.wire.payloads import Payload, ThreeLCPayload
+from fedcomp.wire.payloads import EncodedTensor, Payload, ThreeLCPayload
 
 #: Weights of the five parts in one byte.
 WEIGHTS = (81, 27, 9, 3, 1)
@@ -72,13 +79,22 @@ _WEIGHTS_F32 = torch.tensor(WEIGHTS, dtype=torch.float32)
 _LAST_PIECE = torch.tensor([0, ZERO_GROUP] + [RUN_BASE + r - 2 for r in range(2, MAX_RUN + 1)], dtype=torch.uint8)
 
 _F32_MAX = float(torch.finfo(torch.float32).max)
-# Groups per chunk on CPU: five float segments of this many values stay in cache.
-_CPU_CHUNK = 1 << 17
+# Groups per chunk on CPU: the five parts' slices of this many values stay in cache.
+_CPU_CHUNK = 1 << 15
 _DEV_CHUNK = 1 << 22
+# The torch path's buffers are ~44 bytes per group of a chunk: a chunk of a tensor is at most a
+# quarter of its groups (unless that is below this floor), so decoding allocates at most about
+# half the tensor's own size beyond its output, whatever _DEV_CHUNK is.
+_MIN_WIDTH = 1 << 12
 
 
 def _chunk(device: torch.device) -> int:
     return _CPU_CHUNK if device.type == "cpu" else _DEV_CHUNK
+
+
+def _width(g: int, device: torch.device) -> int:
+    """Groups per chunk for a tensor of ``g`` groups: the device's chunk, capped by the tensor."""
+    return max(1, min(_chunk(device), g, max(-(-g // 4), _MIN_WIDTH)))
 
 
 def groups(numel: int) -> int:
@@ -180,7 +196,7 @@ def _quantize_pack(flat: torch.Tensor, m: float) -> tuple[torch.Tensor, torch.Te
     packed = torch.empty(g, dtype=torch.uint8, device=dev)
     m_t = torch.tensor(m, dtype=torch.float32, device=dev)
     w_t = _WEIGHTS_F32.to(dev)
-    width_max = min(_chunk(dev), g)
+    width_max = _width(g, dev)
     fbuf = torch.empty(5 * width_max, dtype=torch.float32, device=dev)
     acc_buf = torch.empty(width_max, dtype=torch.float32, device=dev)
     i8_buf = torch.empty(width_max, dtype=torch.int8, device=dev)
@@ -224,6 +240,17 @@ def _zero_packed(n: int, device: torch.device) -> torch.Tensor:
 
 
 def _unpack_scale(packed: torch.Tensor, numel: int, scale: float, device: torch.device) -> torch.Tensor:
+    """Fused ``scale * unpack_base243(packed, numel)`` as float32: NumPy on CPU, torch elsewhere
+    (the same values, bit for bit; bytes must be <= 242, checked by the caller)."""
+    if device.type == "cpu":
+        out = torch.empty(numel, dtype=torch.float32)
+        if numel:
+            _unpack_scale_cpu(packed.reshape(-1).cpu().numpy(), scale, out.numpy())
+        return out
+    return _unpack_scale_torch(packed, numel, scale, device)
+
+
+def _unpack_scale_torch(packed: torch.Tensor, numel: int, scale: float, device: torch.device) -> torch.Tensor:
     """Fused ``scale * unpack_base243(packed, numel)`` as float32, in chunks of groups.
 
     With ``F_k = floor(byte / w_k)`` (exact in float32 for bytes <= 255), the digits are
@@ -237,7 +264,7 @@ def _unpack_scale(packed: torch.Tensor, numel: int, scale: float, device: torch.
     packed = packed.to(device)
     s_t = torch.tensor(scale, dtype=torch.float32, device=device)
     w_col = _WEIGHTS_F32.to(device).view(5, 1)
-    width_max = min(_chunk(device), g)
+    width_max = _width(g, device)
     b_buf = torch.empty(width_max, dtype=torch.float32, device=device)
     f_buf = torch.empty(5 * width_max, dtype=torch.float32, device=device)
     q_buf = torch.empty(5 * width_max, dtype=torch.float32, device=device)
@@ -261,6 +288,114 @@ def _unpack_scale(packed: torch.Tensor, numel: int, scale: float, device: torch.
             if part:
                 torch.mul(q[full, :part], s_t, out=out[lo : lo + part])
     return out
+
+
+# --- the CPU path: NumPy, compares instead of divisions -------------------------------------------
+
+
+def round_threshold(m: float) -> np.float32 | None:
+    """The least float32 ``t > 0`` with ``round(float32(t / m)) == 1`` (true float32 division,
+    round half to even), for ``m > 0``; None if not found within a few steps (never for a
+    normal ``m``).
+
+    Correctly rounded division is monotone in the dividend and odd in it, and ``|x / m| <= 1``
+    for every input (``m >= max|x|``), so for every float32 ``x`` of the tensor,
+    ``round(x / m)`` is 1 iff ``x >= t``, -1 iff ``x <= -t``, else 0: the quantization becomes
+    two compares, bit for bit the division's result. ``t`` starts at ``m / 2`` (exact for normal
+    ``m``) and is walked one float32 step at a time to the boundary.
+    """
+    m32 = np.float32(m)
+    half = np.float32(0.5)
+    t = np.float32(m32 * half)
+    with np.errstate(all="ignore"):
+        for _ in range(64):
+            if t / m32 > half:  # inside: step down while the step below is still inside
+                down = np.nextafter(t, np.float32(0.0))
+                if not down / m32 > half:
+                    return t if t > 0 else None
+                t = down
+            else:
+                t = np.nextafter(t, np.float32(np.inf))
+    return None
+
+
+def _quantize_pack_cpu(a: np.ndarray, t: np.float32, m: float, recon: np.ndarray | None) -> np.ndarray:
+    """``pack_base243(quantize(a))`` for float32 ``a`` (n > 0) by compares against the threshold
+    ``t`` of :func:`round_threshold`; fills ``recon`` (float32, n) with ``m * q`` when given.
+
+    Works on chunks of ``_CPU_CHUNK`` groups. Per part ``k``, ``ge = a >= t`` and
+    ``le = a <= -t`` (0/1 bytes) give ``q = ge - le``; the byte is the base-3 Horner sum of the
+    digits ``q + 1``, accumulated in uint8 as ``sum w_k (ge_k - le_k)`` (wrapping mod 256 on the
+    way) plus 121 at the end: exact, since the true value is in 0..242. Padding (digit 0) counts
+    as ``le = 1``.
+    """
+    n = a.shape[0]
+    g = groups(n)
+    packed = np.empty(g, dtype=np.uint8)
+    width_max = max(1, min(_CPU_CHUNK, g))
+    ge = np.empty(width_max, dtype=np.bool_)
+    le = np.empty(width_max, dtype=np.bool_)
+    q8 = np.empty(width_max, dtype=np.int8)
+    neg_t = -t
+    m32 = np.float32(m)
+    for a0 in range(0, g, width_max):
+        width = min(width_max, g - a0)
+        acc = packed[a0 : a0 + width]
+        for k in range(5):
+            lo = k * g + a0
+            part = max(0, min(width, n - lo))  # values of part k in this chunk; the rest is padding
+            gek, lek = ge[:width], le[:width]
+            if part:
+                np.greater_equal(a[lo : lo + part], t, out=gek[:part])
+                np.less_equal(a[lo : lo + part], neg_t, out=lek[:part])
+            if part < width:
+                gek[part:] = False
+                lek[part:] = True
+            if k == 0:
+                np.subtract(gek.view(np.uint8), lek.view(np.uint8), out=acc)
+            else:
+                np.multiply(acc, 3, out=acc)
+                np.add(acc, gek.view(np.uint8), out=acc)
+                np.subtract(acc, lek.view(np.uint8), out=acc)
+            if recon is not None and part:
+                q = q8[:part]
+                np.subtract(gek[:part].view(np.int8), lek[:part].view(np.int8), out=q)
+                np.multiply(q, m32, out=recon[lo : lo + part])
+        np.add(acc, ZERO_GROUP, out=acc)
+    return packed
+
+
+def _unpack_scale_cpu(packed: np.ndarray, scale: float, out: np.ndarray) -> None:
+    """``out = scale * unpack_base243(packed, out.size)`` in float32 (bytes <= 242), in chunks.
+
+    The digits come off each byte by division by 3 (last part first); ``q = digit - 1`` is
+    widened to float32 and multiplied by ``float32(scale)``: the same float32 products as the
+    torch path (``-1 * 0.0`` is ``-0.0`` there too).
+    """
+    n = out.shape[0]
+    g = groups(n)
+    with np.errstate(over="ignore"):
+        s32 = np.float32(scale)
+    width_max = max(1, min(_CPU_CHUNK, g))
+    rest = np.empty(width_max, dtype=np.uint8)
+    quot = np.empty(width_max, dtype=np.uint8)
+    dig = np.empty(width_max, dtype=np.uint8)
+    for a0 in range(0, g, width_max):
+        width = min(width_max, g - a0)
+        r, qt, d = rest[:width], quot[:width], dig[:width]
+        np.copyto(r, packed[a0 : a0 + width])
+        for k in range(4, -1, -1):
+            np.floor_divide(r, 3, out=qt)
+            lo = k * g + a0
+            part = max(0, min(width, n - lo))
+            if part:
+                np.multiply(qt[:part], 3, out=d[:part])
+                np.subtract(r[:part], d[:part], out=d[:part])
+                np.subtract(d[:part], 1, out=d[:part])  # digit - 1, wrapping: int8 -1, 0, 1
+                dst = out[lo : lo + part]
+                np.copyto(dst, d[:part].view(np.int8), casting="unsafe")
+                np.multiply(dst, s32, out=dst)
+            r, qt = qt, r
 
 
 # --- zero-run encoding ----------------------------------------------------------------------------
@@ -361,12 +496,29 @@ class ThreeLC(Codec):
     def _params(self) -> dict[str, Any]:
         return {"s": self.s, "zero_run": self.zero_run}
 
+    def encode(self, tensor: torch.Tensor, name: str = "") -> EncodedTensor:
+        """:meth:`Codec.encode` without the float32 reconstruction (only error feedback needs it)."""
+        check_wire_dtype(tensor, name)
+        payload, _ = self._payload(self._flatten(tensor), name, want_recon=False)
+        return self._envelope(tensor, name, payload)
+
     def _encode(self, flat: torch.Tensor, name: str) -> tuple[Payload, torch.Tensor | None]:
+        return self._payload(flat, name, want_recon=True)
+
+    def _payload(self, flat: torch.Tensor, name: str, want_recon: bool) -> tuple[ThreeLCPayload, torch.Tensor | None]:
         n = flat.numel()
         m = scale_for(max_abs(flat, name), self.s)
+        recon: torch.Tensor | None = None
+        t = round_threshold(m) if m > 0.0 and flat.device.type == "cpu" else None
         if m == 0.0:
             packed = _zero_packed(n, flat.device)
-            recon = torch.zeros(n, dtype=torch.float32, device=flat.device)
+            if want_recon:
+                recon = torch.zeros(n, dtype=torch.float32, device=flat.device)
+        elif t is not None:
+            if want_recon:
+                recon = torch.empty(n, dtype=torch.float32)
+            a = flat.contiguous().numpy()
+            packed = torch.from_numpy(_quantize_pack_cpu(a, t, m, None if recon is None else recon.numpy()))
         else:
             packed, recon = _quantize_pack(flat, m)
         if self.zero_run:

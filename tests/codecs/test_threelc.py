@@ -498,3 +498,57 @@ def test_fuzz_mutated_payloads(zero_run, edits, cut):
             assert out.shape == spec.shape
             assert set(out.unique().tolist()) <= {-enc.payload.scale, 0.0, enc.payload.scale}
     assert made.largest <= 5 * groups(spec.numel)  # the (5, groups) digit buffer at most
+
+
+# --- the CPU (NumPy, compare-based) path against the torch (division-based) path ---------------
+
+
+@pytest.mark.parametrize("chunk", [3, 1 << 15])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(x=sparse_tensors(), s=S_VALUES)
+def test_cpu_path_equals_the_torch_path(chunk, x, s):
+    """The CPU encoder quantizes by two compares against round_threshold(m) instead of dividing:
+    its bytes and reconstruction must equal the torch path's (the one CUDA runs) on every input,
+    ties, subnormals and float32-max scales included; so must the CPU decoder's values."""
+    x = x.reshape(-1)
+    m = threelc.scale_for(threelc.max_abs(x), s)
+    if x.numel() == 0 or m == 0.0:
+        return
+    old = threelc._CPU_CHUNK
+    threelc._CPU_CHUNK = chunk
+    try:
+        t = threelc.round_threshold(m)
+        assert t is not None
+        recon = np.empty(x.numel(), dtype=np.float32)
+        packed = threelc._quantize_pack_cpu(x.numpy(), t, m, recon)
+        want_packed, want_recon = threelc._quantize_pack(x, m)  # the torch path, here on CPU
+        assert packed.tobytes() == want_packed.numpy().tobytes()
+        assert recon.tobytes() == want_recon.numpy().tobytes()  # bits: -0.0 and 0.0 differ
+        for scale in (m, 0.0):
+            out = np.empty(x.numel(), dtype=np.float32)
+            threelc._unpack_scale_cpu(packed, scale, out)
+            want = threelc._unpack_scale_torch(torch.from_numpy(packed), x.numel(), scale, torch.device("cpu"))
+            assert out.tobytes() == want.numpy().tobytes()
+    finally:
+        threelc._CPU_CHUNK = old
+
+
+@pytest.mark.parametrize("m", [1.0, 3.0, 1e-30, 1.4e-45, 2.8e-45, 7e-45, 1e-40, F32_MAX, 0.1, 1.0000001])
+def test_round_threshold_is_the_division_boundary(m):
+    """Every float32 at or above t rounds to 1 after float32 division by m, the one below it not."""
+    m32 = np.float32(m)
+    t = threelc.round_threshold(float(m32))
+    assert t is not None and t > 0
+    below = np.nextafter(t, np.float32(0))
+    got = torch.round(torch.tensor([t, below, -t, -below], dtype=torch.float32) / torch.tensor(m32)).tolist()
+    assert got == [1.0, 0.0, -1.0, 0.0]
+
+
+def test_decode_buffers_are_sized_by_the_tensor():
+    """The torch path's chunk buffers (~44 bytes a group) are capped by the tensor: a small
+    tensor's decode allocates about half its own size beyond the output, not _DEV_CHUNK's."""
+    for g in (1, 100, 5000, 100_000, 10**7):
+        w = threelc._width(g, torch.device("meta"))
+        assert 1 <= w <= g and w <= threelc._DEV_CHUNK
+        assert 44 * w <= max(11 * g, 44 * threelc._MIN_WIDTH)  # 44 w bytes vs the tensor's 20 g bytes
+    assert threelc._width(10**8, torch.device("meta")) == threelc._DEV_CHUNK
