@@ -64,6 +64,8 @@ class CompressionConfig(BaseModel):
     downlink_passes: int = Field(1, ge=1, le=8, alias="downlink-passes")
     #: Stop the passes once ||W - R|| / ||W - W_prev|| is at most this; 0 = always all passes.
     replica_lag_max: float = Field(0.0, ge=0, alias="replica-lag-max")
+    #: "auto" downlink: the downlinks it chooses among each round (METHOD or METHOD*PASSES).
+    downlink_candidates: str = Field("3lc,3lc*2,sparse-fp16,sparse-fp32,dense-fp32", alias="downlink-candidates")
     #: A train reply's example count (the inner strategy's weight) must lie in (0, this]; one
     #: client claiming 1e15 examples would otherwise own the average.
     max_num_examples: int = Field(1_000_000_000, ge=1, alias="max-num-examples")
@@ -126,6 +128,17 @@ class CompressionConfig(BaseModel):
 
         if v not in DOWNLINKS:
             raise ValueError(f"unknown downlink method (known: {sorted(DOWNLINKS)})")
+        return v
+
+    @field_validator("downlink_candidates")
+    @classmethod
+    def _candidates(cls, v: str) -> str:
+        from fedcomp.methods.sparse_downlinks import parse_candidates
+
+        try:
+            parse_candidates(v)
+        except ConfigError as err:
+            raise ValueError(str(err).removeprefix("downlink-candidates: ")) from None
         return v
 
     @field_validator("sbc_p", "threelc_s", "local_iters", "topk_density", mode="before")

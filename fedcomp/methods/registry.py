@@ -15,6 +15,7 @@ from fedcomp.methods.deft_uplink import DeftUplink
 from fedcomp.methods.downlinks import DenseFP16Downlink, DenseFP32Downlink, IdentityDownlink, ThreeLCDownlink
 from fedcomp.methods.gradiveq_uplink import GradiVeQUplink
 from fedcomp.methods.plain import DenseFP16Uplink, DenseFP32Uplink, IdentityUplink, SBCUplink, TopKUplink
+from fedcomp.methods.sparse_downlinks import AutoDownlink, SparseFP16Downlink, SparseFP32Downlink
 from fedcomp.methods.stc import STCUplink
 
 __all__ = ["DOWNLINKS", "UPLINKS", "get_downlink", "get_uplink", "register_downlink", "register_uplink"]
@@ -34,7 +35,16 @@ UPLINKS: dict[str, type[UplinkMethod]] = {
 }
 
 DOWNLINKS: dict[str, type[DownlinkMethod]] = {
-    m.method_id: m for m in (ThreeLCDownlink, DenseFP32Downlink, DenseFP16Downlink, IdentityDownlink)
+    m.method_id: m
+    for m in (
+        ThreeLCDownlink,
+        DenseFP32Downlink,
+        DenseFP16Downlink,
+        IdentityDownlink,
+        SparseFP32Downlink,
+        SparseFP16Downlink,
+        AutoDownlink,
+    )
 }
 
 

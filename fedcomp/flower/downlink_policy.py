@@ -1,0 +1,153 @@
+"""The "auto" downlink: each round, the smallest candidate downlink that keeps the replica close.
+
+The aggregate of sparse uplinks is spiky, and how well a downlink codec delivers it varies from
+round to round: in one round 3LC delivers most of ``W - R``, in the next its max-based scale rounds
+most of it to zero and the replica ``R`` that clients train from falls behind (issue 12,
+docs/compression_gap.md). So the server tries every candidate (``downlink-candidates``, e.g.
+``3lc,3lc*2,sparse-fp16,sparse-fp32,dense-fp32``) on a scratch copy of the replica, measures the
+bytes it would send and the replica lag it would leave, ``||W - R_after|| / ||W - W_prev||``, and
+commits the smallest candidate whose lag is at most ``replica-lag-max`` through the replica's
+normal :meth:`~fedcomp.flower.replica.ServerReplica.advance`; if none meets the bound, the one
+with the least lag (ties: fewer bytes, then the earlier candidate). Trials never touch the replica
+itself, so a client's replica is built only from what was sent.
+
+The cost is one encode and decode per candidate pass per round on the server (measured in the
+round's ``fedcomp.server-codec-seconds``) and, transiently, one copy of the replica.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from fedcomp.codecs import get_codec
+from fedcomp.flower.replica import ServerReplica
+from fedcomp.methods.base import DownlinkMethod
+from fedcomp.methods.config import CompressionConfig
+from fedcomp.methods.registry import get_downlink
+
+__all__ = ["Trial", "advance_by_policy", "candidates_of", "choose", "distance", "try_candidate"]
+
+log = logging.getLogger("flwr").getChild("fedcomp")
+
+Tensors = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Trial:
+    """What one candidate would do this round: bytes every up-to-date client would get, the
+    passes it made, the distance ``||W - R||`` it leaves and that as a lag."""
+
+    method: type[DownlinkMethod]
+    max_passes: int
+    passes: int
+    nbytes: int
+    after: float
+    lag: float
+
+    @property
+    def name(self) -> str:
+        return self.method.method_id + (f"*{self.max_passes}" if self.max_passes > 1 else "")
+
+
+def distance(a: Tensors, b: Tensors) -> float:
+    """L2 norm of ``a - b`` over every tensor (float64 accumulation)."""
+    return float(sum(float((a[k].double() - b[k].double()).pow(2).sum()) for k in a)) ** 0.5
+
+
+def lag_of(after: float, moved: float) -> float:
+    """``after / moved``; when the model did not move, 0 if the replica is exact, else infinite."""
+    if moved > 0:
+        return after / moved
+    return 0.0 if after == 0.0 else math.inf
+
+
+def _passes(
+    replica: ServerReplica,
+    target: Tensors,
+    method: type[DownlinkMethod],
+    max_passes: int,
+    moved: float,
+    lag_max: float,
+    config: CompressionConfig,
+    server_round: int,
+) -> tuple[int, int, float]:
+    """Advance ``replica`` by up to ``max_passes`` deltas of ``method``'s codec, stopping once the
+    replica is exact or its lag is at most ``lag_max`` (the rule of ``downlink-passes``).
+    Returns (passes, bytes, ||W - R|| after)."""
+    codec = get_codec(method.codec_config(config, server_round))
+    nbytes, passes, after = 0, 0, distance(target, replica.tensors)
+    for _ in range(max_passes):
+        nbytes += len(replica.advance(target, codec))
+        passes += 1
+        after = distance(target, replica.tensors)
+        if after == 0.0 or (moved > 0 and after / moved <= lag_max):
+            break
+    return passes, nbytes, after
+
+
+def try_candidate(
+    replica: ServerReplica,
+    target: Tensors,
+    method: type[DownlinkMethod],
+    max_passes: int,
+    moved: float,
+    config: CompressionConfig,
+    server_round: int,
+) -> Trial:
+    """What ``method`` (up to ``max_passes`` passes) would send and leave, measured on a scratch
+    copy of ``replica``; ``replica`` itself is not changed."""
+    scratch = copy.deepcopy(replica)
+    passes, nbytes, after = _passes(
+        scratch, target, method, max_passes, moved, config.replica_lag_max, config, server_round
+    )
+    return Trial(method, max_passes, passes, nbytes, after, lag_of(after, moved))
+
+
+def choose(trials: list[Trial], lag_max: float) -> Trial:
+    """The smallest trial with lag at most ``lag_max`` (ties: the earlier); if there is none, the
+    one with the least lag (ties: fewer bytes, then the earlier)."""
+    if not trials:
+        raise ValueError("choose: no candidates")
+    meeting = [t for t in trials if t.lag <= lag_max]
+    if meeting:
+        return min(meeting, key=lambda t: t.nbytes)  # min keeps the first of equals
+    return min(trials, key=lambda t: (t.lag, t.nbytes))
+
+
+def candidates_of(config: CompressionConfig) -> list[tuple[type[DownlinkMethod], int]] | None:
+    """The candidates when ``config``'s downlink method is a policy (it has ``candidates``), else None."""
+    method = get_downlink(config.downlink_codec)
+    candidates = getattr(method, "candidates", None)
+    return None if candidates is None else list(candidates(config))
+
+
+def advance_by_policy(
+    replica: ServerReplica,
+    target: Tensors,
+    moved: float,
+    config: CompressionConfig,
+    server_round: int,
+    candidates: list[tuple[type[DownlinkMethod], int]],
+) -> Trial:
+    """Try every candidate on a scratch copy, then advance ``replica`` with the chosen one (its
+    deltas are what clients get). Returns the chosen trial, as committed."""
+    trials = [try_candidate(replica, target, m, n, moved, config, server_round) for m, n in candidates]
+    best = choose(trials, config.replica_lag_max)
+    passes, nbytes, after = _passes(
+        replica, target, best.method, best.max_passes, moved, config.replica_lag_max, config, server_round
+    )
+    done = Trial(best.method, best.max_passes, passes, nbytes, after, lag_of(after, moved))
+    log.info(
+        "fedcomp: round %s: downlink %s (%s B, lag %.3g); tried %s",
+        server_round,
+        done.name,
+        done.nbytes,
+        done.lag,
+        ", ".join(f"{t.name} {t.nbytes} B lag {t.lag:.3g}" for t in trials),
+    )
+    return done
