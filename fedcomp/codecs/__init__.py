@@ -7,6 +7,7 @@ from typing import Any
 from fedcomp.codecs.base import Codec, TensorSpec
 from fedcomp.codecs.dense import DenseFP16, DenseFP32, Identity
 from fedcomp.codecs.gradiveq import GradiVeQ
+from fedcomp.codecs.lattice import Lattice
 from fedcomp.codecs.sbc import SBC
 from fedcomp.codecs.sparse import Sparse
 from fedcomp.codecs.stc import STC
@@ -23,6 +24,7 @@ __all__ = [
     "DenseFP32",
     "GradiVeQ",
     "Identity",
+    "Lattice",
     "Sparse",
     "TensorSpec",
     "ThreeLC",
@@ -32,7 +34,7 @@ __all__ = [
 
 #: Every codec a config may name, by ``codec_id``.
 CODECS: dict[str, type[Codec]] = {
-    c.codec_id: c for c in (SBC, STC, ThreeLC, TopK, DenseFP32, DenseFP16, Identity, GradiVeQ, Sparse)
+    c.codec_id: c for c in (SBC, STC, ThreeLC, TopK, DenseFP32, DenseFP16, Identity, GradiVeQ, Lattice, Sparse)
 }
 
 

@@ -25,14 +25,14 @@ from flwr.app import ConfigRecord, Context, Error, Message, RecordDict
 from flwr.app.message_type import MessageType  # type: ignore[import-not-found]
 from flwr.clientapp.typing import ClientAppCallable, Mod  # type: ignore[import-not-found]
 
-from fedcomp.codecs import DenseFP32, TensorSpec, get_codec
+from fedcomp.codecs import Codec, DenseFP32, Lattice, TensorSpec, get_codec
 from fedcomp.errors import ConfigError, PayloadError
 from fedcomp.flower import protocol
 from fedcomp.flower.pending import PendingUpdate
 from fedcomp.flower.persist import ClientStore, store_for
 from fedcomp.flower.protocol import DownlinkHeader, DownlinkMode, ErrorCode, ReplicaMeta, UplinkReport
 from fedcomp.flower.records import digest, record_from_tensors, tensors_from_record
-from fedcomp.flower.replica import apply_delta
+from fedcomp.flower.replica import apply_delta, apply_lattice
 from fedcomp.methods.bandwidth import BandwidthBudget, Choice, ClientSituation, get_policy
 from fedcomp.methods.base import ClientRound, UplinkMethod
 from fedcomp.methods.registry import get_uplink
@@ -92,6 +92,8 @@ class ClientState:
                 self.version, self.replica = meta.version, replica
             else:
                 log.warning("fedcomp: stored replica fails its digest check; asking for a full resync")
+        #: The lattice grid the replica is on (None: none known; the next lattice payload sets it).
+        self.grid = protocol.lattice_grid_from(state.config_records.get(protocol.STATE_LATTICE))
         res = state.array_records.get(protocol.STATE_RESIDUAL)
         self.residual = tensors_from_record(res, device) if res is not None else {}
         #: A new update to keep until its outcome is known (written by :meth:`save`).
@@ -114,6 +116,10 @@ class ClientState:
         else:
             state[protocol.STATE_REPLICA] = record_from_tensors(self.replica)
             state[protocol.STATE_META] = ReplicaMeta(self.version, self.digest()).to_record()
+        if self.grid is not None and self.replica is not None:
+            state[protocol.STATE_LATTICE] = protocol.lattice_grid_record(self.grid)
+        elif protocol.STATE_LATTICE in state:
+            del state[protocol.STATE_LATTICE]
         state[protocol.STATE_RESIDUAL] = record_from_tensors(self.residual)
         if self.pending is not None:
             state[protocol.STATE_PENDING] = self.pending.to_record()
@@ -191,20 +197,15 @@ def _apply_downlink(st: ClientState, dl: DownlinkHeader, initial: Mapping[str, t
         else:
             specs = specs_of(st.replica)
         st.replica = decode_update(update, specs, [DenseFP32()], st.device)
+        st.grid = None  # the next lattice payload names the grid
     elif dl.mode is DownlinkMode.CHAIN:
         if st.replica is None or st.version is None:
             raise PayloadError("", "a delta chain was sent but this client holds no replica")
         codec = get_codec(dl.downlink_codec)
-        # The chain ends at the server's version, one delta per version. A client may already
-        # hold its first deltas: it applied them in a round whose reply carried no report (its
-        # app failed), so the server still counts it at the older version. Skip those.
-        skip = st.version - (dl.version - len(dl.payloads))
-        if not 0 <= skip <= len(dl.payloads):
-            raise PayloadError("", f"a chain to version {dl.version} cannot start from this client's {st.version}")
-        specs, v = specs_of(st.replica), st.version
-        for data in dl.payloads[skip:]:
-            apply_delta(st.replica, data, specs, codec, v)
-            v += 1
+        if isinstance(codec, Lattice):
+            _apply_lattice_chain(st, dl)
+        else:
+            _apply_chain(st, dl, codec)
     if st.replica is None:
         raise PayloadError("", "no replica after the downlink")
     st._digest = None  # the downlink changed the replica
@@ -212,6 +213,33 @@ def _apply_downlink(st: ClientState, dl: DownlinkHeader, initial: Mapping[str, t
     if got != dl.digest:
         raise PayloadError("", f"replica digest {got} after the downlink, the server has {dl.digest}")
     st.version = dl.version
+
+
+def _apply_lattice_chain(st: ClientState, dl: DownlinkHeader) -> None:
+    """A lattice downlink: one payload from this client's version to the server's (the exact
+    merge of the deltas it missed). A client already at that version applies nothing; one the
+    server counts at an older version than it holds cannot use the merge and resyncs."""
+    assert st.replica is not None and st.version is not None
+    if len(dl.payloads) != 1:
+        raise PayloadError("", f"a lattice downlink carries one payload, not {len(dl.payloads)}")
+    if st.version == dl.version:
+        return
+    st.grid = apply_lattice(st.replica, dl.payloads[0], specs_of(st.replica), st.grid, st.version)
+
+
+def _apply_chain(st: ClientState, dl: DownlinkHeader, codec: Codec) -> None:
+    """A chain of deltas, one per version, ending at the server's version."""
+    assert st.replica is not None and st.version is not None
+    # The chain ends at the server's version, one delta per version. A client may already
+    # hold its first deltas: it applied them in a round whose reply carried no report (its
+    # app failed), so the server still counts it at the older version. Skip those.
+    skip = st.version - (dl.version - len(dl.payloads))
+    if not 0 <= skip <= len(dl.payloads):
+        raise PayloadError("", f"a chain to version {dl.version} cannot start from this client's {st.version}")
+    specs, v = specs_of(st.replica), st.version
+    for data in dl.payloads[skip:]:
+        apply_delta(st.replica, data, specs, codec, v)
+        v += 1
 
 
 def _resync(msg: Message, reason: str) -> Message:

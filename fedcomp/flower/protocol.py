@@ -45,6 +45,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "SERVER_ROUND",
     "STATE_BANDWIDTH",
+    "STATE_LATTICE",
     "STATE_META",
     "STATE_PENDING",
     "STATE_REPLICA",
@@ -79,6 +80,9 @@ STATE_RESIDUAL = "fedcomp.residual"
 STATE_META = "fedcomp.meta"
 #: The update this client sent last, kept until the server says whether it was aggregated.
 STATE_PENDING = "fedcomp.pending"
+#: The lattice grid the client's replica is on (``downlink-codec = "lattice"``): tensor name ->
+#: exponent ``e`` of its step ``2**e``, adopted from the first lattice payload after a full replica.
+STATE_LATTICE = "fedcomp.lattice"
 #: The mod's own measurements for the bandwidth policy (seconds per local iteration).
 STATE_BANDWIDTH = "fedcomp.bandwidth"
 #: Train/evaluate config key: the run's identity across server restarts (a hex token). Clients
@@ -500,6 +504,18 @@ class ReplicaMeta:
     @classmethod
     def from_record(cls, rec: Mapping[str, Any]) -> ReplicaMeta:
         return cls(_get(rec, "version", int, "state"), _get(rec, "digest", str, "state"))
+
+
+def lattice_grid_from(rec: Mapping[str, Any] | None) -> dict[str, int] | None:
+    """The ``STATE_LATTICE`` record as tensor name -> exponent (None: absent or unreadable)."""
+    if rec is None:
+        return None
+    out = {k: v for k, v in rec.items() if isinstance(v, int) and not isinstance(v, bool)}
+    return out if len(out) == len(rec) else None
+
+
+def lattice_grid_record(grid: Mapping[str, int]) -> ConfigRecord:
+    return ConfigRecord(dict(grid))
 
 
 def measured_seconds_per_iter(state_record: Mapping[str, Any] | None) -> float:

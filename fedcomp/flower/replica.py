@@ -8,17 +8,36 @@ accumulation without a separate buffer. The same bytes go to every up-to-date cl
 A client that missed rounds gets the chain of deltas it lacks from a bounded log, or the whole
 replica (dense fp32) when that is smaller, when it is too far behind, or when its digest is
 wrong.
+
+**Lattice replica** (downlink codec ``lattice``, :mod:`fedcomp.codecs.lattice`; a departure from
+3LC, see docs/compression_gap.md): the replica is the model rounded to a per-tensor grid,
+``R = h * K`` with ``h = 2**e`` fixed at the first lattice advance and ``K`` integer (``|K| < 2**24``).
+Each round sends ``dK = round(W / h) - K``: no error accumulation is needed, as ``R`` is always the
+lattice point of ``W`` (at most ``h / 2`` off per entry, never accumulating). Because sums of such
+values are exact in float32, a client that missed rounds gets ONE payload, the integer sum of the
+logged ``dK`` since its version, bit-identical to applying the chain (its digest still checks).
+Applying a lattice delta first snaps the base to the grid (``h * round(R / h)``, the identity on
+a replica already on it), so the seeded initial model, which is not on the grid, stays
+digest-verifiable as version 0 on both sides.
+
+Server memory: the replica (one fp32 model), the delta log (at most ``max_log`` entries and at
+most one dense fp32 model of bytes), the cached full replica (one dense model) and the digests
+of the logged versions; the lattice adds only its exponents (one int per tensor): ``K`` is
+``R / h`` exactly and is never stored. Merged payloads are built on demand and not kept.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
-from fedcomp.codecs import Codec, DenseFP32, TensorSpec
-from fedcomp.errors import PayloadError
+from fedcomp.codecs import Codec, DenseFP32, Lattice, TensorSpec
+from fedcomp.codecs.lattice import E_MAX, E_MIN, K_LIMIT, lattice_exponent
+from fedcomp.errors import ConfigError, PayloadError
 from fedcomp.flower.records import digest
 from fedcomp.methods.update import UpdateEncoder, decode_update, specs_of
 from fedcomp.wire.serde import update_from_bytes, update_to_bytes
@@ -46,6 +65,10 @@ class ServerReplica:
     so the log's memory is bounded by one model's size whatever ``max_log`` is.
     """
 
+    # Class defaults, so that a replica pickled before the lattice existed still loads.
+    grid: dict[str, int] | None = None
+    _lattice_from: int | None = None
+
     def __init__(self, initial: dict[str, torch.Tensor], max_log: int, min_numel: int) -> None:
         self.tensors = {k: v.detach().to(torch.float32).clone() for k, v in initial.items()}
         self.specs = specs_of(self.tensors)
@@ -55,6 +78,10 @@ class ServerReplica:
         self._digests: dict[int, str] = {0: digest(self.tensors)}
         self._full: tuple[int, bytes] | None = None
         self._log_bytes_cap = 4 * sum(t.numel() for t in self.tensors.values())
+        #: Lattice: each tensor's grid exponent (fixed at the first lattice advance; None before),
+        #: and the first version lattice deltas start from (None while the last delta is not one).
+        self.grid: dict[str, int] | None = None
+        self._lattice_from: int | None = None
 
     @property
     def digest(self) -> str:
@@ -66,10 +93,39 @@ class ServerReplica:
     def advance(self, target: dict[str, torch.Tensor], codec: Codec) -> bytes:
         """Compress ``target - R`` with ``codec``, apply the decoded delta to R exactly as a client
         will, and log the bytes. Returns the bytes every up-to-date client gets."""
+        if isinstance(codec, Lattice):
+            return self._advance_lattice(target, codec)
+        self._lattice_from = None  # a non-lattice delta: merges may not reach across it
         delta = {k: target[k].detach().to(torch.float32) - self.tensors[k] for k in self.tensors}
         enc = UpdateEncoder(codec, min_numel=self.min_numel, error_feedback=False)
         data = update_to_bytes(enc.encode(delta, base_model_version=self.version))
         apply_delta(self.tensors, data, self.specs, codec, self.version)
+        return self._logged(data)
+
+    def _advance_lattice(self, target: dict[str, torch.Tensor], codec: Lattice) -> bytes:
+        """The lattice step: ``dK = round(W / h) - round(R / h)`` per tensor, applied as clients do."""
+        if self.grid is None:
+            self.grid = grid_exponents(target, self.tensors, codec.step)
+        if self._lattice_from is None:
+            self._lattice_from = self.version
+        delta: dict[str, torch.Tensor] = {}
+        for k, e in self.grid.items():
+            h = math.ldexp(1.0, e)
+            goal = torch.round(target[k].detach().to(torch.float32) / h)
+            if not bool(torch.isfinite(goal).all()) or (goal.numel() and float(goal.abs().max()) >= K_LIMIT):
+                raise ConfigError(
+                    f"lattice-step: tensor {k!r} does not fit its grid 2**{e} (|W / h| >= 2**24 or not finite); "
+                    "a larger lattice-step gives a coarser grid"
+                )
+            delta[k] = (goal - torch.round(self.tensors[k] / h)) * h
+        codecs = {k: codec.with_exponent(e) for k, e in self.grid.items()}
+        enc = UpdateEncoder(codec, min_numel=0, error_feedback=False)
+        data = update_to_bytes(enc.encode(delta, base_model_version=self.version, codecs=codecs))
+        apply_lattice(self.tensors, data, self.specs, self.grid, self.version)
+        return self._logged(data)
+
+    def _logged(self, data: bytes) -> bytes:
+        """Count the new version, log its delta (within the caps) and keep the digests a chain can reach."""
         self.version += 1
         self._log.append((self.version, data))
         while sum(len(b) for _, b in self._log) > self._log_bytes_cap:
@@ -86,10 +142,35 @@ class ServerReplica:
             return Downlink("none", (), self.version, self.digest)
         full = self._full_bytes()
         if known and version is not None and version >= self.version - len(self._log):
+            if self._lattice_from is not None and version >= self._lattice_from:
+                merged = self._merged_from(version)
+                if merged is not None and len(merged) < len(full):
+                    return Downlink("chain", (merged,), self.version, self.digest)
+                return Downlink("full", (full,), self.version, self.digest)
             chain = tuple(b for v, b in self._log if v > version)
             if sum(len(b) for b in chain) < len(full):
                 return Downlink("chain", chain, self.version, self.digest)
         return Downlink("full", (full,), self.version, self.digest)
+
+    def _merged_from(self, version: int) -> bytes | None:
+        """One lattice payload from ``version`` to now: the exact integer sum of the logged
+        ``dK`` (None when a sum reaches ``|dK| >= 2**24``: then the full replica goes)."""
+        chain = [b for v, b in self._log if v > version]
+        if len(chain) == 1:
+            return chain[0]
+        assert self.grid is not None
+        total = {s.name: torch.zeros(s.shape, dtype=torch.int64) for s in self.specs}
+        for data in chain:
+            update = update_from_bytes(data, expected=self.specs)
+            decoded = decode_update(update, self.specs, [Lattice()])
+            for k, d in decoded.items():
+                total[k] += (d / math.ldexp(1.0, self.grid[k])).to(torch.int64)  # exact: d is h * integer
+        if any(t.numel() and int(t.abs().max()) >= K_LIMIT for t in total.values()):
+            return None
+        delta = {k: t.to(torch.float32) * math.ldexp(1.0, self.grid[k]) for k, t in total.items()}
+        codecs = {k: Lattice(exponent=e) for k, e in self.grid.items()}
+        enc = UpdateEncoder(Lattice(), min_numel=0, error_feedback=False)
+        return update_to_bytes(enc.encode(delta, base_model_version=version, codecs=codecs))
 
     def _full_bytes(self) -> bytes:
         if self._full is None or self._full[0] != self.version:
@@ -114,3 +195,62 @@ def apply_delta(
     decoded = decode_update(update, specs, [codec, DenseFP32()], device)
     for k, d in decoded.items():
         tensors[k] += d
+
+
+def grid_exponents(target: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tensor], step: float) -> dict[str, int]:
+    """Each tensor's lattice exponent ``e = floor(log2(step * RMS(target - base)))`` (the first
+    movement of the model sets the grid for the run).
+
+    Fallbacks, documented in FORMAT.md: a tensor that did not move takes the smallest exponent of
+    those that moved (-24 when none did); every exponent is then raised as far as needed for the
+    tensor's largest value to stay below ``2**22 * h`` (a 4x margin under ``|K| < 2**24`` for the
+    model to grow), and clamped to ``[E_MIN, E_MAX]``.
+    """
+    moved: dict[str, int] = {}
+    for k, t in target.items():
+        diff = t.detach().to(torch.float64) - base[k].detach().to(torch.float64)
+        rms = float(diff.pow(2).mean().sqrt()) if diff.numel() else 0.0
+        if rms > 0 and math.isfinite(rms):
+            moved[k] = math.floor(math.log2(step * rms))
+    fallback = min(moved.values(), default=-24)
+    out: dict[str, int] = {}
+    for k, t in target.items():
+        e = moved.get(k, fallback)
+        biggest = max(
+            float(t.detach().abs().max()) if t.numel() else 0.0, float(base[k].abs().max()) if t.numel() else 0.0
+        )
+        if biggest > 0 and math.isfinite(biggest):
+            e = max(e, math.frexp(biggest)[1] - 22)
+        out[k] = min(E_MAX, max(E_MIN, e))
+    return out
+
+
+def apply_lattice(
+    tensors: dict[str, torch.Tensor],
+    data: bytes,
+    specs: list[TensorSpec],
+    grid: Mapping[str, int] | None,
+    base_version: int,
+) -> dict[str, int]:
+    """Apply one lattice payload (made against ``base_version``) to ``tensors`` in place:
+    ``R = h * (round(R / h) + dK)``, exact in float32. Returns the payload's grid exponents.
+
+    ``grid``: the exponents the receiver holds (None: it holds none yet and adopts the payload's).
+    Server and client run this same code. Raises :class:`PayloadError` on a malformed payload,
+    one against another version, one on another grid, or a result outside ``|K| < 2**24``.
+    """
+    first = next(iter(tensors.values()), None)
+    device = first.device if first is not None else torch.device("cpu")
+    update = update_from_bytes(data, expected=specs)
+    if update.base_model_version != base_version:
+        raise PayloadError("", f"delta is against version {update.base_model_version}, replica is at {base_version}")
+    per_tensor = {k: Lattice(exponent=e) for k, e in grid.items()} if grid is not None else None
+    decoded = decode_update(update, specs, [Lattice()], device, per_tensor=per_tensor)
+    exponents = {enc.name: lattice_exponent(enc) for enc in update.tensors}
+    for k, d in decoded.items():
+        h = math.ldexp(1.0, exponents[k])
+        merged = torch.round(tensors[k].to(torch.float32) / h) + d / h
+        if merged.numel() and not float(merged.abs().max()) < K_LIMIT:
+            raise PayloadError(k, f"the replica leaves the grid 2**{exponents[k]} (|K| >= 2**24)")
+        tensors[k] = merged * h
+    return exponents

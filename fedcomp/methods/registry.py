@@ -14,6 +14,7 @@ from fedcomp.methods.base import DownlinkMethod, UplinkMethod
 from fedcomp.methods.deft_uplink import DeftUplink
 from fedcomp.methods.downlinks import DenseFP16Downlink, DenseFP32Downlink, IdentityDownlink, ThreeLCDownlink
 from fedcomp.methods.gradiveq_uplink import GradiVeQUplink
+from fedcomp.methods.lattice import LatticeDownlink
 from fedcomp.methods.plain import DenseFP16Uplink, DenseFP32Uplink, IdentityUplink, SBCUplink, TopKUplink
 from fedcomp.methods.sparse_downlinks import AutoDownlink, SparseFP16Downlink, SparseFP32Downlink
 from fedcomp.methods.stc import STCUplink
@@ -41,6 +42,7 @@ DOWNLINKS: dict[str, type[DownlinkMethod]] = {
         DenseFP32Downlink,
         DenseFP16Downlink,
         IdentityDownlink,
+        LatticeDownlink,
         SparseFP32Downlink,
         SparseFP16Downlink,
         AutoDownlink,

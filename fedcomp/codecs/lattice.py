@@ -1,0 +1,199 @@
+"""Lattice codec: a tensor rounded to the grid ``h * K`` (``h = 2**e``), sent as its non-zero ``K``.
+
+This is fedcomp's own downlink codec, not a paper's: it is what the ``lattice`` downlink method
+(:mod:`fedcomp.methods.lattice`) sends instead of 3LC, a departure from 3LC (Hyesoo Lim et al.
+2019) taken so that deltas can be **merged exactly**. Every value a lattice payload decodes to is
+an integer multiple of a power of two ``h``; in float32 ``h * K`` is exact for ``|K| < 2**24``, and
+so is the sum of two such values whose integer sum stays below ``2**24``. A client that missed
+ten rounds can therefore get one payload carrying the integer sum of the ten deltas, and end bit
+for bit where applying the ten would have left it (3LC deltas, scaled by a per-delta float, cannot
+be merged in float arithmetic).
+
+Encoding (stateless, numcodecs style): ``K = round(x / h)`` (half to even) per entry; the
+positions of the non-zero ``K`` are Golomb-Rice coded exactly as SBC's
+(:mod:`fedcomp.codecs.golomb`), their values as a sign bit and an Elias-gamma code of ``|K|``.
+Encoding needs the grid exponent ``e`` (the server replica chooses it per tensor); decoding reads
+it from the payload and, when the codec was built with an ``exponent``, checks that it is that one
+(a client holding a replica on another grid must resync, not add deltas of a different step).
+
+Wire format (``STCPayload``, FORMAT.md "lattice"): ``mu = h`` (a power of two, ``2**-126 ..
+2**103``, also when nothing moved), ``golomb_b``/``nnz``/``bits`` the positions as in SBC, and
+``signs`` the value section, MSB-first, zero-padded to a byte, with exactly these bits:
+
+1. ``nnz`` sign bits (1 = negative), in position order;
+2. the unary section: for each value, ``L = floor(log2 |K|)`` one-bits then one zero-bit;
+3. the mantissa section: for each value, the ``L`` bits of ``|K|`` below its leading one, MSB first.
+
+(Sections 2 and 3 are Elias-gamma's bits laid out in two sections, as the Golomb positions are, so
+decoding is a prefix sum rather than a serial parse.) A value of +-1 costs two bits. ``L`` is at
+most 23 (``|K| < 2**24``), so the payload is at most ``nnz * 48`` bits plus the positions.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedcomp.codecs.base import Codec, TensorSpec, expect_payload
+from fedcomp.codecs.golomb import decode_positions, encode_positions, golomb_b
+from fedcomp.errors import ConfigError, PayloadError
+from fedcomp.wire.payloads import EncodedTensor, Payload, STCPayload
+
+__all__ = ["E_MAX", "E_MIN", "K_LIMIT", "Lattice", "lattice_exponent"]
+
+#: Grid exponents a payload may carry: ``2**e * K`` is a finite float32 for every ``|K| < K_LIMIT``.
+E_MIN, E_MAX = -126, 103
+#: ``|K|`` must stay below this (float32 holds every integer up to it exactly).
+K_LIMIT = 1 << 24
+_L_MAX = 23  # floor(log2(K_LIMIT - 1))
+
+
+class Lattice(Codec):
+    """Round to the grid ``2**exponent`` and send the non-zero multiples (see the module docstring).
+
+    ``step`` is the run's relative grid step (the ``lattice-step`` key): the server replica sets
+    each tensor's exponent to ``floor(log2(step * RMS(first movement)))``. The codec itself uses
+    only ``exponent``: required to encode; when set, decoding also requires the payload's grid to
+    be ``2**exponent``.
+    """
+
+    codec_id = "lattice"
+    version = 1
+
+    def __init__(self, step: float = 0.5, exponent: int | None = None) -> None:
+        if isinstance(step, bool) or not isinstance(step, (int, float)) or not (math.isfinite(step) and step > 0):
+            raise ConfigError(f"lattice: step must be a finite number > 0, got {step!r}")
+        if exponent is not None and (
+            isinstance(exponent, bool) or not isinstance(exponent, int) or not E_MIN <= exponent <= E_MAX
+        ):
+            raise ConfigError(f"lattice: exponent must be an int in [{E_MIN}, {E_MAX}], got {exponent!r}")
+        self.step = float(step)
+        self.exponent = exponent
+
+    def _params(self) -> dict[str, Any]:
+        return {"step": self.step, "exponent": self.exponent}
+
+    def with_exponent(self, exponent: int) -> Lattice:
+        """The same codec on the grid ``2**exponent``."""
+        return Lattice(self.step, exponent)
+
+    # --- encoding -----------------------------------------------------------------------------
+
+    def _encode(self, flat: torch.Tensor, name: str) -> tuple[Payload, torch.Tensor | None]:
+        if self.exponent is None:
+            raise ValueError(f"tensor {name!r}: lattice encoding needs a grid exponent (the replica chooses it)")
+        h = math.ldexp(1.0, self.exponent)
+        if not bool(torch.isfinite(flat).all()):
+            raise ValueError(f"tensor {name!r}: lattice cannot encode NaN or infinite values")
+        q = torch.round(flat / h)  # exact division by a power of two; half to even
+        if flat.numel() and float(q.abs().max()) >= K_LIMIT:
+            raise ValueError(f"tensor {name!r}: a value needs |K| >= 2**24 on the grid 2**{self.exponent}")
+        recon = q * h
+        idx = torch.nonzero(q).reshape(-1)
+        nnz = idx.numel()
+        if nnz == 0:
+            return STCPayload(mu=h, golomb_b=0, nnz=0, bits=b"", signs=b""), recon
+        vals = q.index_select(0, idx).cpu().numpy().astype(np.int64)
+        b = golomb_b(nnz / flat.numel())
+        payload = STCPayload(mu=h, golomb_b=b, nnz=nnz, bits=encode_positions(idx, b), signs=_pack_values(vals))
+        return payload, recon
+
+    # --- decoding -----------------------------------------------------------------------------
+
+    def _decode(self, payload: Payload, spec: TensorSpec, device: torch.device) -> torch.Tensor:
+        name, numel = spec.name, spec.numel
+        expect_payload(payload, STCPayload, name)
+        assert isinstance(payload, STCPayload)
+        nnz, b, bits, signs = payload.nnz, payload.golomb_b, payload.bits, payload.signs
+        if not (
+            isinstance(nnz, int)
+            and not isinstance(nnz, bool)
+            and isinstance(b, int)
+            and isinstance(bits, (bytes, bytearray))
+            and isinstance(signs, (bytes, bytearray))
+        ):
+            raise PayloadError(name, "lattice payload fields have the wrong types")
+        e = _exponent_of(payload.mu, name)
+        if self.exponent is not None and e != self.exponent:
+            raise PayloadError(name, f"grid step 2**{e} where this replica's grid is 2**{self.exponent}")
+        if nnz < 0:
+            raise PayloadError(name, f"nnz {nnz} is negative")
+        if nnz > numel:
+            raise PayloadError(name, f"nnz {nnz} exceeds the tensor's {numel} elements")
+        most = -(-nnz * (2 + 2 * _L_MAX) // 8)
+        if len(signs) > most:
+            raise PayloadError(name, f"value section is {len(signs)} bytes, more than {most} for nnz {nnz}")
+        idx = decode_positions(bits, nnz, b, numel, name, device)
+        vals = _unpack_values(bytes(signs), nnz, name)
+        out = torch.zeros(numel, dtype=torch.float32, device=device)
+        if nnz:
+            k = torch.from_numpy(vals.astype(np.float32)).to(device)
+            out.index_copy_(0, idx, k * math.ldexp(1.0, e))
+        return out
+
+
+def lattice_exponent(enc: EncodedTensor) -> int:
+    """The grid exponent ``e`` of a lattice-coded tensor (``h = 2**e``); PayloadError otherwise."""
+    if enc.codec_id != Lattice.codec_id or not isinstance(enc.payload, STCPayload):
+        raise PayloadError(enc.name, f"codec {enc.codec_id!r} where a lattice payload was expected")
+    return _exponent_of(enc.payload.mu, enc.name)
+
+
+def _exponent_of(mu: object, name: str) -> int:
+    """``e`` for ``mu == 2**e`` within [E_MIN, E_MAX]; PayloadError for anything else."""
+    if isinstance(mu, bool) or not isinstance(mu, (int, float)) or not math.isfinite(mu) or mu <= 0:
+        raise PayloadError(name, f"grid step {mu!r} is not a finite number > 0")
+    m, e = math.frexp(float(mu))
+    if m != 0.5 or not E_MIN <= e - 1 <= E_MAX:
+        raise PayloadError(name, f"grid step {mu!r} is not a power of two in [2**{E_MIN}, 2**{E_MAX}]")
+    return e - 1
+
+
+def _pack_values(vals: np.ndarray) -> bytes:
+    """The value section (module docstring) for non-zero int64 ``vals``."""
+    mag = np.abs(vals)
+    lengths = (np.frexp(mag.astype(np.float64))[1] - 1).astype(np.int64)  # floor(log2 |K|), exact below 2**53
+    nnz = len(vals)
+    unary = np.ones(int(lengths.sum()) + nnz, dtype=np.uint8)
+    unary[np.cumsum(lengths + 1) - 1] = 0
+    total = int(lengths.sum())
+    owner = np.repeat(np.arange(nnz), lengths)
+    start = np.cumsum(lengths) - lengths
+    shift = lengths[owner] - 1 - (np.arange(total) - start[owner])
+    mant = ((mag[owner] >> shift) & 1).astype(np.uint8)
+    stream = np.concatenate([(vals < 0).astype(np.uint8), unary, mant])
+    return np.packbits(stream).tobytes()
+
+
+def _unpack_values(data: bytes, nnz: int, name: str) -> np.ndarray:
+    """Parse the value section of ``nnz`` values; PayloadError on any inconsistency."""
+    if nnz == 0:  # the caller checked: no value bytes
+        return np.zeros(0, dtype=np.int64)
+    bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8))
+    if len(bits) < 2 * nnz:
+        raise PayloadError(name, f"value section of {len(data)} bytes is too short for {nnz} values")
+    negative = bits[:nnz].astype(bool)
+    zeros = np.flatnonzero(bits[nnz:] == 0)[:nnz]
+    if len(zeros) < nnz:
+        raise PayloadError(name, "value section ends inside its unary lengths")
+    lengths = np.diff(zeros, prepend=-1) - 1
+    if int(lengths.max()) > _L_MAX:
+        raise PayloadError(name, f"a value of {int(lengths.max()) + 1} bits exceeds |K| < 2**24")
+    mant_start = nnz + int(zeros[-1]) + 1
+    total = int(lengths.sum())
+    used = mant_start + total
+    if -(-used // 8) != len(data):
+        raise PayloadError(name, f"value section is {len(data)} bytes, its codes need {-(-used // 8)}")
+    if bits[used:].any():
+        raise PayloadError(name, "non-zero padding bits after the values")
+    mant = bits[mant_start:used].astype(np.int64)
+    mag = np.int64(1) << lengths.astype(np.int64)
+    if total:
+        owner = np.repeat(np.arange(nnz), lengths)
+        start = np.cumsum(lengths) - lengths
+        shift = lengths[owner] - 1 - (np.arange(total) - start[owner])
+        np.add.at(mag, owner, mant << shift)
+    return np.where(negative, -mag, mag)

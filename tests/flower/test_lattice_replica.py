@@ -1,0 +1,193 @@
+"""The lattice replica (downlink codec ``lattice``): exact merged catch-ups, the snap of the seeded
+initial model, grid mismatches, and the bounded log, driven through the real wrapper and mod."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fedcomp.codecs import Lattice, get_codec
+from fedcomp.errors import PayloadError
+from fedcomp.flower import protocol
+from fedcomp.flower.mod import make_compression_mod
+from fedcomp.flower.records import digest
+from fedcomp.flower.replica import ServerReplica, apply_delta, apply_lattice
+from fedcomp.methods.update import specs_of
+from fedcomp.wire.serde import update_from_bytes
+from tests.flower.helpers import (  # noqa: F401  (server_identity: autouse fixture)
+    Client,
+    make_strategy,
+    mode_of,
+    payloads_of,
+    server_identity,
+    tiny_model,
+    train_round,
+)
+
+MODEL = tiny_model()
+LATTICE = {"downlink-codec": "lattice", "lattice-step": 0.5}
+
+
+class SeededClient(Client):
+    """A client whose mod builds the run's initial model itself."""
+
+    def __init__(self, node: int) -> None:
+        super().__init__(node)
+        own = {k: v.clone() for k, v in MODEL.items()}
+        self.mod = make_compression_mod(initial_model=lambda ctx: own)
+
+    def handle(self, msg):  # type: ignore[no-untyped-def]
+        return self.mod(msg, self.ctx, self.app)
+
+
+def _moves(n: int, seed: int = 0, scale: float = 0.01) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    model, out = {k: v.clone() for k, v in MODEL.items()}, []
+    for _ in range(n):
+        model = {k: v + torch.randn(v.shape, generator=g) * scale for k, v in model.items()}
+        out.append(model)
+    return out
+
+
+def _clone(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in t.items()}
+
+
+def test_a_merged_payload_equals_the_chain_bit_for_bit() -> None:
+    codec = get_codec({"id": "lattice", "step": 0.5})
+    replica = ServerReplica(MODEL, max_log=100, min_numel=0)
+    chain = [replica.advance(m, codec) for m in _moves(6)]
+    assert replica.grid is not None
+    specs = specs_of(MODEL)
+    for start in (0, 2, 4):
+        held = _clone(MODEL)
+        for v in range(start):  # a client that took part until version `start`
+            apply_lattice(held, chain[v], specs, replica.grid if v else None, v)
+        assert digest(held) == replica.digest_of(start)
+        by_chain = _clone(held)
+        for v in range(start, 6):
+            apply_lattice(by_chain, chain[v], specs, replica.grid, v)
+        dl = replica.downlink_for(start, replica.digest_of(start))
+        assert dl.mode == "chain" and len(dl.payloads) == 1
+        merged = _clone(held)
+        apply_lattice(merged, dl.payloads[0], specs, replica.grid if start else None, start)
+        for k in MODEL:
+            assert torch.equal(merged[k], by_chain[k]) and torch.equal(merged[k], replica.tensors[k]), k
+        assert digest(merged) == replica.digest == dl.digest
+        if start <= 2:  # the net change of several rounds costs less than their chain
+            assert dl.nbytes < sum(len(b) for b in chain[start:])
+
+
+def test_the_replica_is_the_grid_point_of_the_model_and_version_0_stays_the_seeded_model() -> None:
+    codec = get_codec({"id": "lattice", "step": 0.5})
+    replica = ServerReplica(MODEL, max_log=100, min_numel=0)
+    v0 = replica.digest
+    assert v0 == digest(MODEL)
+    moves = _moves(3)
+    for m in moves:
+        replica.advance(m, codec)
+    assert replica.digest_of(0) == v0  # clients holding the unsnapped seeded model stay verifiable
+    assert replica.grid is not None
+    for k, e in replica.grid.items():
+        h = math.ldexp(1.0, e)
+        # R = h * round(W / h): the error is at most h / 2 per entry and never accumulates
+        assert torch.equal(replica.tensors[k], torch.round(moves[-1][k] / h) * h), k
+        # the grid is set by the first movement: floor(log2(0.5 * RMS))
+        rms = float((moves[0][k].double() - MODEL[k].double()).pow(2).mean().sqrt())
+        assert e == math.floor(math.log2(0.5 * rms)), k
+    # The seeded model itself is not on the grid: applying the first payload snaps it first.
+    off = [k for k, e in replica.grid.items() if not torch.equal(torch.round(MODEL[k] / 2.0**e) * 2.0**e, MODEL[k])]
+    assert off
+
+
+def test_a_payload_on_another_grid_is_a_typed_error() -> None:
+    codec = get_codec({"id": "lattice", "step": 0.5})
+    replica = ServerReplica(MODEL, max_log=100, min_numel=0)
+    data = replica.advance(_moves(1)[0], codec)
+    assert replica.grid is not None
+    held = _clone(MODEL)
+    other = {k: e + 1 for k, e in replica.grid.items()}
+    with pytest.raises(PayloadError, match="grid"):
+        apply_lattice(held, data, specs_of(MODEL), other, 0)
+    for k in MODEL:
+        assert torch.equal(held[k], MODEL[k])  # nothing applied
+    with pytest.raises(PayloadError, match="version"):
+        apply_lattice(held, data, specs_of(MODEL), None, 1)
+    # A 3LC client cannot add a lattice delta by mistake either.
+    with pytest.raises(PayloadError):
+        apply_delta(held, data, specs_of(MODEL), get_codec({"id": "3lc", "s": 1.0, "zero_run": True}), 0)
+
+
+def test_the_log_stays_within_one_dense_model_and_older_clients_get_the_full_replica() -> None:
+    codec = get_codec({"id": "lattice", "step": 0.5})
+    replica = ServerReplica(MODEL, max_log=10_000, min_numel=0)
+    dense = 4 * sum(t.numel() for t in MODEL.values())
+    for m in _moves(120, scale=0.05):
+        replica.advance(m, codec)
+        assert sum(len(b) for _, b in replica._log) <= dense
+    held = [v for v in range(replica.version + 1) if replica.digest_of(v) is not None]
+    assert 2 <= replica.version - held[0] < 120  # capped by bytes, not by the count
+    assert replica.downlink_for(held[0] - 1, "any").mode == "full"
+    oldest = replica.downlink_for(held[0], replica.digest_of(held[0]))
+    assert oldest.nbytes <= dense
+
+
+def test_sampled_run_replicas_match_and_catch_ups_are_single_payloads() -> None:
+    strategy = make_strategy(**LATTICE, **{"seeded-initial-model": True})
+    clients = {n: SeededClient(n) for n in range(1, 7)}
+    model = _clone(MODEL)
+    schedule = [[1, 2], [3, 4], [1, 5], [2, 6], [3, 1], [4, 5], [6, 2], [1, 3]]
+    modes: list[str] = []
+    for rnd, nodes in enumerate(schedule, start=1):
+        new, log = train_round(strategy, clients, rnd, model, nodes=nodes)
+        assert new is not None and strategy.traffic[rnd].accepted == len(nodes), rnd
+        for n, rec in log.downlinks.items():
+            modes.append(mode_of(rec))
+            assert mode_of(rec) in ("none", "chain"), (rnd, n, mode_of(rec))
+            assert len(payloads_of(rec)) <= 1
+            up = log.uplinks[n]
+            assert up["replica-version"] == strategy.replica.version  # type: ignore[union-attr]
+            assert up["replica-digest"] == strategy.replica.digest  # type: ignore[union-attr]
+            held = clients[n].ctx.state.config_records.get(protocol.STATE_LATTICE)
+            assert (dict(held) if held is not None else None) == strategy.replica.grid  # type: ignore[union-attr]
+        model = new
+    assert modes.count("chain") >= 10
+    # Every client that took part holds the server's replica of the version it reported.
+    for c in clients.values():
+        meta = protocol.ReplicaMeta.from_record(c.ctx.state.config_records[protocol.STATE_META])
+        assert strategy.replica.digest_of(meta.version) in (meta.digest, None)  # type: ignore[union-attr]
+
+
+def test_a_client_on_another_grid_resyncs_and_then_gets_full_then_merged() -> None:
+    strategy = make_strategy(**LATTICE, **{"seeded-initial-model": True})
+    clients = {n: SeededClient(n) for n in (1, 2)}
+    new, _ = train_round(strategy, clients, 1, MODEL, nodes=[1, 2])
+    assert new is not None
+    new2, _ = train_round(strategy, clients, 2, new, nodes=[1, 2])
+    assert new2 is not None
+    grid = dict(clients[2].ctx.state.config_records[protocol.STATE_LATTICE])
+    clients[2].ctx.state[protocol.STATE_LATTICE] = protocol.lattice_grid_record({k: e - 1 for k, e in grid.items()})
+    new3, log = train_round(strategy, clients, 3, new2, nodes=[1, 2])
+    reply = log.replies[2]
+    assert reply.has_error() and reply.error.code == int(protocol.ErrorCode.RESYNC)
+    assert "grid" in reply.error.reason
+    assert new3 is not None
+    new4, log = train_round(strategy, clients, 4, new3, nodes=[1, 2])
+    assert mode_of(log.downlinks[2]) == "full" and new4 is not None
+    assert protocol.STATE_LATTICE not in clients[2].ctx.state.config_records  # a full replica names no grid
+    _, log = train_round(strategy, clients, 5, new4, nodes=[1, 2])
+    assert mode_of(log.downlinks[2]) == "chain"
+    assert log.uplinks[2]["replica-digest"] == strategy.replica.digest  # type: ignore[union-attr]
+
+
+def test_a_merged_payload_decodes_as_lattice_only() -> None:
+    codec = get_codec({"id": "lattice", "step": 0.5})
+    replica = ServerReplica(MODEL, max_log=100, min_numel=0)
+    for m in _moves(3):
+        replica.advance(m, codec)
+    dl = replica.downlink_for(0, replica.digest_of(0))
+    update = update_from_bytes(dl.payloads[0], expected=specs_of(MODEL))
+    assert update.base_model_version == 0
+    assert {t.codec_id for t in update.tensors} == {Lattice.codec_id}
