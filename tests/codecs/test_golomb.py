@@ -246,3 +246,47 @@ def test_fuzz_only_payload_errors(bits, nnz, b, numel):
             assert int(out[0]) >= 0 and int(out[-1]) < numel
             assert bool((out[1:] > out[:-1]).all())
             assert encode_positions(out, b) == bits  # only canonical streams are accepted
+
+
+# --- the CPU (NumPy) path against the torch path (what CUDA runs) ------------------------------
+
+
+@given(positions())
+@FAST
+def test_numpy_and_torch_paths_give_the_same_bytes_and_positions(case):
+    from fedcomp.codecs import golomb
+
+    idx, b, numel = case
+    t = torch.tensor(idx, dtype=torch.int64)
+    bits = golomb._encode_positions_torch(t, b)
+    assert golomb._encode_positions_np(t.numpy(), b) == bits
+    if idx:
+        cpu = torch.device("cpu")
+        assert golomb._decode_positions_np(bits, len(idx), b, numel, "t").tolist() == idx
+        assert golomb._decode_positions_torch(bits, len(idx), b, numel, "t", cpu).tolist() == idx
+
+
+@given(
+    st.binary(max_size=64),
+    st.integers(1, 100),
+    st.integers(0, 12) | st.sampled_from([31, 62]),
+    st.integers(1, 600) | st.integers(0, 2**40),
+)
+@settings(max_examples=300, deadline=None)
+def test_numpy_and_torch_paths_reject_alike(bits, nnz, b, numel):
+    """On any stream that passes the shared up-front checks, both paths return the same
+    positions or raise the same PayloadError."""
+    from fedcomp.codecs import golomb
+
+    def outcome(fn):  # type: ignore[no-untyped-def]
+        try:
+            return fn().tolist()
+        except PayloadError as exc:
+            return exc.reason
+
+    nnz = min(nnz, numel)
+    if nnz == 0 or len(bits) * 8 < nnz * (b + 1) or len(bits) > (nnz * b + numel + 7) // 8:
+        return  # rejected before either path runs
+    cpu = torch.device("cpu")
+    want = outcome(lambda: golomb._decode_positions_torch(bits, nnz, b, numel, "f", cpu))
+    assert outcome(lambda: torch.from_numpy(golomb._decode_positions_np(bits, nnz, b, numel, "f"))) == want
