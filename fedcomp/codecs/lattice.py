@@ -11,22 +11,25 @@ be merged in float arithmetic).
 
 Encoding (stateless, numcodecs style): ``K = round(x / h)`` (half to even) per entry; the
 positions of the non-zero ``K`` are Golomb-Rice coded exactly as SBC's
-(:mod:`fedcomp.codecs.golomb`), their values as a sign bit and an Elias-gamma code of ``|K|``.
+(:mod:`fedcomp.codecs.golomb`), their values as a sign bit and a Rice code of ``|K| - 1``.
 Encoding needs the grid exponent ``e`` (the server replica chooses it per tensor); decoding reads
 it from the payload and, when the codec was built with an ``exponent``, checks that it is that one
 (a client holding a replica on another grid must resync, not add deltas of a different step).
 
 Wire format (``STCPayload``, FORMAT.md "lattice"): ``mu = h`` (a power of two, ``2**-126 ..
 2**103``, also when nothing moved), ``golomb_b``/``nnz``/``bits`` the positions as in SBC, and
-``signs`` the value section, MSB-first, zero-padded to a byte, with exactly these bits:
+``signs`` the value section (empty when ``nnz = 0``), MSB-first, zero-padded to a byte, with
+exactly these bits:
 
-1. ``nnz`` sign bits (1 = negative), in position order;
-2. the unary section: for each value, ``L = floor(log2 |K|)`` one-bits then one zero-bit;
-3. the mantissa section: for each value, the ``L`` bits of ``|K|`` below its leading one, MSB first.
+1. the Rice parameter ``k`` in 5 bits (0..23; the encoder picks the one giving the fewest bits);
+2. ``nnz`` sign bits (1 = negative), in position order;
+3. the unary section: for each value, ``q = (|K| - 1) >> k`` one-bits then one zero-bit;
+4. the remainder section: for each value, the low ``k`` bits of ``|K| - 1``, MSB first.
 
-(Sections 2 and 3 are Elias-gamma's bits laid out in two sections, as the Golomb positions are, so
-decoding is a prefix sum rather than a serial parse.) A value of +-1 costs two bits. ``L`` is at
-most 23 (``|K| < 2**24``), so the payload is at most ``nnz * 48`` bits plus the positions.
+(The Rice codewords laid out in two sections, as the Golomb positions are, so decoding is a prefix
+sum rather than a serial parse.) A value of +-1 costs two bits at ``k = 0``. ``|K| < 2**24``; with
+the best ``k`` no value costs more on average than at ``k = 23`` (25 bits), so a value section of
+more than ``ceil((5 + 26 nnz) / 8)`` bytes is rejected before it is unpacked.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ __all__ = ["E_MAX", "E_MIN", "K_LIMIT", "Lattice", "lattice_exponent"]
 E_MIN, E_MAX = -126, 103
 #: ``|K|`` must stay below this (float32 holds every integer up to it exactly).
 K_LIMIT = 1 << 24
-_L_MAX = 23  # floor(log2(K_LIMIT - 1))
+_K_BITS, _K_MAX = 5, 23  # the Rice parameter's width and its largest value
 
 
 class Lattice(Codec):
@@ -123,7 +126,7 @@ class Lattice(Codec):
             raise PayloadError(name, f"nnz {nnz} is negative")
         if nnz > numel:
             raise PayloadError(name, f"nnz {nnz} exceeds the tensor's {numel} elements")
-        most = -(-nnz * (2 + 2 * _L_MAX) // 8)
+        most = -(-(_K_BITS + nnz * (2 + _K_MAX + 1)) // 8) if nnz else 0
         if len(signs) > most:
             raise PayloadError(name, f"value section is {len(signs)} bytes, more than {most} for nnz {nnz}")
         idx = decode_positions(bits, nnz, b, numel, name, device)
@@ -152,19 +155,23 @@ def _exponent_of(mu: object, name: str) -> int:
     return e - 1
 
 
+def _rice_k(m1: np.ndarray) -> int:
+    """The Rice parameter giving the fewest bits for the values ``m1 = |K| - 1``."""
+    costs = [int((m1 >> k).sum()) + len(m1) * (k + 1) for k in range(_K_MAX + 1)]
+    return int(np.argmin(costs))
+
+
 def _pack_values(vals: np.ndarray) -> bytes:
     """The value section (module docstring) for non-zero int64 ``vals``."""
-    mag = np.abs(vals)
-    lengths = (np.frexp(mag.astype(np.float64))[1] - 1).astype(np.int64)  # floor(log2 |K|), exact below 2**53
+    m1 = np.abs(vals) - 1
+    k = _rice_k(m1)
+    q = m1 >> k
     nnz = len(vals)
-    unary = np.ones(int(lengths.sum()) + nnz, dtype=np.uint8)
-    unary[np.cumsum(lengths + 1) - 1] = 0
-    total = int(lengths.sum())
-    owner = np.repeat(np.arange(nnz), lengths)
-    start = np.cumsum(lengths) - lengths
-    shift = lengths[owner] - 1 - (np.arange(total) - start[owner])
-    mant = ((mag[owner] >> shift) & 1).astype(np.uint8)
-    stream = np.concatenate([(vals < 0).astype(np.uint8), unary, mant])
+    unary = np.ones(int(q.sum()) + nnz, dtype=np.uint8)
+    unary[np.cumsum(q + 1) - 1] = 0
+    rem = ((m1[:, None] >> np.arange(k - 1, -1, -1)) & 1).astype(np.uint8).reshape(-1)
+    head = ((k >> np.arange(_K_BITS - 1, -1, -1)) & 1).astype(np.uint8)
+    stream = np.concatenate([head, (vals < 0).astype(np.uint8), unary, rem])
     return np.packbits(stream).tobytes()
 
 
@@ -173,27 +180,27 @@ def _unpack_values(data: bytes, nnz: int, name: str) -> np.ndarray:
     if nnz == 0:  # the caller checked: no value bytes
         return np.zeros(0, dtype=np.int64)
     bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8))
-    if len(bits) < 2 * nnz:
+    if len(bits) < _K_BITS + 2 * nnz:
         raise PayloadError(name, f"value section of {len(data)} bytes is too short for {nnz} values")
-    negative = bits[:nnz].astype(bool)
-    zeros = np.flatnonzero(bits[nnz:] == 0)[:nnz]
+    k = int(np.dot(bits[:_K_BITS].astype(np.int64), 1 << np.arange(_K_BITS - 1, -1, -1)))
+    if k > _K_MAX:
+        raise PayloadError(name, f"Rice parameter {k} exceeds {_K_MAX}")
+    negative = bits[_K_BITS : _K_BITS + nnz].astype(bool)
+    start = _K_BITS + nnz
+    zeros = np.flatnonzero(bits[start:] == 0)[:nnz]
     if len(zeros) < nnz:
-        raise PayloadError(name, "value section ends inside its unary lengths")
-    lengths = np.diff(zeros, prepend=-1) - 1
-    if int(lengths.max()) > _L_MAX:
-        raise PayloadError(name, f"a value of {int(lengths.max()) + 1} bits exceeds |K| < 2**24")
-    mant_start = nnz + int(zeros[-1]) + 1
-    total = int(lengths.sum())
-    used = mant_start + total
+        raise PayloadError(name, "value section ends inside its unary part")
+    q = (np.diff(zeros, prepend=-1) - 1).astype(np.int64)
+    rem_start = start + int(zeros[-1]) + 1
+    used = rem_start + nnz * k
     if -(-used // 8) != len(data):
         raise PayloadError(name, f"value section is {len(data)} bytes, its codes need {-(-used // 8)}")
     if bits[used:].any():
         raise PayloadError(name, "non-zero padding bits after the values")
-    mant = bits[mant_start:used].astype(np.int64)
-    mag = np.int64(1) << lengths.astype(np.int64)
-    if total:
-        owner = np.repeat(np.arange(nnz), lengths)
-        start = np.cumsum(lengths) - lengths
-        shift = lengths[owner] - 1 - (np.arange(total) - start[owner])
-        np.add.at(mag, owner, mant << shift)
+    r = np.zeros(nnz, dtype=np.int64)
+    if k:
+        r = bits[rem_start:used].reshape(nnz, k).astype(np.int64) @ (1 << np.arange(k - 1, -1, -1))
+    mag = (q << k | r) + 1
+    if int(mag.max()) >= K_LIMIT:
+        raise PayloadError(name, "a value exceeds |K| < 2**24")
     return np.where(negative, -mag, mag)

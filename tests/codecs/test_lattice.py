@@ -51,7 +51,7 @@ def test_plus_minus_one_costs_two_bits_and_the_grid_travels_in_the_payload() -> 
     x[::8] = torch.tensor([1.0, -1.0] * 50) * 2.0**-10
     enc = Lattice(exponent=-10).encode(x, "w")
     assert isinstance(enc.payload, STCPayload)
-    assert enc.payload.nnz == 100 and len(enc.payload.signs) == 25  # 1 sign + 1 unary bit each
+    assert enc.payload.nnz == 100 and len(enc.payload.signs) == 26  # k in 5 bits, then 1 sign + 1 unary bit each
     assert lattice_exponent(enc) == -10
     empty = Lattice(exponent=-10).encode(torch.zeros(10), "z")
     assert lattice_exponent(empty) == -10 and empty.payload.nnz == 0  # type: ignore[union-attr]
@@ -151,7 +151,8 @@ def test_bad_payloads_raise_payload_error() -> None:
         "values padding": _with(enc, signs=p.signs[:-1] + bytes([p.signs[-1] | 0x01])),
         "values for nnz 0": _with(enc, nnz=0, bits=b""),
         "values empty": _with(enc, signs=b""),
-        "no zero in unary": _with(enc, signs=b"\x00\x3f" + b"\xff" * 4),
+        "no zero in unary": _with(enc, signs=b"\x00\x01" + b"\xff" * 3),
+        "rice k above 23": _with(enc, signs=bytes([0xC0]) + p.signs[1:]),
         "a value of 2**24": _with(enc, signs=_values([1] * 9 + [K_LIMIT])),
         "section over the bound": _with(enc, signs=bytes(big) * 7),
         "nan step": _with(enc, mu=math.nan),
@@ -173,9 +174,10 @@ def test_bad_payloads_raise_payload_error() -> None:
         "values long": f"value section is {len(p.signs) + 1} bytes, its codes need {len(p.signs)}",
         "values padding": "non-zero padding bits after the values",
         "values for nnz 0": f"value section is {len(p.signs)} bytes, more than 0 for nnz 0",
-        "no zero in unary": "value section ends inside its unary lengths",
-        "section over the bound": "value section is 70 bytes, more than 60 for nnz 10",
-        "a value of 2**24": "a value of 25 bits exceeds |K| < 2**24",
+        "no zero in unary": "value section ends inside its unary part",
+        "rice k above 23": "Rice parameter 24 exceeds 23",
+        "section over the bound": "value section is 70 bytes, more than 34 for nnz 10",
+        "a value of 2**24": "a value exceeds |K| < 2**24",
         "step not a power of two": "grid step 0.75 is not a power of two in [2**-126, 2**103]",
     }
     kit.check_rejects(codec, spec, cases, not_on_wire, reasons)
