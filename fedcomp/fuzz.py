@@ -25,12 +25,24 @@ exception escaping ``aggregate_train`` or ``aggregate_evaluate`` (the federation
 Outcomes per input: ``decoded`` (accepted), ``rejected`` (a typed :class:`PayloadError` or
 :class:`ConfigError`), ``other_exception`` (anything else: a bug), and, counted on top,
 ``over_time`` (more than 1 s per MB of the input or of the model, whichever is larger) and
-``over_memory`` (the process's peak resident memory during the input grew by more than twice the
-model's float32 size; measured by resetting Linux's ``VmHWM``, so not measured elsewhere). A
+``over_memory`` (decoding the input made the process's peak resident memory grow by more than twice
+the model's float32 size: :class:`PeakMemory`). A
 round of the replies fuzz is over time past 1 s; its memory is not judged (its model is 12.8 kB,
 below what resident-memory measurement resolves). Torch runs on one thread meanwhile. The
 JSON also has the seed, the time, counts per mutation kind and the slowest inputs; exceptions of
 the ``other`` kind are kept with the mutation that made them (and the input, hex, when small).
+
+**What the memory figure counts.** The growth of the process's peak resident memory from just
+before ``update_from_bytes`` to just after ``decode_update`` returns: everything the parse and the
+decode allocate and touch (protobuf's copies, payload bytes, codec buffers, the decoded tensors),
+at its peak. The input bytes are not counted (they are resident before the decode starts, as a
+received message is), nor are the fuzzer's own checks after the decode. Linux's ``VmHWM`` is reset
+before each input; glibc's malloc is set to serve every block of 64 kB or more by a fresh ``mmap``
+and return it on ``free`` (``mallopt``), so each large buffer counts once its pages are touched,
+whatever earlier inputs left in the heap. (With glibc's default adaptive threshold the same decode
+measured anywhere from 0x, its buffers recycled from an earlier input's heap, to 4x.) Not measured
+off Linux. Each input over the bound is listed with its index: ``--input I`` decodes input ``I``
+of the same seed and model alone and prints its figures.
 """
 
 from __future__ import annotations
@@ -44,7 +56,7 @@ import sys
 import time
 import traceback
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -70,9 +82,39 @@ KEEP_INPUT_BYTES = 4096
 # --- measuring one input ---------------------------------------------------------------------------
 
 
+#: Blocks of at least this many bytes get their own ``mmap`` while :class:`PeakMemory` measures.
+MMAP_THRESHOLD = 64 * 1024
+
+
+def _libc() -> Any:
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt, libc.malloc_trim  # noqa: B018 - glibc's, absent elsewhere
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+def fix_malloc_threshold(threshold: int = MMAP_THRESHOLD) -> bool:
+    """Make glibc's malloc ``mmap`` every new block of ``threshold`` bytes or more and unmap it on
+    ``free`` (and trim the heap past ``threshold``), for the rest of the process: then a large
+    buffer's pages count in the resident size exactly while it lives, instead of being recycled
+    from (or returned to) a heap an earlier input shaped. False where there is no glibc."""
+    libc = _libc()
+    if libc is None:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(libc.mallopt(m_mmap_threshold, threshold)) and bool(libc.mallopt(m_trim_threshold, threshold))
+
+
 class PeakMemory:
     """Peak resident-memory growth of this process across a block, via Linux's ``VmHWM``
-    (reset by writing 5 to ``/proc/self/clear_refs``). ``available`` is False elsewhere."""
+    (reset by writing 5 to ``/proc/self/clear_refs``). ``available`` is False elsewhere.
+    Fixes glibc's mmap threshold (:func:`fix_malloc_threshold`) so the figure does not depend on
+    what earlier blocks left in the heap; ``malloc_fixed`` says whether that worked."""
 
     def __init__(self) -> None:
         self.available = True
@@ -81,6 +123,8 @@ class PeakMemory:
             self._read("VmHWM")
         except OSError:
             self.available = False
+        self.malloc_fixed = fix_malloc_threshold() if self.available else False
+        self._libc = _libc() if self.malloc_fixed else None
 
     @staticmethod
     def _reset() -> None:
@@ -96,8 +140,12 @@ class PeakMemory:
         raise OSError(f"no {key} in /proc/self/status")
 
     def start(self) -> int:
+        """Begin a block: free heap pages are given back to the kernel first (``malloc_trim``), so
+        a block that reuses a free heap chunk touches fresh pages and counts them too."""
         if not self.available:
             return 0
+        if self._libc is not None:
+            self._libc.malloc_trim(0)
         self._reset()
         return self._read("VmRSS")
 
@@ -123,7 +171,15 @@ class Tally:
     seconds: float = 0.0
 
     def add(
-        self, kind: str, outcome: str, seconds: float, size: int, grew: int | None, detail: str, data: bytes = b""
+        self,
+        kind: str,
+        outcome: str,
+        seconds: float,
+        size: int,
+        grew: int | None,
+        detail: str,
+        data: bytes = b"",
+        index: int | None = None,
     ) -> None:
         self.outcomes[outcome] += 1
         self.by_kind.setdefault(kind, Counter())[outcome] += 1
@@ -141,7 +197,7 @@ class Tally:
                 self.by_kind[kind]["over_memory"] += 1
                 if len(self.over_memory) < 20:
                     self.over_memory.append(
-                        {"kind": kind, "bytes": size, "factor": round(factor, 3), "outcome": outcome}
+                        {"index": index, "kind": kind, "bytes": size, "factor": round(factor, 3), "outcome": outcome}
                     )
         if outcome == "rejected":
             self.rejections[detail.split(":")[0][:60]] += 1
@@ -216,20 +272,22 @@ class Corpus:
     receivers: dict[str, list[Codec]]
 
 
-def build_corpus(model: Mapping[str, torch.Tensor], seed: int) -> Corpus:
+def build_corpus(model: Mapping[str, torch.Tensor], seed: int, only: Collection[str] | None = None) -> Corpus:
+    """The seed updates of ``model`` (one per codec, or only the codecs named in ``only``)."""
     g = torch.Generator().manual_seed(seed)
     delta = {k: torch.randn(v.shape, generator=g) * 0.01 for k, v in model.items()}
-    codecs: dict[str, Codec] = {
-        "sbc": SBC(p=0.01),
-        "stc": STC(p=0.01),
-        "3lc": ThreeLC(),
-        "topk": TopK(p=0.01),
-        "topk-fp16": TopK(p=0.01, values="float16"),
-        "gradiveq": _gradiveq(model, g),
-        "dense-fp32": DenseFP32(),
-        "dense-fp16": DenseFP16(),
-        "identity": Identity(),
+    makers: dict[str, Callable[[], Codec]] = {
+        "sbc": lambda: SBC(p=0.01),
+        "stc": lambda: STC(p=0.01),
+        "3lc": ThreeLC,
+        "topk": lambda: TopK(p=0.01),
+        "topk-fp16": lambda: TopK(p=0.01, values="float16"),
+        "gradiveq": lambda: _gradiveq(model, g),
+        "dense-fp32": DenseFP32,
+        "dense-fp16": DenseFP16,
+        "identity": Identity,
     }
+    codecs = {name: make() for name, make in makers.items() if only is None or name in only}
     seeds: dict[str, bytes] = {}
     receivers: dict[str, list[Codec]] = {}
     for name, codec in codecs.items():
@@ -416,6 +474,47 @@ def decode_as_server(corpus: Corpus, codec: str, data: bytes, with_model: bool) 
     return decode_update(update, corpus.specs, receivers)
 
 
+@dataclass
+class Decoded:
+    """What decoding one input gave: the outcome, the reason or exception, seconds, memory growth
+    in bytes (None where not measured), and whether a decoded tensor holds NaN or infinity."""
+
+    outcome: str
+    detail: str
+    seconds: float
+    grew: int | None
+    nonfinite: bool = False
+
+
+def decode_one(corpus: Corpus, codec: str, data: bytes, with_model: bool, memory: PeakMemory) -> Decoded:
+    """Decode one input as a server does, timed and measured from the parse to the decoded
+    tensors (the module docstring says what is counted); classify what happened."""
+    base = memory.start()
+    t0 = time.perf_counter()
+    tensors: dict[str, torch.Tensor] | None = None
+    try:
+        tensors = decode_as_server(corpus, codec, data, with_model=with_model)
+        outcome, detail = "decoded", ""
+    except TYPED as exc:
+        outcome, detail = "rejected", str(getattr(exc, "reason", exc))
+    except Exception as exc:
+        outcome, detail = "other_exception", _describe(exc) + " | " + traceback.format_exc(limit=-3)
+    seconds, grew = time.perf_counter() - t0, memory.growth(base)
+    nonfinite = tensors is not None and any(not bool(torch.isfinite(t).all()) for t in tensors.values())
+    return Decoded(outcome, detail, seconds, grew, nonfinite)
+
+
+def payload_input(seed: int, model_name: str, index: int) -> tuple[Corpus, str, str, bytes]:
+    """``(corpus, codec, kind, bytes)`` of input number ``index`` of ``fuzz_payloads(seed=seed,
+    model_name=model_name)``: the same mutation stream, replayed (a repro for one input)."""
+    corpus = build_corpus(MODELS[model_name](seed), seed)
+    source = mutations(corpus, random.Random(seed))
+    for _ in range(index):
+        next(source)
+    codec, kind, data = next(source)
+    return corpus, codec, kind, data
+
+
 def fuzz_payloads(
     n: int, seed: int, model_name: str = "lenet", progress: bool = False, detail_by_codec: bool = False
 ) -> dict[str, Any]:
@@ -427,26 +526,14 @@ def fuzz_payloads(
     tally = Tally(corpus.model_bytes)
     memory = PeakMemory()
     nonfinite = 0
-    source = mutations(corpus, rng)
+    source = mutations(corpus, rng)  # payload_input replays this stream: keep the two in step
     t_start = time.perf_counter()
     for i in range(n):
         codec, kind, data = next(source)
-        base = memory.start()
-        t0 = time.perf_counter()
-        try:
-            tensors = decode_as_server(corpus, codec, data, with_model=i % 2 == 0)
-            outcome, detail = "decoded", ""
-            if any(not bool(torch.isfinite(t).all()) for t in tensors.values()):
-                nonfinite += 1
-            del tensors
-        except TYPED as exc:
-            outcome, detail = "rejected", str(getattr(exc, "reason", exc))
-        except Exception as exc:
-            outcome, detail = "other_exception", _describe(exc) + " | " + traceback.format_exc(limit=-3)
-        dt = time.perf_counter() - t0
-        tally.add(
-            f"{kind} [{codec}]" if detail_by_codec else kind, outcome, dt, len(data), memory.growth(base), detail, data
-        )
+        d = decode_one(corpus, codec, data, i % 2 == 0, memory)
+        nonfinite += d.nonfinite
+        label = f"{kind} [{codec}]" if detail_by_codec else kind
+        tally.add(label, d.outcome, d.seconds, len(data), d.grew, d.detail, data, index=i)
         if progress and (i + 1) % 10_000 == 0:
             print(f"payloads: {i + 1}/{n} ({time.perf_counter() - t_start:.0f} s)", file=sys.stderr)
     out = tally.report()
@@ -456,9 +543,54 @@ def fuzz_payloads(
         inputs=n,
         decoded_with_nonfinite_values=nonfinite,
         memory_measured=memory.available,
+        malloc_threshold_fixed=memory.malloc_fixed,
         seed_update_bytes={k: len(v) for k, v in sorted(corpus.seeds.items())},
         seconds=time.perf_counter() - t_start,
     )
+    return out
+
+
+def decode_memory(
+    codecs: Collection[str], model_name: str = "lenet", seed: int = 0, repeats: int = 3
+) -> dict[str, float]:
+    """The most memory decoding each named codec's seed update takes (parse and decode, with and
+    without the model's tensors, ``repeats`` times each), as a multiple of the model's fp32 size:
+    the figure the payload fuzz bounds by ``MEMORY_FACTOR``. Needs Linux (``VmHWM``); fixes glibc's
+    malloc threshold for the rest of the process (:class:`PeakMemory`), so run it in a process of
+    its own."""
+    memory = PeakMemory()
+    if not memory.available:
+        raise OSError("peak resident memory is not measurable here (Linux's /proc/self/status)")
+    corpus = build_corpus(MODELS[model_name](seed), seed, only=codecs)
+    worst: dict[str, float] = {}
+    for codec, data in corpus.seeds.items():
+        for i in range(2 * repeats):
+            d = decode_one(corpus, codec, data, i % 2 == 0, memory)
+            if d.outcome != "decoded" or d.grew is None:
+                raise RuntimeError(f"{codec}: its own update gave {d.outcome} ({d.detail[:200]})")
+            worst[codec] = max(worst.get(codec, 0.0), d.grew / corpus.model_bytes)
+    return worst
+
+
+def replay_input(seed: int, model_name: str, index: int) -> dict[str, Any]:
+    """Decode input ``index`` of a payload fuzz alone (``--input``): its kind, size, outcome,
+    seconds and memory factor, and the input itself (hex) when small."""
+    corpus, codec, kind, data = payload_input(seed, model_name, index)
+    memory = PeakMemory()
+    d = decode_one(corpus, codec, data, index % 2 == 0, memory)
+    out: dict[str, Any] = {
+        "index": index,
+        "codec": codec,
+        "kind": kind,
+        "bytes": len(data),
+        "with_model": index % 2 == 0,
+        "outcome": d.outcome,
+        "detail": d.detail,
+        "seconds": d.seconds,
+        "memory_factor": None if d.grew is None else d.grew / corpus.model_bytes,
+    }
+    if len(data) <= KEEP_INPUT_BYTES:
+        out["input_hex"] = data.hex()
     return out
 
 
@@ -766,7 +898,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", choices=sorted(MODELS), default="lenet", help="model of the payloads")
     parser.add_argument("--json", type=Path, help="write the full report here")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    parser.add_argument(
+        "--input", type=int, metavar="I", help="decode only payload input I of this seed and model (a repro), print it"
+    )
     args = parser.parse_args(argv)
+    if args.input is not None:
+        if args.input < 0:
+            parser.error("--input must be >= 0")
+        torch.set_num_threads(1)
+        print(json.dumps(replay_input(args.seed, args.model, args.input), indent=1))
+        return 0
     if args.n < 0 or args.replies < 0:
         parser.error("--n and --replies must be >= 0")
     out = run(args.n, args.replies, args.seed, args.model, progress=not args.quiet)

@@ -55,10 +55,14 @@ class ThreeLCPayload:
 
 @dataclass(frozen=True)
 class DensePayload:
-    """Raw little-endian values in ``encoding`` (a key of ``TORCH_DTYPES``)."""
+    """Raw little-endian values in ``encoding`` (a key of ``TORCH_DTYPES``).
+
+    ``data`` is ``bytes`` when encoded, and a read-only ``memoryview`` of the received update when
+    parsed (``fedcomp.wire.serde``): the values are not copied until the decoder writes them into
+    the output tensor. The update's bytes must not change while the payload is in use."""
 
     encoding: str
-    data: bytes
+    data: bytes | memoryview
 
 
 @dataclass(frozen=True)

@@ -9,13 +9,23 @@ encoding, that its ``codec_id`` carries the payload type FORMAT.md allows, and (
 its name, shape and size against the model's, before moving to the next. Anything else raises
 :class:`PayloadError` naming what was wrong. Codec-level checks (payload lengths against the
 expected shape, finite values) happen in each codec's decoder.
+
+**Memory.** A tensor's payload bytes are never copied by the parser: it walks the tensor's fields
+by hand (canonical order, at most one of each), cuts the payload's ``bytes`` fields out as
+``memoryview`` slices of the received update, and gives protobuf only the small rest (names,
+shape, scalars) to parse and check for canonical encoding. A dense payload's ``data`` stays that
+view of the received bytes (its decoder copies it once, into the output tensor); the other
+payload types' bytes fields are copied once into ``bytes`` (their codecs take ``bytes``; these
+fields are small for every codec but dense). So parsing a 1.7 MB dense update allocates a few kB,
+where parsing it whole allocated the message (1x), its re-serialization for the canonical check
+(1x) and the ``bytes`` of its data (1x).
 """
 
 from __future__ import annotations
 
 import zlib
 from array import array
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from google.protobuf.message import DecodeError as _PbDecodeError
@@ -51,6 +61,7 @@ TENSOR_SLACK = 65_536
 PAYLOAD_OF_CODEC: dict[str, str] = {
     "sbc": "sbc",
     "stc": "stc",
+    "lattice": "stc",
     "3lc": "three_lc",
     "topk": "sparse",
     "sparse": "sparse",
@@ -59,6 +70,21 @@ PAYLOAD_OF_CODEC: dict[str, str] = {
     "dense-fp16": "dense",
     "identity": "dense",
 }
+
+#: The ``bytes`` fields of each payload message, by the payload's field number in
+#: ``CompressedTensor`` (the ``oneof payload``): (payload name, {field number: field name}).
+#: The parser cuts these out of the received bytes instead of letting protobuf copy them.
+_BYTES_FIELDS: dict[int, tuple[str, dict[int, str]]] = {
+    10: ("sbc", {4: "bits"}),
+    11: ("three_lc", {4: "data"}),
+    12: ("dense", {2: "data"}),
+    13: ("sparse", {3: "bits", 5: "values"}),
+    14: ("gradiveq", {4: "coefficients"}),
+    15: ("stc", {4: "bits", 5: "signs"}),
+}
+#: Most fields a canonical ``CompressedTensor`` has (name, shape, dtype, codec_id, codec_version,
+#: payload) and a payload message has (``SparsePayload``, ``STCPayload``: 5).
+_TENSOR_FIELDS, _PAYLOAD_FIELDS = 6, 5
 
 #: The key of ``CompressedUpdate.crc32`` (field 4, wire type 5 = fixed32): the 5th byte from the end.
 _CRC_TAG = 0x25
@@ -107,7 +133,7 @@ def tensor_to_proto(t: EncodedTensor) -> pb.CompressedTensor:
     elif isinstance(p, ThreeLCPayload):
         msg.three_lc.CopyFrom(pb.ThreeLCPayload(scale=p.scale, numel=p.numel, zero_run=p.zero_run, data=p.data))
     elif isinstance(p, DensePayload):
-        msg.dense.CopyFrom(pb.DensePayload(encoding=_DTYPE_TO_PB[p.encoding], data=p.data))
+        msg.dense.CopyFrom(pb.DensePayload(encoding=_DTYPE_TO_PB[p.encoding], data=bytes(p.data)))
     elif isinstance(p, SparsePayload):
         msg.sparse.CopyFrom(
             pb.SparsePayload(
@@ -132,10 +158,21 @@ def tensor_to_proto(t: EncodedTensor) -> pb.CompressedTensor:
     return msg
 
 
-def tensor_from_proto(msg: pb.CompressedTensor) -> EncodedTensor:
+def tensor_from_proto(msg: pb.CompressedTensor, blobs: Mapping[str, memoryview] | None = None) -> EncodedTensor:
     """The data class of a parsed tensor; raises :class:`PayloadError` on a rank above
-    :data:`MAX_RANK`, an unknown dtype, an unknown ``codec_id`` or a payload type it may not carry."""
+    :data:`MAX_RANK`, an unknown dtype, an unknown ``codec_id`` or a payload type it may not carry.
+
+    ``blobs``: the payload's ``bytes`` fields by name, cut out of the received bytes before
+    ``msg`` was parsed (``_parse_tensor``); they replace the (then empty) fields of ``msg``. A
+    dense payload keeps its view (no copy); the others are copied once into ``bytes``."""
     name = msg.name
+    cut = blobs or {}
+
+    def blob(field: str, parsed: bytes) -> bytes:
+        # One copy: the codecs of these payloads take ``bytes`` only (their decoders check the type).
+        view = cut.get(field)
+        return parsed if view is None else bytes(view)
+
     if len(msg.shape) > MAX_RANK:
         raise PayloadError(name, f"rank {len(msg.shape)} exceeds {MAX_RANK}")
     kind = msg.WhichOneof("payload")
@@ -149,28 +186,37 @@ def tensor_from_proto(msg: pb.CompressedTensor) -> EncodedTensor:
     payload: Payload
     if kind == "sbc":
         s = msg.sbc
-        payload = SBCPayload(mean=s.mean, golomb_b=s.golomb_b, nnz=s.nnz, bits=s.bits)
+        payload = SBCPayload(mean=s.mean, golomb_b=s.golomb_b, nnz=s.nnz, bits=blob("bits", s.bits))
     elif kind == "stc":
         st = msg.stc
-        payload = STCPayload(mu=st.mu, golomb_b=st.golomb_b, nnz=st.nnz, bits=st.bits, signs=st.signs)
+        payload = STCPayload(
+            mu=st.mu, golomb_b=st.golomb_b, nnz=st.nnz, bits=blob("bits", st.bits), signs=blob("signs", st.signs)
+        )
     elif kind == "three_lc":
         s3 = msg.three_lc
-        payload = ThreeLCPayload(scale=s3.scale, numel=s3.numel, zero_run=s3.zero_run, data=s3.data)
+        payload = ThreeLCPayload(scale=s3.scale, numel=s3.numel, zero_run=s3.zero_run, data=blob("data", s3.data))
     elif kind == "dense":
-        payload = DensePayload(_dtype_from_pb(msg.dense.encoding, name, "dense encoding"), msg.dense.data)
+        dense_data = cut.get("data")
+        payload = DensePayload(
+            _dtype_from_pb(msg.dense.encoding, name, "dense encoding"),
+            msg.dense.data if dense_data is None else dense_data,
+        )
     elif kind == "sparse":
         sp = msg.sparse
         payload = SparsePayload(
             golomb_b=sp.golomb_b,
             nnz=sp.nnz,
-            bits=sp.bits,
+            bits=blob("bits", sp.bits),
             value_encoding=_dtype_from_pb(sp.value_encoding, name, "value encoding"),
-            values=sp.values,
+            values=blob("values", sp.values),
         )
     else:
         g = msg.gradiveq
         payload = GradiVeQPayload(
-            compressor_version=g.compressor_version, slice_size=g.slice_size, dim=g.dim, coefficients=g.coefficients
+            compressor_version=g.compressor_version,
+            slice_size=g.slice_size,
+            dim=g.dim,
+            coefficients=blob("coefficients", g.coefficients),
         )
     return EncodedTensor(
         name=name,
@@ -204,9 +250,99 @@ def _parse_canonical(data: bytes | memoryview, what: str) -> pb.CompressedTensor
     return msg
 
 
+def _key(field: int, wire: int) -> bytes:
+    """The (minimal) varint key of a field."""
+    return _encode_varint((field << 3) | wire)
+
+
+def _encode_varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def _walk(data: memoryview, start: int, end: int, most: int, what: str) -> list[tuple[int, int, int, int, int]]:
+    """The fields of the message ``data[start:end]`` as ``(field, wire type, key at, value at,
+    stop)``, without parsing them. Requires what a canonical encoding has (FORMAT.md, Envelope):
+    field numbers strictly increasing (so each field at most once, in order), at most ``most``
+    fields, minimal varints; raises :class:`PayloadError` otherwise, and on a truncated field or a
+    wire type protobuf does not write (3, 4: groups; 6, 7)."""
+    fields: list[tuple[int, int, int, int, int]] = []
+    pos, last = start, 0
+    try:
+        while pos < end:
+            at = pos
+            key, pos = _varint(data, pos, end)
+            field, wire = key >> 3, key & 7
+            if field <= last or len(fields) == most:
+                raise PayloadError("", f"{what} is not canonically encoded (FORMAT.md, Envelope)")
+            value_at = pos
+            if wire == 0:
+                _, pos = _varint(data, pos, end)
+            elif wire == 2:
+                n, value_at = _varint(data, pos, end)
+                pos = value_at + n
+            elif wire in (1, 5):
+                pos += 8 if wire == 1 else 4
+            else:
+                raise PayloadError("", f"{what} is not a CompressedTensor message (wire type {wire} at byte {at})")
+            if pos > end:
+                raise PayloadError("", f"{what} is not a CompressedTensor message (field {field} is truncated)")
+            fields.append((field, wire, at, value_at, pos))
+            last = field
+    except PayloadError as exc:
+        if exc.reason.startswith(what):
+            raise
+        if "not minimally encoded" in exc.reason:
+            raise PayloadError("", f"{what} is not canonically encoded (FORMAT.md, Envelope)") from None
+        raise PayloadError("", f"{what} is not a CompressedTensor message ({exc.reason})") from None
+    return fields
+
+
+def _parse_tensor(data: bytes | memoryview, what: str) -> tuple[pb.CompressedTensor, dict[str, memoryview]]:
+    """Parse one canonical ``CompressedTensor`` without copying its payload's bytes fields.
+
+    The tensor's fields are walked by hand (:func:`_walk`). When the last one is the payload
+    (canonical order puts it last), its ``bytes`` fields (:data:`_BYTES_FIELDS`) are cut out as
+    views of ``data``; protobuf parses the rest (the tensor with a payload message holding only
+    its scalars, a few dozen bytes) and :func:`_parse_canonical` checks it is canonical. The cut
+    fields are canonical too: in order (the walk), non-empty (an empty one is its default and
+    must be omitted), minimal length varints, and fields of that payload type (anything else is
+    rejected). Returns the parsed rest and the cut fields by name."""
+    view = memoryview(data).toreadonly()
+    fields = _walk(view, 0, len(view), _TENSOR_FIELDS, what)
+    if not fields or fields[-1][0] not in _BYTES_FIELDS or fields[-1][1] != 2:
+        if any(f[0] in _BYTES_FIELDS for f in fields):  # a payload and a later field: two payloads or unknown
+            raise PayloadError("", f"{what} is not canonically encoded (FORMAT.md, Envelope)")
+        return _parse_canonical(view, what), {}
+    number, _, key_at, sub_at, stop = fields[-1]
+    kind, cuttable = _BYTES_FIELDS[number]
+    rest = bytearray()
+    cut: dict[str, memoryview] = {}
+    for field, wire, at, value_at, end in _walk(view, sub_at, stop, _PAYLOAD_FIELDS, f"{what} ({kind} payload)"):
+        name = cuttable.get(field)
+        if name is None or wire != 2:
+            rest += view[at:end]
+        elif end == value_at:
+            raise PayloadError(
+                "", f"{what} ({kind}.{name} present but empty) is not canonically encoded (FORMAT.md, Envelope)"
+            )
+        else:
+            cut[name] = view[value_at:end]
+    if not cut:
+        return _parse_canonical(view, what), {}
+    head = bytes(view[:key_at]) + _key(number, 2) + _encode_varint(len(rest)) + bytes(rest)
+    return _parse_canonical(head, what), cut
+
+
 def tensor_from_bytes(data: bytes) -> EncodedTensor:
-    """One canonical ``CompressedTensor`` (no checksum: that lives in the update around it)."""
-    return tensor_from_proto(_parse_canonical(data, "tensor"))
+    """One canonical ``CompressedTensor`` (no checksum: that lives in the update around it).
+    A dense payload's ``data`` is a view of ``data`` (not a copy)."""
+    msg, cut = _parse_tensor(data, "tensor")
+    return tensor_from_proto(msg, cut)
 
 
 def update_to_bytes(u: EncodedUpdate) -> bytes:
@@ -339,13 +475,13 @@ def update_from_bytes(
                     want.name,
                     f"{stop - start} bytes on the wire for {numel} elements (at most {16 * numel + TENSOR_SLACK})",
                 )
-        msg = _parse_canonical(view[start:stop], f"tensor {i}")
+        msg, cut = _parse_tensor(view[start:stop], f"tensor {i}")
         if expected is not None:
             if msg.name != want.name:
                 raise PayloadError(want.name, f"found tensor {msg.name!r} in its place (tensor {i})")
             if tuple(int(d) for d in msg.shape) != tuple(int(d) for d in want.shape):
                 raise PayloadError(want.name, f"shape {list(msg.shape)} where {list(want.shape)} was expected")
-        tensors.append(tensor_from_proto(msg))
+        tensors.append(tensor_from_proto(msg, cut))
     return EncodedUpdate(base_model_version=base, tensors=tuple(tensors), format_version=version)
 
 
