@@ -137,16 +137,13 @@ class SBC(Codec):
     def _fast_select(self, flat: torch.Tensor, k: int) -> tuple[torch.Tensor, float] | None:
         """Threshold selection, or None to fall back to exact mode."""
         n, s = flat.numel(), self.sample_size
-        sample = flat.index_select(0, _sample_positions(n, s, str(flat.device))).cpu().numpy()
+        where = _sample_positions(n, s, str(flat.device))
+        on_cpu = flat.device.type == "cpu"
+        sample = flat.numpy()[where.numpy()] if on_cpu else flat.index_select(0, where).cpu().numpy()
         if not np.isfinite(sample).all():
             return None  # a NaN or infinity: exact mode reports it
         r = max(1, round(self.p * s))
-        if 2 * r <= s:  # two single-kth partitions (in place: a fresh array) beat a sort
-            sample.partition(r - 1)
-            sample[r:].partition(s - 2 * r)
-        else:
-            sample.sort()
-        thr_lo, thr_hi = sample[r - 1], sample[s - r]
+        thr_lo, thr_hi = _order_stats(sample, r)
         found: tuple[Positions, np.ndarray, Positions, np.ndarray] | None
         if flat.device.type == "cpu":
             found = _threshold_select_cpu(flat.numpy(), thr_hi, thr_lo, limit=4 * k)
@@ -223,14 +220,50 @@ def _extreme_positions_cpu(a: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarra
     if k >= n:  # only for n == 1
         everything = np.arange(n)
         return everything, everything
-    # two single-kth partitions: NumPy's multi-kth partition is several times slower
-    t_lo, t_hi = np.partition(a, k - 1)[k - 1], np.partition(a, n - k)[n - k]
+    t_lo, t_hi = _order_stats(a, k)
     out = []
     for beyond, t in ((a > t_hi, t_hi), (a < t_lo, t_lo)):
         strict = np.flatnonzero(beyond)
         at = np.flatnonzero(a == t)[: k - strict.size]
         out.append(np.sort(np.concatenate([strict, at])) if at.size else strict)
     return out[0], out[1]
+
+
+#: Below this many values, or when ``r`` is above 1/_ORDER_STEP of them, :func:`_order_stats`
+#: partitions the whole array; above, it partitions a prefiltered tail (a few times r values).
+_ORDER_MIN = 1 << 13
+_ORDER_STEP = 16
+
+
+def _order_stats(a: np.ndarray, r: int) -> tuple[np.float32, np.float32]:
+    """``(sorted(a)[r - 1], sorted(a)[n - r])`` exactly: the ``r``-th smallest and ``r``-th
+    largest of finite float32 ``a`` (``1 <= r <= n``), leaving ``a`` unchanged.
+
+    A partition costs several passes over ``a``; for large ``a`` and small ``r`` the answer is
+    taken from the tails instead: bounds ``q_lo <= q_hi`` are read off every ``_ORDER_STEP``-th
+    value (about twice the share of ``r`` from each end), and when at least ``r`` values lie at
+    or beyond a bound, the ``r``-th most extreme value of the whole array is the ``r``-th most
+    extreme of those (exact whatever the bounds; otherwise the whole array is partitioned).
+    """
+    n = a.shape[0]
+    if n < _ORDER_MIN or r * _ORDER_STEP > n:
+        if 2 * r <= n:  # two single-kth partitions: NumPy's multi-kth partition is several times slower
+            lo_part = np.partition(a, r - 1)
+            return lo_part[r - 1], np.partition(lo_part[r:], n - 2 * r)[n - 2 * r]
+        ordered = np.sort(a)
+        return ordered[r - 1], ordered[n - r]
+    sub = a[::_ORDER_STEP]
+    m = sub.shape[0]
+    j = min(m, 2 * (r // _ORDER_STEP) + 8)
+    bounds = np.partition(sub, [j - 1, m - j])
+    q_lo, q_hi = bounds[j - 1], bounds[m - j]
+    below, above = a[a <= q_lo], a[a >= q_hi]
+    if below.shape[0] < r or above.shape[0] < r:
+        lo_part = np.partition(a, r - 1)
+        return lo_part[r - 1], np.partition(lo_part[r:], n - 2 * r)[n - 2 * r]
+    t_lo = np.partition(below, r - 1)[r - 1]
+    t_hi = np.partition(above, above.shape[0] - r)[above.shape[0] - r]
+    return t_lo, t_hi
 
 
 def _extreme_positions_torch(flat: torch.Tensor, k: int, largest: bool) -> torch.Tensor:

@@ -567,3 +567,45 @@ def test_fuzz_decode_only_payload_errors(bits, nnz, b, mean, numel):
             assert out.shape == (numel,) and int((out != 0).sum()) <= nnz
     # work stays linear in the payload and the tensor, whatever nnz and b claim (256 x 8: the bit table)
     assert made.largest <= max(numel, 8 * len(bits), 256 * 8)
+
+
+# --- order statistics from the tails (the thresholds of both modes) -----------------------------
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    n=st.sampled_from([1, 2, 7, 100, 8191, 8192, 9000, 30_000]),
+    r_frac=st.floats(0.0, 1.0),
+    seed=st.integers(0, 2**32 - 1),
+    kind=st.sampled_from(["t", "ties", "zeros", "hidden", "on-stride", "negative"]),
+)
+def test_order_stats_equal_a_full_sort(n, r_frac, seed, kind):
+    """_order_stats must return exactly sorted(a)[r-1] and sorted(a)[n-r], including when the
+    strided subsample misses the extremes ('hidden': every non-zero value off the stride) or
+    holds all of them ('on-stride': its bounds then leave fewer than r values, which forces the
+    fallback), with masses of ties, and leave ``a`` untouched."""
+    from fedcomp.codecs import sbc
+
+    rng = np.random.default_rng(seed)
+    a = rng.standard_t(3, n).astype(np.float32)
+    if kind == "ties":
+        a = rng.integers(-3, 4, n).astype(np.float32)
+    elif kind == "zeros":
+        a[rng.random(n) < 0.95] = 0.0
+    elif kind == "hidden":
+        a = np.zeros(n, dtype=np.float32)
+        off = np.arange(n) % sbc._ORDER_STEP != 0
+        a[off] = rng.standard_normal(int(off.sum())).astype(np.float32) * 100
+    elif kind == "on-stride":
+        a[:: sbc._ORDER_STEP] = 1000.0 + np.arange(a[:: sbc._ORDER_STEP].shape[0], dtype=np.float32)
+        a[sbc._ORDER_STEP // 2 :: sbc._ORDER_STEP] = -1000.0 - rng.random(
+            a[sbc._ORDER_STEP // 2 :: sbc._ORDER_STEP].shape[0]
+        )
+    elif kind == "negative":
+        a = -np.abs(a) - 1.0
+    r = 1 + int(r_frac * (n - 1))
+    before = a.copy()
+    lo, hi = sbc._order_stats(a, r)
+    ordered = np.sort(a)
+    assert (lo, hi) == (ordered[r - 1], ordered[n - r])
+    assert np.array_equal(a, before)
