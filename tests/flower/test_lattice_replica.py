@@ -160,7 +160,7 @@ def test_sampled_run_replicas_match_and_catch_ups_are_single_payloads() -> None:
         assert strategy.replica.digest_of(meta.version) in (meta.digest, None)  # type: ignore[union-attr]
 
 
-def test_a_client_on_another_grid_resyncs_and_then_gets_full_then_merged() -> None:
+def test_a_client_on_another_grid_resyncs_then_catches_up_from_its_seeded_model() -> None:
     strategy = make_strategy(**LATTICE, **{"seeded-initial-model": True})
     clients = {n: SeededClient(n) for n in (1, 2)}
     new, _ = train_round(strategy, clients, 1, MODEL, nodes=[1, 2])
@@ -173,13 +173,16 @@ def test_a_client_on_another_grid_resyncs_and_then_gets_full_then_merged() -> No
     reply = log.replies[2]
     assert reply.has_error() and reply.error.code == int(protocol.ErrorCode.RESYNC)
     assert "grid" in reply.error.reason
+    assert protocol.STATE_LATTICE not in clients[2].ctx.state.config_records  # forgotten with the replica
     assert new3 is not None
-    new4, log = train_round(strategy, clients, 4, new3, nodes=[1, 2])
-    assert mode_of(log.downlinks[2]) == "full" and new4 is not None
-    assert protocol.STATE_LATTICE not in clients[2].ctx.state.config_records  # a full replica names no grid
-    _, log = train_round(strategy, clients, 5, new4, nodes=[1, 2])
+    # It rebuilds version 0 itself: one merged payload from version 0, no full model.
+    _, log = train_round(strategy, clients, 4, new3, nodes=[1, 2])
     assert mode_of(log.downlinks[2]) == "chain"
+    (payload,) = payloads_of(log.downlinks[2])
+    assert update_from_bytes(payload).base_model_version == 0
     assert log.uplinks[2]["replica-digest"] == strategy.replica.digest  # type: ignore[union-attr]
+    held = clients[2].ctx.state.config_records[protocol.STATE_LATTICE]
+    assert dict(held) == strategy.replica.grid  # type: ignore[union-attr]
 
 
 def test_a_merged_payload_decodes_as_lattice_only() -> None:
