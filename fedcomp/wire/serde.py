@@ -386,13 +386,14 @@ def _varint(data: bytes | memoryview, pos: int, end: int) -> tuple[int, int]:
 def _scan_update(data: bytes | memoryview, end: int, most: int, bound: str) -> tuple[int, int, array[int]]:
     """Walk the top-level fields of ``data[:end]`` (a ``CompressedUpdate`` without its CRC)
     without parsing any tensor: ``(format_version, base_model_version, tensor bounds)``, the
-    bounds flat as ``start0, stop0, start1, stop1, ...`` (16 bytes a tensor).
+    bounds flat as ``start0, stop0, start1, stop1, ...`` (8 bytes a tensor below 4 GiB, else 16:
+    65,536 tensors without a model cost 0.5 MB).
 
     Fields must come in canonical order (1, 2, then 3 repeated), defaults omitted, nothing else;
     the walk stops at tensor number ``most + 1`` (``bound`` says where ``most`` comes from), so a
     message of a million tiny tensors costs ``most`` steps, not a million."""
     version = base = 0
-    spans = array("q")
+    spans = array("I" if end < 1 << 32 else "q")
     pos, last = 0, 0
     while pos < end:
         at = pos
