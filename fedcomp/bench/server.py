@@ -227,6 +227,7 @@ def aggregate_in_child(spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
     list(strategy.configure_train(1, record_from_tensors(model), ConfigRecord({}), _grid([1])))
     assert strategy.replica is not None
     digest = strategy.replica.digest_of(0)
+    assert digest is not None  # version 0: the model configure_train was just given
     replies = []
     for client, data in enumerate(_read_payloads(workdir / "payloads.bin"), start=1):
         ask = Message(RecordDict(), dst_node_id=client, message_type=MessageType.TRAIN)
