@@ -41,8 +41,8 @@ before each input; glibc's malloc is set to serve every block of 64 kB or more b
 and return it on ``free`` (``mallopt``), so each large buffer counts once its pages are touched,
 whatever earlier inputs left in the heap. (With glibc's default adaptive threshold the same decode
 measured anywhere from 0x, its buffers recycled from an earlier input's heap, to 4x.) Not measured
-off Linux. Each input over the bound is listed with its index: ``--input I`` decodes input ``I``
-of the same seed and model alone and prints its figures.
+off Linux. The inputs the report lists (over memory, slowest, unexpected) carry their index:
+``--input I`` decodes input ``I`` of the same seed and model alone and prints its figures.
 """
 
 from __future__ import annotations
@@ -202,11 +202,18 @@ class Tally:
         if outcome == "rejected":
             self.rejections[detail.split(":")[0][:60]] += 1
         if outcome in ("other_exception", "run_ended") and len(self.unexpected) < 50:
-            item = {"kind": kind, "outcome": outcome, "error": detail}
+            item: dict[str, Any] = {"index": index, "kind": kind, "outcome": outcome, "error": detail}
             if len(data) <= KEEP_INPUT_BYTES:
                 item["input_hex"] = data.hex()
             self.unexpected.append(item)
-        entry = {"kind": kind, "bytes": size, "seconds": round(seconds, 6), "outcome": outcome, "detail": detail[:160]}
+        entry = {
+            "index": index,
+            "kind": kind,
+            "bytes": size,
+            "seconds": round(seconds, 6),
+            "outcome": outcome,
+            "detail": detail[:160],
+        }
         self.slowest.append(entry)
         if len(self.slowest) > 4 * SLOWEST:
             self.slowest.sort(key=lambda e: -e["seconds"])
