@@ -31,7 +31,7 @@ def tensor_to_le_bytes(t: torch.Tensor) -> bytes:
     return t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-def _readonly_view(data: bytes, dtype: torch.dtype) -> torch.Tensor:
+def _readonly_view(data: bytes | memoryview, dtype: torch.dtype) -> torch.Tensor:
     """A CPU tensor over ``data`` without copying it; only ever read (the source of a copy_)."""
     with warnings.catch_warnings():  # torch warns that the buffer is not writable: it is never written
         warnings.simplefilter("ignore", UserWarning)

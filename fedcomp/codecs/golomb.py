@@ -355,8 +355,10 @@ def _unpack_remainders_np(data: bytes, nnz: int, b: int) -> np.ndarray:
         flat = np.zeros(groups * b, dtype=np.uint8)
         flat[: raw.shape[0]] = raw
         view[:, b - 1 :: -1] = flat.reshape(groups, b)  # little-endian word: the last byte lowest
-        words = chunk.view(np.int64).reshape(groups, 1)
-        return ((words >> _NP_SHIFTS[b]) & ((1 << b) - 1)).reshape(-1)[:nnz]
+        del flat
+        r = chunk.view(np.int64).reshape(groups, 1) >> _NP_SHIFTS[b]
+        r &= (1 << b) - 1
+        return r.reshape(-1)[:nnz]
     nbits = nnz * b
     bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8, count=-(-nbits // 8)))[:nbits].reshape(nnz, b)
     r = np.zeros(nnz, dtype=np.int64)
@@ -384,17 +386,21 @@ def _decode_positions_np(bits: bytes, nnz: int, b: int, numel: int, name: str) -
         raise PayloadError(name, f"{nbytes - canonical} trailing bytes after the position bitstream")
     if end % 8 and bits[-1] & (0xFF >> (end % 8)):
         raise PayloadError(name, "non-zero padding bits after the position bitstream")
+    # In place from here: two int64 arrays of nnz at most (the decoder's memory bound).
     q = np.empty(nnz, dtype=np.int64)  # q_k = zeros_at[k] - zeros_at[k - 1] - 1, zeros_at[0] - offset first
     q[0] = zeros_at[0] - offset
     np.subtract(zeros_at[1:], zeros_at[:-1], out=q[1:])
+    del zeros_at, unary
     q[1:] -= 1
     if int(q.max()) > (numel - 1) >> b:
         raise PayloadError(name, f"positions overflow the tensor's {numel} elements")
-    d = (q << b) + 1
+    d = q
+    d <<= b
+    d += 1
     if b:
         d += _unpack_remainders_np(bits, nnz, b)
     with np.errstate(over="ignore"):
-        idx = np.cumsum(d)  # wraps past 2**63 into negative values, like torch's
+        idx = np.cumsum(d, out=d)  # wraps past 2**63 into negative values, like torch's
     idx -= 1
     if int(idx.min()) < 0 or int(idx[-1]) >= numel:
         raise PayloadError(name, f"positions overflow the tensor's {numel} elements")
