@@ -79,6 +79,10 @@ def example_main(monkeypatch: pytest.MonkeyPatch):
         ("sparsity_grid", ["--delays", "0"], "argument --delays: must be >= 1, got '0'"),
         ("compression_gap", ["--rounds", "-1"], "argument --rounds: must be >= 0, got '-1'"),
         ("compression_gap", ["--partition", "skewed"], "argument --partition: invalid choice: 'skewed'"),
+        ("compression_gap", ["--inner", "fedprox"], "--inner 'fedprox': unknown strategy 'fedprox' (known: fedavg,"),
+        ("compression_gap", ["--inner", "fedavgm:eta=1"], "fedavgm takes server-lr, momentum, got 'eta=1'"),
+        ("compression_gap", ["--inner", "fedadam:eta=fast"], "--inner 'fedadam:eta=fast': eta 'fast' is not a number"),
+        ("compression_gap", ["--inner", "fedavg:lr=1"], "fedavg takes no parameters, got 'lr=1'"),
     ],
 )
 def test_bad_options_exit_2_naming_the_option(example_main, script: str, argv: list[str], message: str) -> None:  # type: ignore[no-untyped-def]
@@ -107,3 +111,19 @@ def test_compression_gap_unknown_setting_names_the_known_ones(example_main) -> N
     with redirect_stderr(err):
         assert module.main(["--only", "nope"]) == 2
     assert "--only: unknown setting(s) ['nope']; known: ['dense'," in err.getvalue()
+
+
+def test_compression_gap_inner_specs_name_their_cache_files_and_titles(example_main) -> None:  # type: ignore[no-untyped-def]
+    module = importlib.import_module("compression_gap")
+    assert module.inner_label("fedavgm") == "fedavgm:server-lr=1,momentum=0.9"  # every default spelled out
+    assert module.inner_label("fedadam:eta=0.003") == "fedadam:eta=0.003,beta-1=0.9,beta-2=0.99,tau=0.001"
+    task = module.Task("default", {"sbc-p": 0.05}, rounds=3)
+    # FedAvg keeps the cache key it had before the axis existed; another strategy gets its own.
+    assert task.key() != module.Task("default", {"sbc-p": 0.05}, rounds=3, inner=module.inner_label("fedavgm")).key()
+    strategy = module.make_inner("fedavgm:server-lr=0.5,momentum=0.7")
+    assert (strategy.server_learning_rate, strategy.server_momentum) == (0.5, 0.7)
+    # A key added later, at its off value, is left out of the hashed settings (cached runs stay valid).
+    off = module.Task("d", {"sbc-p": 0.05, "stale-residual-decay": 1.0}).key_fields()
+    assert "stale-residual-decay" not in off["compression"] and "inner" not in off
+    on = module.Task("d", {"sbc-p": 0.05, "stale-residual-decay": 0.8}).key_fields()
+    assert on["compression"]["stale-residual-decay"] == 0.8
