@@ -24,13 +24,13 @@ from dataclasses import dataclass
 
 import torch
 
-from fedcomp.codecs import get_codec
+from fedcomp.codecs import Codec, DenseFP16, DenseFP32, Sparse, ThreeLC, get_codec
 from fedcomp.flower.replica import ServerReplica
 from fedcomp.methods.base import DownlinkMethod
 from fedcomp.methods.config import CompressionConfig
 from fedcomp.methods.registry import get_downlink
 
-__all__ = ["Trial", "advance_by_policy", "candidates_of", "choose", "distance", "try_candidate"]
+__all__ = ["Trial", "advance_by_policy", "candidates_of", "chain_decoders", "choose", "distance", "try_candidate"]
 
 log = logging.getLogger("flwr").getChild("fedcomp")
 
@@ -151,3 +151,12 @@ def advance_by_policy(
         ", ".join(f"{t.name} {t.nbytes} B lag {t.lag:.3g}" for t in trials),
     )
     return done
+
+
+def chain_decoders() -> list[Codec]:
+    """What a client needs to decode any delta of an "auto" chain: under "auto" the codec changes
+    from round to round, so a client that was away gets a chain that mixes them, while its
+    downlink header names only this round's. These decoders need no setting of their own (3LC
+    reads its scale and zero-run flag from the payload, the sparse codec its value encoding, the
+    dense ones check their fixed encoding); put the header's codec after them, so it wins."""
+    return [ThreeLC(), Sparse(), DenseFP16(), DenseFP32()]

@@ -9,13 +9,14 @@ import pytest
 import torch
 
 from fedcomp.codecs import get_codec
-from fedcomp.errors import ConfigError
-from fedcomp.flower.downlink_policy import Trial, advance_by_policy, choose, distance, try_candidate
+from fedcomp.errors import ConfigError, PayloadError
+from fedcomp.flower.downlink_policy import Trial, advance_by_policy, chain_decoders, choose, distance, try_candidate
 from fedcomp.flower.replica import ServerReplica
 from fedcomp.flower.settings import CompressionConfig
 from fedcomp.methods.downlinks import DenseFP32Downlink, ThreeLCDownlink
 from fedcomp.methods.registry import get_downlink
 from fedcomp.methods.sparse_downlinks import SparseFP16Downlink, SparseFP32Downlink, parse_candidates
+from fedcomp.methods.update import decode_update
 from fedcomp.wire.serde import update_from_bytes
 from tests.flower.helpers import (  # noqa: F401  (server_identity: autouse fixture)
     Client,
@@ -194,3 +195,24 @@ def test_auto_with_a_client_away_for_rounds() -> None:
         assert "resync" in reply.error.reason and mode_of(logs[6].downlinks[3]) == "full"
         assert 5 not in clients[3].seen
     assert 6 in clients[3].seen
+
+
+def test_chain_decoders_read_a_chain_that_mixes_every_candidate_codec() -> None:
+    """The decoders a client needs for a chain of "auto" deltas (for the mod, whose chain today
+    decodes with the header's codec alone): applied in order, they rebuild the server's replica."""
+    replica, prev, target = _replica_and_targets(0.01)
+    client = {k: v.clone() for k, v in replica.tensors.items()}
+    config = _config()
+    sent = []
+    for rnd, method in enumerate((ThreeLCDownlink, SparseFP16Downlink, SparseFP32Downlink, DenseFP32Downlink), 1):
+        target = {k: v + 0.001 * (rnd + 1) for k, v in target.items()}
+        sent.append((replica.version, replica.advance(target, get_codec(method.codec_config(config, rnd)))))
+    header = get_codec(DenseFP32Downlink.codec_config(config, 5))  # the last round's codec
+    for version, data in sent:
+        update = update_from_bytes(data, expected=replica.specs)
+        assert update.base_model_version == version
+        for k, d in decode_update(update, replica.specs, [*chain_decoders(), header]).items():
+            client[k] += d
+    assert all(torch.equal(client[k], replica.tensors[k]) for k in client)
+    with pytest.raises(PayloadError, match="not accepted"):  # the header's codec alone cannot
+        decode_update(update_from_bytes(sent[0][1]), replica.specs, [header])
