@@ -181,7 +181,12 @@ class SBC(Codec):
         if not math.isfinite(mean32):
             raise PayloadError(name, f"mean {mean!r} is not a finite float32")
         idx = decode_positions(bits, nnz, b, numel, name, device)
-        out = torch.zeros(numel, dtype=torch.float32, device=device)
+        if device.type == "cpu":
+            # NumPy's zeros come from calloc: a large output is fresh zero pages that cost nothing
+            # until touched (torch.zeros writes every page), and reading them later stays cheap.
+            out = torch.from_numpy(np.zeros(numel, dtype=np.float32))
+        else:
+            out = torch.zeros(numel, dtype=torch.float32, device=device)
         if idx.numel():
             out.index_fill_(0, idx, mean32)
         return out
