@@ -38,7 +38,16 @@ def toy() -> Iterator[type[UplinkMethod]]:
 
 def test_builtin_methods_are_registered_by_their_ids() -> None:
     assert set(UPLINKS) == {"sbc", "stc", "topk", "deft", "gradiveq", "dense-fp32", "dense-fp16", "identity"}
-    assert set(DOWNLINKS) == {"3lc", "dense-fp32", "dense-fp16", "identity"}
+    assert set(DOWNLINKS) == {
+        "3lc",
+        "dense-fp32",
+        "dense-fp16",
+        "identity",
+        "lattice",
+        "sparse-fp32",
+        "sparse-fp16",
+        "auto",
+    }
     for mid, cls in UPLINKS.items():
         assert cls.method_id == mid and get_uplink(mid) is cls
     with pytest.raises(ConfigError, match="uplink-codec: unknown uplink method 'nope'"):
