@@ -28,6 +28,7 @@ from array import array
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
+from google.protobuf.descriptor import FieldDescriptor as _FieldDescriptor
 from google.protobuf.message import DecodeError as _PbDecodeError
 
 from fedcomp.errors import PayloadError
@@ -302,29 +303,55 @@ def _walk(data: memoryview, start: int, end: int, most: int, what: str) -> list[
     return fields
 
 
+def _wire_type(field: _FieldDescriptor) -> int:
+    """The wire type a canonical encoding gives ``field`` (repeated scalars are packed)."""
+    if field.is_repeated or field.type in (field.TYPE_STRING, field.TYPE_BYTES, field.TYPE_MESSAGE):
+        return 2
+    if field.type in (field.TYPE_FLOAT, field.TYPE_FIXED32, field.TYPE_SFIXED32):
+        return 5
+    if field.type in (field.TYPE_DOUBLE, field.TYPE_FIXED64, field.TYPE_SFIXED64):
+        return 1
+    return 0
+
+
+#: Wire type of each field of ``CompressedTensor`` and of each payload message, by field number.
+_TENSOR_WIRE = {f.number: _wire_type(f) for f in pb.CompressedTensor.DESCRIPTOR.fields}
+_PAYLOAD_WIRE = {
+    number: {
+        f.number: _wire_type(f) for f in pb.CompressedTensor.DESCRIPTOR.fields_by_number[number].message_type.fields
+    }
+    for number in _BYTES_FIELDS
+}
+
+
 def _parse_tensor(data: bytes | memoryview, what: str) -> tuple[pb.CompressedTensor, dict[str, memoryview]]:
     """Parse one canonical ``CompressedTensor`` without copying its payload's bytes fields.
 
-    The tensor's fields are walked by hand (:func:`_walk`). When the last one is the payload
-    (canonical order puts it last), its ``bytes`` fields (:data:`_BYTES_FIELDS`) are cut out as
-    views of ``data``; protobuf parses the rest (the tensor with a payload message holding only
-    its scalars, a few dozen bytes) and :func:`_parse_canonical` checks it is canonical. The cut
-    fields are canonical too: in order (the walk), non-empty (an empty one is its default and
-    must be omitted), minimal length varints, and fields of that payload type (anything else is
-    rejected). Returns the parsed rest and the cut fields by name."""
+    The tensor's fields are walked by hand (:func:`_walk`): known field numbers, in order, each
+    with the wire type a canonical encoding gives it (else "not canonically encoded", before
+    anything is copied). When the last one is the payload (canonical order puts it last), its
+    ``bytes`` fields (:data:`_BYTES_FIELDS`) are cut out as views of ``data``; protobuf parses the
+    rest (the tensor with a payload message holding only its scalars: a few dozen bytes plus the
+    name and codec id) and :func:`_parse_canonical` checks it is canonical. The cut fields are
+    canonical too: in order, known, non-empty (an empty one is its default and must be omitted),
+    minimal length varints. Returns the parsed rest and the cut fields by name."""
     view = memoryview(data).toreadonly()
     fields = _walk(view, 0, len(view), _TENSOR_FIELDS, what)
-    if not fields or fields[-1][0] not in _BYTES_FIELDS or fields[-1][1] != 2:
-        if any(f[0] in _BYTES_FIELDS for f in fields):  # a payload and a later field: two payloads or unknown
-            raise PayloadError("", f"{what} is not canonically encoded (FORMAT.md, Envelope)")
+    payloads = [f for f in fields if f[0] in _BYTES_FIELDS]
+    if any(_TENSOR_WIRE.get(f[0]) != f[1] for f in fields) or len(payloads) > 1:
+        raise PayloadError("", f"{what} is not canonically encoded (FORMAT.md, Envelope)")
+    if not payloads:
         return _parse_canonical(view, what), {}
-    number, _, key_at, sub_at, stop = fields[-1]
+    number, _, key_at, sub_at, stop = fields[-1]  # the payload: the highest field number, so last
     kind, cuttable = _BYTES_FIELDS[number]
+    wires = _PAYLOAD_WIRE[number]
     rest = bytearray()
     cut: dict[str, memoryview] = {}
     for field, wire, at, value_at, end in _walk(view, sub_at, stop, _PAYLOAD_FIELDS, f"{what} ({kind} payload)"):
+        if wires.get(field) != wire:
+            raise PayloadError("", f"{what} ({kind} payload) is not canonically encoded (FORMAT.md, Envelope)")
         name = cuttable.get(field)
-        if name is None or wire != 2:
+        if name is None:
             rest += view[at:end]
         elif end == value_at:
             raise PayloadError(
@@ -332,8 +359,6 @@ def _parse_tensor(data: bytes | memoryview, what: str) -> tuple[pb.CompressedTen
             )
         else:
             cut[name] = view[value_at:end]
-    if not cut:
-        return _parse_canonical(view, what), {}
     head = bytes(view[:key_at]) + _key(number, 2) + _encode_varint(len(rest)) + bytes(rest)
     return _parse_canonical(head, what), cut
 

@@ -102,6 +102,12 @@ def test_a_cut_field_must_be_canonical_too():
         "data repeated": head + b"\x62\x1e\x08\x01\x12\x0c" + bytes(12) + b"\x12\x0c" + bytes(12),
         # a non-minimal length varint for data
         "non-minimal length": head + b"\x62\x11\x08\x01\x12\x8c\x00" + bytes(12),
+        # a field DensePayload does not have (field 3), holding 64 kB
+        "unknown payload field": head + b"\x62\x86\x80\x04\x08\x01\x1a\x80\x80\x04" + bytes(65536),
+        # the encoding (an enum: varint) as a length-delimited field
+        "wrong wire type in the payload": head + b"\x62\x12\x0a\x02\x01\x01\x12\x0c" + bytes(12),
+        # dtype (field 3, a varint) as a length-delimited field of 64 kB, in the tensor's header
+        "wrong wire type in the tensor": b"\x0a\x01w\x1a\x80\x80\x04" + bytes(65536),
     }
     for case, data in cases.items():
         with pytest.raises(PayloadError, match="not canonically encoded") as info:
