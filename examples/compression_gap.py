@@ -21,11 +21,12 @@ Emulated time at a link speed adds per round one client round's compute, the cod
 slowest client's encode plus the server's codec work, measured in the run) and the bytes of the
 client that moved the most over its link (one link per client, no contention). The compute is
 the same for every arm of a table -- each run calibrates it before its first round as the fastest
-of 5 timed ``train_local`` calls of one round's steps, and the table charges the fastest of its
-runs' calibrations -- rather than each arm's measured training time: all arms train the same model
-with the same steps and batch, and on a shared machine the measured time mostly measures the
-other jobs (a departure from timing each round; a table none of whose runs was calibrated falls
-back to the dense arm's median round).
+of 5 ``train_local`` calls of one round's steps in CPU seconds (one torch thread), and the table
+charges the fastest of its runs' calibrations -- rather than each arm's measured training time:
+all arms train the same model with the same steps and batch, and on a shared machine the wall
+time mostly measures the other jobs (a departure from timing each round; a table none of whose
+runs was calibrated falls back to the dense arm's median round). The codec time is wall time as
+the library measures it, so it still grows with the machine's load.
 
 ``--inner fedavgm:server-lr=1,momentum=0.9`` (or ``fedadam:eta=0.01,tau=0.001``) puts Flower's
 server optimiser under both the dense and the compressed arms, so each pair is comparable.
@@ -406,7 +407,7 @@ def run(task: Task, data_dir: str | None) -> dict[str, Any]:
         "params": params,
         "history": [asdict(h) for h in history],
         "final_norm": float(sum(float(v.double().pow(2).sum()) for v in final.values())) ** 0.5,
-        "round_compute_s": round_compute_s,
+        "round_compute_cpu_s": round_compute_s,
         "residual_uses": uses,
         "seconds": time.perf_counter() - t_start,
     }
@@ -417,12 +418,14 @@ def _norm(tensors: Mapping[str, torch.Tensor]) -> float:
 
 
 def calibrate_round_compute(task: Task, data: Any, repeats: int = 5) -> float:
-    """Seconds one client's round of training takes here: the fastest of ``repeats`` timed
-    ``train_local`` calls with the task's steps and batch (the least disturbed by other jobs)."""
+    """Seconds one client's round of training takes here: the fastest of ``repeats``
+    ``train_local`` calls with the task's steps and batch, timed in CPU seconds of this process
+    (one torch thread), which other jobs on a shared machine barely change -- its wall time can
+    be 20x longer under load."""
     best = math.inf
     for i in range(repeats):
         net = LeNet5Caffe()
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         train_local(
             net,
             (data.x, data.y),
@@ -431,7 +434,7 @@ def calibrate_round_compute(task: Task, data: Any, repeats: int = 5) -> float:
             batch_size=task.batch_size,
             generator=torch.Generator().manual_seed(i),
         )
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, time.process_time() - t0)
     return best
 
 
@@ -490,7 +493,7 @@ def round_compute_seconds(results: Mapping[str, Mapping[str, Any]], dense: Mappi
     fastest calibration among the table's runs (all arms do the same compute; the fastest is the
     least disturbed by other jobs), or, when none was calibrated (runs cached before the
     calibration existed), the median over the dense run's rounds of its slowest client's time."""
-    calibrated = [float(r["round_compute_s"]) for r in results.values() if r.get("round_compute_s") is not None]
+    calibrated = [float(r["round_compute_cpu_s"]) for r in results.values() if r.get("round_compute_cpu_s") is not None]
     if calibrated:
         return min(calibrated), "the fastest calibration of this table's runs"
     return statistics.median(
