@@ -58,6 +58,6 @@ def test_the_wrapped_quickstart_reports_compression_through_flower(tmp_path: Pat
     assert int(lines[1][1]) == r2["fedcomp.uplink-bytes"]
     # The app's own accuracy is there too, beside the figures, and it learns: 0.35 after two
     # short rounds of 59 batches (chance, and the initial model, are at 0.1). How far compressed
-    # training trails plain training is measured by `examples/compression_gap.py`, not here.
+    # training trails plain training is measured by `examples/quickstart/compare.py`, not here.
     acc = [r["accuracy"] for r in results["rounds"]]
     assert len(acc) == 3 and acc[2] > acc[0] + 0.15, json.dumps(results["rounds"])
