@@ -28,7 +28,7 @@ PLAIN = [SBC(0.1, "exact"), STC(0.1), ThreeLC(1.5), TopK(p=0.1), DenseFP32(), De
 
 def test_the_allow_list_names_every_codec_by_its_id():
     assert sorted(CODECS) == sorted(
-        ["sbc", "stc", "3lc", "topk", "dense-fp32", "dense-fp16", "identity", "gradiveq", "sparse"]
+        ["sbc", "stc", "3lc", "topk", "dense-fp32", "dense-fp16", "identity", "gradiveq", "lattice", "sparse"]
     )
     assert all(cls.codec_id == cid for cid, cls in CODECS.items())
 
