@@ -11,6 +11,9 @@ tries every downlink in ``downlink-candidates`` on a scratch copy of the replica
 smallest whose replica lag ``||W - R|| / ||W - W_prev||`` is at most ``replica-lag-max``; if none
 is, the one with the least lag. A candidate is a downlink method id, optionally with ``*N``: up to
 N passes on what is still missing (as ``downlink-passes``, stopping once the bound is met).
+``downlink-passes`` itself does not apply under ``auto`` (the candidates say the passes); a
+``lattice`` candidate is not supported (its replica grid and merged catch-ups assume every delta
+is a lattice one).
 """
 
 from __future__ import annotations
