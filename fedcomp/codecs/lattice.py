@@ -66,7 +66,7 @@ class Lattice(Codec):
     codec_id = "lattice"
     version = 1
 
-    def __init__(self, step: float = 0.5, exponent: int | None = None) -> None:
+    def __init__(self, step: float = 8.0, exponent: int | None = None) -> None:
         if isinstance(step, bool) or not isinstance(step, (int, float)) or not (math.isfinite(step) and step > 0):
             raise ConfigError(f"lattice: step must be a finite number > 0, got {step!r}")
         if exponent is not None and (

@@ -112,7 +112,7 @@ class DownlinkMode(StrEnum):
     """How a client is brought to the server's replica."""
 
     NONE = "none"  # already up to date
-    CHAIN = "chain"  # the deltas it missed, in order
+    CHAIN = "chain"  # the deltas it missed, in order (lattice: one payload, their exact sum)
     FULL = "full"  # the whole replica, dense fp32
 
 
