@@ -75,6 +75,8 @@ SECONDS_PER_MB = 1.0
 #: Memory budget per input: peak RSS growth at most this many times the model's fp32 bytes.
 MEMORY_FACTOR = 2.0
 SLOWEST = 10
+#: The report keeps this many of the inputs over the memory bound, the worst first.
+WORST = 20
 #: Inputs up to this size are kept (hex) with an unexpected exception, as a repro.
 KEEP_INPUT_BYTES = 4096
 
@@ -180,6 +182,7 @@ class Tally:
         detail: str,
         data: bytes = b"",
         index: int | None = None,
+        codec: str | None = None,
     ) -> None:
         self.outcomes[outcome] += 1
         self.by_kind.setdefault(kind, Counter())[outcome] += 1
@@ -195,10 +198,20 @@ class Tally:
             if factor > MEMORY_FACTOR:
                 self.outcomes["over_memory"] += 1
                 self.by_kind[kind]["over_memory"] += 1
-                if len(self.over_memory) < 20:
-                    self.over_memory.append(
-                        {"index": index, "kind": kind, "bytes": size, "factor": round(factor, 3), "outcome": outcome}
-                    )
+                # the worst ones (by factor) are kept, each with what replays it (--input)
+                entry = {
+                    "index": index,
+                    "codec": codec,
+                    "kind": kind,
+                    "bytes": size,
+                    "factor": round(factor, 3),
+                    "outcome": outcome,
+                    "detail": detail[:120],
+                }
+                self.over_memory.append(entry)
+                if len(self.over_memory) > 4 * WORST:
+                    self.over_memory.sort(key=lambda e: -e["factor"])
+                    del self.over_memory[WORST:]
         if outcome == "rejected":
             self.rejections[detail.split(":")[0][:60]] += 1
         if outcome in ("other_exception", "run_ended") and len(self.unexpected) < 50:
@@ -227,7 +240,7 @@ class Tally:
             "top_rejection_reasons": dict(self.rejections.most_common(25)),
             "slowest": self.slowest[:SLOWEST],
             "unexpected": self.unexpected,
-            "over_memory_inputs": self.over_memory,
+            "over_memory_inputs": sorted(self.over_memory, key=lambda e: -e["factor"])[:WORST],
             "max_seconds_per_mb": self.max_seconds_per_mb,
             "max_memory_factor": self.max_memory_factor,
             "seconds_in_inputs": self.seconds,
@@ -540,7 +553,7 @@ def fuzz_payloads(
         d = decode_one(corpus, codec, data, i % 2 == 0, memory)
         nonfinite += d.nonfinite
         label = f"{kind} [{codec}]" if detail_by_codec else kind
-        tally.add(label, d.outcome, d.seconds, len(data), d.grew, d.detail, data, index=i)
+        tally.add(label, d.outcome, d.seconds, len(data), d.grew, d.detail, data, index=i, codec=codec)
         if progress and (i + 1) % 10_000 == 0:
             print(f"payloads: {i + 1}/{n} ({time.perf_counter() - t_start:.0f} s)", file=sys.stderr)
     out = tally.report()
