@@ -28,9 +28,12 @@ from fedcomp.flower.mod import compression_mod
 from fedcomp.flower.settings import CompressionConfig
 from fedcomp.flower.strategy import CompressionStrategy
 from fedcomp.methods.bandwidth import (
+    DENSE_CODEC,
     BandwidthBudget,
+    Choice,
     ClientSituation,
     ConstantTotalSparsity,
+    estimate_dense_bytes,
     estimate_sbc_bytes,
     get_policy,
 )
@@ -247,3 +250,55 @@ def test_mod_without_a_budget_keeps_the_schedule_and_still_reports() -> None:
     assert up["sbc-p"] == 0.01 and up["local-iters"] == seen["local-iters"] == 10
     assert "budget-bytes" not in up and "fits" not in up
     assert (up["uplink-mbps"], up["downlink-mbps"], up["latency-ms"]) == (5.0, 50.0, 0.0)
+
+
+# --- codec time counted: dense when it uploads sooner ------------------------------------------
+
+DENSE_BYTES = estimate_dense_bytes(TENSORS)
+#: Codec seconds of one LeNet5 update: SBC (select, Golomb, and the server's decode) vs a copy.
+CODEC_SECONDS = (("sbc", 0.05), ("dense-fp32", 0.004))
+
+
+def _upload_seconds(c: Choice, link: LinkProfile) -> float:
+    codec = "sbc" if c.codec is None else str(c.codec["id"])
+    return dict(CODEC_SECONDS)[codec] + link.uplink_seconds(c.estimated_bytes)
+
+
+def test_a_fast_link_gets_dense_once_codec_time_counts() -> None:
+    policy, budget = ConstantTotalSparsity(), BandwidthBudget()
+    fast, slow = LinkProfile(1000.0, 1000.0, 0), LinkProfile(10.0, 10.0, 0)
+    on_fast = policy.choose(budget, _situation(fast, codec_seconds=CODEC_SECONDS))
+    assert on_fast.codec == DENSE_CODEC and on_fast.estimated_bytes == DENSE_BYTES
+    assert "dense fp32 uploads sooner" in on_fast.reason
+    assert _upload_seconds(on_fast, fast) < dict(CODEC_SECONDS)["sbc"]  # dense beats SBC's codec time alone
+    on_slow = policy.choose(budget, _situation(slow, codec_seconds=CODEC_SECONDS))
+    assert on_slow.codec is None and on_slow.p == 0.01  # 1.4 s of dense bytes vs 0.05 s of SBC
+    # Without measured codec time, bytes alone decide: SBC even on the fast link.
+    assert policy.choose(budget, _situation(fast)).codec is None
+    # A byte budget dense would break keeps the sparse choice, however fast the link.
+    capped = policy.choose(
+        BandwidthBudget(uplink_budget_bytes=DENSE_BYTES - 1), _situation(fast, codec_seconds=CODEC_SECONDS)
+    )
+    assert capped.codec is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(mbps=st.floats(0.1, 10_000.0), sbc_s=st.floats(0.0, 1.0), dense_s=st.floats(0.0, 1.0))
+def test_the_choice_never_uploads_slower_than_dense(mbps: float, sbc_s: float, dense_s: float) -> None:
+    link = LinkProfile(mbps, mbps, 0)
+    seconds = (("sbc", sbc_s), ("dense-fp32", dense_s))
+    c = ConstantTotalSparsity().choose(BandwidthBudget(), _situation(link, codec_seconds=seconds))
+    codec = "sbc" if c.codec is None else "dense-fp32"
+    took = dict(seconds)[codec] + link.uplink_seconds(c.estimated_bytes)
+    assert took <= dense_s + link.uplink_seconds(DENSE_BYTES) + 1e-12
+
+
+def test_a_deadline_pays_the_codec_time_too() -> None:
+    link = LinkProfile(uplink_mbps=1.0, downlink_mbps=1.0, latency_ms=0)
+    budget = BandwidthBudget(round_deadline_s=0.3, p_min=0.0001, p_max=0.5)
+    without = ConstantTotalSparsity(margin=0).choose(budget, _situation(link))
+    # Only SBC measured (no dense figure): the deadline's upload time shrinks by its 0.2 s.
+    counted = ConstantTotalSparsity(margin=0).choose(budget, _situation(link, codec_seconds=(("sbc", 0.2),)))
+    assert without.budget_bytes == int(0.3 * 1e6 / 8)
+    assert counted.budget_bytes is not None and abs(counted.budget_bytes - 0.1 * 1e6 / 8) <= 1
+    assert counted.p < without.p and counted.codec is None

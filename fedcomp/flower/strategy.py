@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
@@ -719,8 +720,8 @@ class _WeightedSum:
                 acc = self._sum(name, self.base[name].shape)
                 if isinstance(term, tuple):
                     idx, value = term
-                    if idx.numel():  # positions are distinct (strictly increasing): no collisions
-                        acc.view(-1).index_add_(0, idx, torch.full((idx.numel(),), weight * value, dtype=acc.dtype))
+                    if idx.numel():  # NumPy's add.at with a scalar: no array of the values is built
+                        np.add.at(acc.view(-1).numpy(), idx.numpy(), weight * value)
                 else:
                     acc.add_(term.reshape(acc.shape), alpha=weight)
             self.base_weight += weight

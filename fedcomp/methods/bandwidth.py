@@ -29,6 +29,17 @@ per tensor, protobuf framing), which is within a few percent of the real payload
 When even ``sbc-p-min`` does not fit, the client sends at ``sbc-p-min`` and reports
 ``fits = false``.
 
+Codec time counts (issue #13): compression pays only when it costs less time than the bytes it
+saves. When the client knows its link and what one whole update costs it in codec time per codec
+(``ClientSituation.codec_seconds``: encode on the client plus decode, seconds, measured), the
+deadline's upload time also pays the chosen codec's seconds, and the policy compares the upload
+it chose (codec seconds + bytes over the uplink) with a dense fp32 upload of the same update: when
+dense is faster (a fast link), the choice names ``{"id": "dense-fp32"}`` as its ``codec``, so a
+fast link never makes a round slower than dense. Every uplink method whose ``p`` the policy picks
+decodes dense fp32 tensors (the base method's decode accepts them), and dense fp32 is lossless,
+so the residual is sent in full and error feedback is not disturbed. Without codec seconds
+(a client that has not measured them) the policy decides on bytes alone, as before.
+
 Other policies: implement the protocol and :func:`register_policy` it under a name, then set
 ``bandwidth-policy`` to that name (the ClientApp must import the module that registers it).
 """
@@ -38,7 +49,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol, runtime_checkable
 
 from fedcomp.codecs.golomb import expected_bits_per_position, golomb_b
@@ -46,11 +57,13 @@ from fedcomp.errors import ConfigError
 from fedcomp.net.links import LinkProfile
 
 __all__ = [
+    "DENSE_CODEC",
     "BandwidthBudget",
     "BandwidthPolicy",
     "Choice",
     "ClientSituation",
     "ConstantTotalSparsity",
+    "estimate_dense_bytes",
     "estimate_sbc_bytes",
     "get_policy",
     "register_policy",
@@ -61,6 +74,15 @@ __all__ = [
 TENSOR_OVERHEAD_BYTES = 24
 #: Framing of the update message itself (format version, base model version).
 UPDATE_OVERHEAD_BYTES = 8
+
+
+#: The codec a policy falls back to when compressing costs more time than it saves.
+DENSE_CODEC: dict[str, Any] = {"id": "dense-fp32"}
+
+
+def estimate_dense_bytes(tensors: Sequence[tuple[str, int]]) -> int:
+    """Bytes of a dense fp32 update of tensors ``(name, numel)``: 4 per value plus framing."""
+    return UPDATE_OVERHEAD_BYTES + sum(4 * n + TENSOR_OVERHEAD_BYTES + len(name.encode()) for name, n in tensors)
 
 
 def estimate_sbc_bytes(tensors: Sequence[tuple[str, int]], p: float, min_numel: int) -> int:
@@ -141,6 +163,14 @@ class ClientSituation:
     local_iters: int  # this round's scheduled local iterations
     downlink_bytes: int = 0  # the downlink payload it received this round
     seconds_per_iter: float = 0.0  # its compute per local iteration (last round); 0 = unknown
+    #: Codec time of one whole update per codec id (encode on the client plus decode), measured;
+    #: ``codec_id`` names the method's codec among them. Empty: unknown (bytes alone decide).
+    codec_seconds: tuple[tuple[str, float], ...] = ()
+    codec_id: str = "sbc"
+
+    def codec_time(self, codec_id: str) -> float | None:
+        """The measured codec seconds of ``codec_id`` (None: not measured)."""
+        return dict(self.codec_seconds).get(codec_id)
 
 
 @dataclass(frozen=True)
@@ -152,6 +182,8 @@ class Choice:
     fits: bool
     reason: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    #: A codec config that replaces the method's for this update (None: the method's, at ``p``).
+    codec: dict[str, Any] | None = None
 
 
 @runtime_checkable
@@ -188,11 +220,15 @@ class ConstantTotalSparsity:
                 - 2 * s.link.latency_ms / 1000.0
                 - s.link.downlink_seconds(s.downlink_bytes)
                 - iters * s.seconds_per_iter
+                - (s.codec_time(s.codec_id) or 0.0)  # compressing takes its time out of the round too
             )
             limits.append(s.link.uplink_bytes_in(spare))
         return min(limits) if limits else None
 
     def choose(self, budget: BandwidthBudget, situation: ClientSituation) -> Choice:
+        return dense_if_faster(self._choose(budget, situation), budget, situation)
+
+    def _choose(self, budget: BandwidthBudget, situation: ClientSituation) -> Choice:
         s, b = situation, budget
         tau = s.p / max(1, s.local_iters)
 
@@ -226,6 +262,31 @@ class ConstantTotalSparsity:
         p = math.exp(lo)
         ok, n, cap = fits(p)
         return Choice(p, n, int(cap), est(p), ok, "largest p that fits")
+
+
+def dense_if_faster(choice: Choice, budget: BandwidthBudget, situation: ClientSituation) -> Choice:
+    """``choice``, or dense fp32 instead when that uploads the update sooner with codec time
+    counted (both codecs' seconds measured, a link known, dense within any byte budget)."""
+    s = situation
+    sparse_s, dense_s = s.codec_time(s.codec_id), s.codec_time(str(DENSE_CODEC["id"]))
+    if choice.codec is not None or s.link is None or sparse_s is None or dense_s is None:
+        return choice
+    dense_bytes = estimate_dense_bytes(s.tensors)
+    if budget.uplink_budget_bytes > 0 and dense_bytes > budget.uplink_budget_bytes:
+        return choice
+    t_sparse = sparse_s + s.link.uplink_seconds(choice.estimated_bytes)
+    t_dense = dense_s + s.link.uplink_seconds(dense_bytes)
+    times = {"upload-seconds-" + s.codec_id: t_sparse, "upload-seconds-dense-fp32": t_dense}
+    if t_dense >= t_sparse:
+        return replace(choice, extra={**choice.extra, **times})
+    return replace(
+        choice,
+        codec=dict(DENSE_CODEC),
+        estimated_bytes=dense_bytes,
+        fits=choice.fits,  # dense uploads sooner than what fitted (or did not) by the deadline
+        reason=f"dense fp32 uploads sooner ({t_dense:.3g} s vs {t_sparse:.3g} s, codec time counted)",
+        extra={**choice.extra, **times},
+    )
 
 
 _POLICIES: dict[str, Callable[[], BandwidthPolicy]] = {"constant-total-sparsity": ConstantTotalSparsity}
