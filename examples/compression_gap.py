@@ -106,9 +106,13 @@ SETTINGS: dict[str, dict[str, Any] | None] = {
 KEYS_ADDED_OFF: dict[str, Any] = {
     "stale-residual-decay": 1.0,
     "stale-residual-clip": 0.0,
-    "lattice-step": 0.5,  # the "lattice" downlink's (issue 12), read only by it
+    "lattice-step": 8.0,  # the "lattice" downlink's (issue 12), read only by it
     "downlink-candidates": "3lc,3lc*2,sparse-fp16,sparse-fp32,dense-fp32",  # the "auto" downlink's
 }
+
+#: The stale-residual policy's keys (fedcomp.methods.feedback.StaleResidual), read here: the mod
+#: does not read them yet (the library's CompressionConfig ignores keys it does not know).
+STALE_KEYS = ("stale-residual-decay", "stale-residual-clip")
 
 #: Server strategies under both arms: Flower's, with their keyword arguments (kebab-case in specs).
 INNER: dict[str, tuple[Any, dict[str, float]]] = {  # (a Strategy class, its parameters)
@@ -189,6 +193,8 @@ class Task:
             del fields["inner"]  # as before the axis existed: the cached FedAvg runs stay valid
         if self.compression is not None:
             resolved = CompressionConfig.from_run_config(self.compression).to_run_config()
+            for k in STALE_KEYS:  # not (yet) keys of the library's config: as they would resolve
+                resolved[k] = float(self.compression.get(k, KEYS_ADDED_OFF[k]))
             for k, off in KEYS_ADDED_OFF.items():
                 if resolved.get(k) == off:
                     del resolved[k]
@@ -317,9 +323,11 @@ def run(task: Task, data_dir: str | None) -> dict[str, Any]:
         round_compute_s = calibrate_round_compute(task, parts[0])
     record_calibration(task, round_compute_s)
     stale = None
-    if wrapper is not None:
-        c = wrapper.config
-        stale = StaleResidual(decay=c.stale_residual_decay, clip=c.stale_residual_clip)
+    if task.compression is not None:
+        comp = task.compression
+        stale = StaleResidual(
+            decay=float(comp.get("stale-residual-decay", 1.0)), clip=float(comp.get("stale-residual-clip", 0.0))
+        )
     encoder_age = {"age": 1}
 
     class _Encoder(UpdateEncoder):

@@ -54,8 +54,6 @@ class CompressionConfig(BaseModel):
     lattice_step: float = Field(8.0, gt=0, le=1024, alias="lattice-step")
     local_iters: Schedule = Field(Schedule.parse(10), alias="local-iters")
     error_feedback: bool = Field(True, alias="error-feedback")
-    stale_residual_decay: float = Field(1.0, gt=0, le=1, alias="stale-residual-decay")  # fedcomp.methods.feedback
-    stale_residual_clip: float = Field(0.0, ge=0, allow_inf_nan=False, alias="stale-residual-clip")  # (same)
     min_compress_numel: int = Field(1000, ge=0, alias="min-compress-numel")
     #: Most downlink deltas kept for clients that missed rounds; the log is also capped at one
     #: dense model's bytes (a longer chain would cost more than the full model).

@@ -29,8 +29,9 @@ from fedcomp.wire.payloads import EncodedTensor
 
 @dataclass(frozen=True)
 class StaleResidual:
-    """How a residual that waited is shrunk before use (run-config keys ``stale-residual-decay``
-    and ``stale-residual-clip``); the defaults change nothing."""
+    """How a residual that waited is shrunk before use; the defaults change nothing. Named after
+    the run-config keys it is meant for, ``stale-residual-decay`` and ``stale-residual-clip``
+    (examples/compression_gap.py reads them; the client mod does not yet)."""
 
     #: Factor per round of waiting beyond the first, in (0, 1]; 1 = no decay.
     decay: float = 1.0
