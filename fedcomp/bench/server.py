@@ -13,7 +13,9 @@ client does) and serialized to wire bytes. Weights (``num-examples``) differ per
 The aggregation runs in a child process, so that its memory is its own: the child rebuilds the
 global model, sets the wrapper up with ``configure_train`` (one node), builds one real Flower reply
 ``Message`` per client (the uplink record as ``compression_mod`` writes it) and times one call of
-``CompressionStrategy.aggregate_train`` over all of them. ``seconds`` is that call alone.
+``CompressionStrategy.aggregate_train`` over all of them. ``seconds`` is that call alone (wall
+time), ``cpu_seconds`` its CPU time (all threads; with ``--threads 1`` on a loaded machine, the
+better estimate of the wall time on an idle core).
 ``peak_rss_bytes`` is the child's peak resident set during that call (Linux ``VmHWM``, reset
 through ``/proc/self/clear_refs`` right before it, so it is the peak of the aggregation, not of the
 setup): the whole process at its peak, with the interpreter, torch, the global model, the replica
@@ -255,15 +257,18 @@ def aggregate_in_child(spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
     gc.collect()
     rss_before = _vm_kib("VmRSS") * 1024
     exact_peak = _reset_peak()
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     arrays, _ = strategy.aggregate_train(1, replies)
-    seconds = time.perf_counter() - t0
+    seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - cpu0
     peak = _vm_kib("VmHWM") * 1024 if exact_peak else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if arrays is None:
         raise RuntimeError(f"the wrapper aggregated nothing: rejected {strategy.traffic[1].rejected}")
     torch.save(tensors_from_record(arrays), workdir / "aggregate.pt")
     return {
         "seconds": seconds,
+        # CPU time of the call, all threads: on a loaded shared machine, with --threads 1, the
+        # better estimate of the wall time the same call takes on an idle core.
+        "cpu_seconds": cpu_seconds,
         "peak_rss_bytes": peak,
         "peak_rss_source": "VmHWM of the aggregation" if exact_peak else "ru_maxrss of the child process",
         "rss_before_bytes": rss_before,
