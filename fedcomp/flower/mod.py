@@ -28,6 +28,7 @@ from flwr.clientapp.typing import ClientAppCallable, Mod  # type: ignore[import-
 from fedcomp.codecs import Codec, DenseFP32, Lattice, TensorSpec, get_codec
 from fedcomp.errors import ConfigError, PayloadError
 from fedcomp.flower import protocol
+from fedcomp.flower.downlink_policy import chain_decoders
 from fedcomp.flower.pending import PendingUpdate
 from fedcomp.flower.persist import ClientStore, store_for
 from fedcomp.flower.protocol import DownlinkHeader, DownlinkMode, ErrorCode, ReplicaMeta, UplinkReport
@@ -205,7 +206,8 @@ def _apply_downlink(st: ClientState, dl: DownlinkHeader, initial: Mapping[str, t
         if isinstance(codec, Lattice):
             _apply_lattice_chain(st, dl)
         else:
-            _apply_chain(st, dl, codec)
+            # Under "auto" a chain may mix codecs; the header's codec comes last, so it wins.
+            _apply_chain(st, dl, [*chain_decoders(), codec])
     if st.replica is None:
         raise PayloadError("", "no replica after the downlink")
     st._digest = None  # the downlink changed the replica
@@ -227,7 +229,7 @@ def _apply_lattice_chain(st: ClientState, dl: DownlinkHeader) -> None:
     st.grid = apply_lattice(st.replica, dl.payloads[0], specs_of(st.replica), st.grid, st.version)
 
 
-def _apply_chain(st: ClientState, dl: DownlinkHeader, codec: Codec) -> None:
+def _apply_chain(st: ClientState, dl: DownlinkHeader, codecs: list[Codec]) -> None:
     """A chain of deltas, one per version, ending at the server's version."""
     assert st.replica is not None and st.version is not None
     # The chain ends at the server's version, one delta per version. A client may already
@@ -238,7 +240,7 @@ def _apply_chain(st: ClientState, dl: DownlinkHeader, codec: Codec) -> None:
         raise PayloadError("", f"a chain to version {dl.version} cannot start from this client's {st.version}")
     specs, v = specs_of(st.replica), st.version
     for data in dl.payloads[skip:]:
-        apply_delta(st.replica, data, specs, codec, v)
+        apply_delta(st.replica, data, specs, codecs, v)
         v += 1
 
 

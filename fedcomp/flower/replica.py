@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -180,7 +180,11 @@ class ServerReplica:
 
 
 def apply_delta(
-    tensors: dict[str, torch.Tensor], data: bytes, specs: list[TensorSpec], codec: Codec, base_version: int
+    tensors: dict[str, torch.Tensor],
+    data: bytes,
+    specs: list[TensorSpec],
+    codec: Codec | Sequence[Codec],
+    base_version: int,
 ) -> None:
     """Add one decoded downlink delta (made against ``base_version``) to ``tensors`` in place.
 
@@ -192,7 +196,8 @@ def apply_delta(
     update = update_from_bytes(data, expected=specs)  # the tensor count bounded by the model
     if update.base_model_version != base_version:
         raise PayloadError("", f"delta is against version {update.base_model_version}, replica is at {base_version}")
-    decoded = decode_update(update, specs, [codec, DenseFP32()], device)
+    codecs = [codec] if isinstance(codec, Codec) else list(codec)
+    decoded = decode_update(update, specs, [DenseFP32(), *codecs], device)
     for k, d in decoded.items():
         tensors[k] += d
 
