@@ -35,7 +35,8 @@ from typing import Any
 import torch
 
 from fedcomp.codecs.base import Codec, TensorSpec, expect_payload
-from fedcomp.codecs.golomb import decode_positions, encode_positions, golomb_b
+from fedcomp.codecs.golomb import decode_positions
+from fedcomp.codecs.topk import sparse_payload
 from fedcomp.errors import ConfigError, PayloadError
 from fedcomp.wire.payloads import DTYPE_SIZES, TORCH_DTYPES, Payload, SparsePayload
 
@@ -86,19 +87,7 @@ class Sparse(Codec):
         return keep.nonzero().view(-1)
 
     def _encode(self, flat: torch.Tensor, name: str) -> tuple[Payload, torch.Tensor | None]:
-        n = flat.numel()
-        idx = self.select(flat, name)
-        vals = flat.index_select(0, idx)
-        if self.values == "float16":
-            vals = vals.clamp(-_F16_MAX, _F16_MAX).to(torch.float16)
-        nnz = idx.numel()
-        b = golomb_b(nnz / n) if nnz else 0
-        raw = vals.contiguous().cpu().view(torch.uint8).numpy().tobytes()
-        payload = SparsePayload(
-            golomb_b=b, nnz=nnz, bits=encode_positions(idx, b), value_encoding=self.values, values=raw
-        )
-        recon = torch.zeros(n, dtype=torch.float32, device=flat.device)
-        return payload, recon.index_copy_(0, idx, vals.to(torch.float32))
+        return sparse_payload(flat, self.select(flat, name), self.values)
 
     # --- decoding -----------------------------------------------------------------------------
 

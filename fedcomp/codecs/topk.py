@@ -40,6 +40,21 @@ _F16_MAX = 65504.0
 Range = tuple[int, int, int]
 
 
+def sparse_payload(flat: torch.Tensor, idx: torch.Tensor, values: str) -> tuple[SparsePayload, torch.Tensor]:
+    """The :class:`SparsePayload` of ``flat`` at the ascending positions ``idx`` (values as
+    ``values``, float16 saturated at +-65504), and what a receiver decodes from it (float32)."""
+    n = flat.numel()
+    vals = flat.index_select(0, idx)
+    if values == "float16":
+        vals = vals.clamp(-_F16_MAX, _F16_MAX).to(torch.float16)
+    nnz = idx.numel()
+    b = golomb_b(nnz / n) if nnz else 0
+    raw = vals.contiguous().cpu().view(torch.uint8).numpy().tobytes()
+    payload = SparsePayload(golomb_b=b, nnz=nnz, bits=encode_positions(idx, b), value_encoding=values, values=raw)
+    recon = torch.zeros(n, dtype=torch.float32, device=flat.device)
+    return payload, recon.index_copy_(0, idx, vals.to(torch.float32))
+
+
 def topk_positions(x: torch.Tensor, k: int, name: str = "") -> torch.Tensor:
     """Ascending positions (int64, on ``x``'s device) of the ``k`` entries of the 1-D float
     tensor ``x`` with the largest magnitude; ties at the boundary go to the lowest indices.
@@ -174,19 +189,7 @@ class TopK(Codec):
         return torch.cat(parts)  # ranges are sorted and disjoint: already ascending
 
     def _encode(self, flat: torch.Tensor, name: str) -> tuple[Payload, torch.Tensor | None]:
-        n = flat.numel()
-        idx = self.select(flat, name).to(flat.device)
-        vals = flat.index_select(0, idx)
-        if self.values == "float16":
-            vals = vals.clamp(-_F16_MAX, _F16_MAX).to(torch.float16)
-        nnz = idx.numel()
-        b = golomb_b(nnz / n) if nnz else 0
-        raw = vals.contiguous().cpu().view(torch.uint8).numpy().tobytes()
-        payload = SparsePayload(
-            golomb_b=b, nnz=nnz, bits=encode_positions(idx, b), value_encoding=self.values, values=raw
-        )
-        recon = torch.zeros(n, dtype=torch.float32, device=flat.device)
-        return payload, recon.index_copy_(0, idx, vals.to(torch.float32))
+        return sparse_payload(flat, self.select(flat, name).to(flat.device), self.values)
 
     # --- decoding -----------------------------------------------------------------------------
 
