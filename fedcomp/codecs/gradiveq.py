@@ -119,7 +119,7 @@ class GradiVeQ(Codec):
         v, d, k, data = payload.compressor_version, payload.slice_size, payload.dim, payload.coefficients
         if not (
             all(isinstance(i, int) and not isinstance(i, bool) for i in (v, d, k))
-            and isinstance(data, (bytes, bytearray))
+            and isinstance(data, (bytes, bytearray, memoryview))
         ):
             raise PayloadError(name, "GradiVeQ payload fields have the wrong types")
         if v != comp.version:

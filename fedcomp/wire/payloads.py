@@ -83,7 +83,7 @@ class GradiVeQPayload:
     compressor_version: int
     slice_size: int
     dim: int
-    coefficients: bytes
+    coefficients: bytes | memoryview  # a view of the received update when parsed (Dense: the same)
 
 
 Payload = SBCPayload | ThreeLCPayload | DensePayload | SparsePayload | GradiVeQPayload | STCPayload

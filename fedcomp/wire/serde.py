@@ -151,7 +151,7 @@ def tensor_to_proto(t: EncodedTensor) -> pb.CompressedTensor:
                 compressor_version=p.compressor_version,
                 slice_size=p.slice_size,
                 dim=p.dim,
-                coefficients=p.coefficients,
+                coefficients=bytes(p.coefficients),  # bytes(bytes) is the same object: no copy
             )
         )
     else:  # pragma: no cover - the Payload union is closed
@@ -217,7 +217,7 @@ def tensor_from_proto(msg: pb.CompressedTensor, blobs: Mapping[str, memoryview] 
             compressor_version=g.compressor_version,
             slice_size=g.slice_size,
             dim=g.dim,
-            coefficients=blob("coefficients", g.coefficients),
+            coefficients=cut.get("coefficients", g.coefficients),  # a view: the decoder copies once
         )
     return EncodedTensor(
         name=name,
