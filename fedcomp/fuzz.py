@@ -112,6 +112,15 @@ def fix_malloc_threshold(threshold: int = MMAP_THRESHOLD) -> bool:
     return bool(libc.mallopt(m_mmap_threshold, threshold)) and bool(libc.mallopt(m_trim_threshold, threshold))
 
 
+def _keep_worst(entries: list[dict[str, Any]], entry: dict[str, Any], key: str, n: int) -> None:
+    """Add ``entry``; keep the list to about the ``n`` largest by ``key`` (trimmed in batches, so
+    each input costs O(1) amortised; the report sorts and cuts it)."""
+    entries.append(entry)
+    if len(entries) > 4 * n:
+        entries.sort(key=lambda e: -e[key])
+        del entries[n:]
+
+
 class PeakMemory:
     """Peak resident-memory growth of this process across a block, via Linux's ``VmHWM``
     (reset by writing 5 to ``/proc/self/clear_refs``). ``available`` is False elsewhere.
@@ -208,10 +217,7 @@ class Tally:
                     "outcome": outcome,
                     "detail": detail[:120],
                 }
-                self.over_memory.append(entry)
-                if len(self.over_memory) > 4 * WORST:
-                    self.over_memory.sort(key=lambda e: -e["factor"])
-                    del self.over_memory[WORST:]
+                _keep_worst(self.over_memory, entry, "factor", WORST)
         if outcome == "rejected":
             self.rejections[detail.split(":")[0][:60]] += 1
         if outcome in ("other_exception", "run_ended") and len(self.unexpected) < 50:
@@ -227,10 +233,7 @@ class Tally:
             "outcome": outcome,
             "detail": detail[:160],
         }
-        self.slowest.append(entry)
-        if len(self.slowest) > 4 * SLOWEST:
-            self.slowest.sort(key=lambda e: -e["seconds"])
-            del self.slowest[SLOWEST:]
+        _keep_worst(self.slowest, entry, "seconds", SLOWEST)
 
     def report(self) -> dict[str, Any]:
         self.slowest.sort(key=lambda e: -e["seconds"])

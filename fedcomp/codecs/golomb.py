@@ -271,12 +271,7 @@ def _decode_positions_torch(bits: bytes, nnz: int, b: int, numel: int, name: str
         found = int((unary == 0).sum())
         raise PayloadError(name, f"position bitstream runs past its end: {found} of {nnz} codewords are terminated")
     zeros_at = zeros_at[:nnz]
-    end = (rem_len - offset) + int(zeros_at[-1]) + 1  # bits used
-    canonical = (end + 7) // 8
-    if canonical != nbytes:
-        raise PayloadError(name, f"{nbytes - canonical} trailing bytes after the position bitstream")
-    if end % 8 and bits[-1] & (0xFF >> (end % 8)):
-        raise PayloadError(name, "non-zero padding bits after the position bitstream")
+    _check_stream_end(bits, nbytes, (rem_len - offset) + int(zeros_at[-1]) + 1, name)
     q = zeros_at.clone()  # q_k = zeros_at[k] - zeros_at[k - 1] - 1, and zeros_at[0] - offset first
     q[1:].sub_(zeros_at[:-1]).sub_(1)
     q[0] -= offset
@@ -380,12 +375,7 @@ def _decode_positions_np(bits: bytes, nnz: int, b: int, numel: int, name: str) -
         found = zeros_at.shape[0]
         raise PayloadError(name, f"position bitstream runs past its end: {found} of {nnz} codewords are terminated")
     zeros_at = zeros_at[:nnz]
-    end = (rem_len - offset) + int(zeros_at[-1]) + 1  # bits used
-    canonical = (end + 7) // 8
-    if canonical != nbytes:
-        raise PayloadError(name, f"{nbytes - canonical} trailing bytes after the position bitstream")
-    if end % 8 and bits[-1] & (0xFF >> (end % 8)):
-        raise PayloadError(name, "non-zero padding bits after the position bitstream")
+    _check_stream_end(bits, nbytes, (rem_len - offset) + int(zeros_at[-1]) + 1, name)
     # In place from here: two int64 arrays of nnz at most (the decoder's memory bound).
     q = np.empty(nnz, dtype=np.int64)  # q_k = zeros_at[k] - zeros_at[k - 1] - 1, zeros_at[0] - offset first
     q[0] = zeros_at[0] - offset
@@ -405,3 +395,13 @@ def _decode_positions_np(bits: bytes, nnz: int, b: int, numel: int, name: str) -
     if int(idx.min()) < 0 or int(idx[-1]) >= numel:
         raise PayloadError(name, f"positions overflow the tensor's {numel} elements")
     return idx
+
+
+def _check_stream_end(bits: bytes, nbytes: int, end: int, name: str) -> None:
+    """The stream's last codeword ends at bit ``end`` (bits used): it must fill exactly the bytes
+    it needs, with zero padding bits (one canonical encoding per position list)."""
+    canonical = (end + 7) // 8
+    if canonical != nbytes:
+        raise PayloadError(name, f"{nbytes - canonical} trailing bytes after the position bitstream")
+    if end % 8 and bits[-1] & (0xFF >> (end % 8)):
+        raise PayloadError(name, "non-zero padding bits after the position bitstream")

@@ -159,6 +159,22 @@ class SBC(Codec):
     # --- decoding -----------------------------------------------------------------------------
 
     def _decode(self, payload: Payload, spec: TensorSpec, device: torch.device) -> torch.Tensor:
+        idx, mean32 = self.positions(payload, spec, device)
+        numel = spec.numel
+        if device.type == "cpu":
+            # NumPy's zeros come from calloc: a large output is fresh zero pages that cost nothing
+            # until touched (torch.zeros writes every page), and reading them later stays cheap.
+            out = torch.from_numpy(np.zeros(numel, dtype=np.float32))
+        else:
+            out = torch.zeros(numel, dtype=torch.float32, device=device)
+        if idx.numel():
+            out.index_fill_(0, idx, mean32)
+        return out
+
+    def positions(self, payload: Payload, spec: TensorSpec, device: torch.device) -> tuple[torch.Tensor, float]:
+        """The decoder without its dense output: the kept positions (ascending, on ``device``) and
+        the one float32 value they share, after every payload check of :meth:`decode` but the
+        envelope's (a server summing replies scatter-adds these instead of materialising)."""
         name = spec.name
         expect_payload(payload, SBCPayload, name)
         assert isinstance(payload, SBCPayload)
@@ -180,16 +196,7 @@ class SBC(Codec):
             mean32 = math.inf
         if not math.isfinite(mean32):
             raise PayloadError(name, f"mean {mean!r} is not a finite float32")
-        idx = decode_positions(bits, nnz, b, numel, name, device)
-        if device.type == "cpu":
-            # NumPy's zeros come from calloc: a large output is fresh zero pages that cost nothing
-            # until touched (torch.zeros writes every page), and reading them later stays cheap.
-            out = torch.from_numpy(np.zeros(numel, dtype=np.float32))
-        else:
-            out = torch.zeros(numel, dtype=torch.float32, device=device)
-        if idx.numel():
-            out.index_fill_(0, idx, mean32)
-        return out
+        return decode_positions(bits, nnz, b, numel, name, device), float(mean32)
 
 
 # --- selection ------------------------------------------------------------------------------

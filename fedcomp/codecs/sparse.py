@@ -35,10 +35,9 @@ from typing import Any
 import torch
 
 from fedcomp.codecs.base import Codec, TensorSpec, expect_payload
-from fedcomp.codecs.golomb import decode_positions
-from fedcomp.codecs.topk import sparse_payload
+from fedcomp.codecs.topk import decode_sparse_payload, sparse_payload
 from fedcomp.errors import ConfigError, PayloadError
-from fedcomp.wire.payloads import DTYPE_SIZES, TORCH_DTYPES, Payload, SparsePayload
+from fedcomp.wire.payloads import Payload, SparsePayload
 
 VALUE_ENCODINGS = ("float32", "float16")
 
@@ -92,31 +91,12 @@ class Sparse(Codec):
     # --- decoding -----------------------------------------------------------------------------
 
     def _decode(self, payload: Payload, spec: TensorSpec, device: torch.device) -> torch.Tensor:
-        name, numel = spec.name, spec.numel
+        name = spec.name
         expect_payload(payload, SparsePayload, name)
         assert isinstance(payload, SparsePayload)
-        nnz = int(payload.nnz)
         if payload.value_encoding not in VALUE_ENCODINGS:
             raise PayloadError(name, f"value encoding {payload.value_encoding!r} is not one of {list(VALUE_ENCODINGS)}")
-        if nnz > numel:
-            raise PayloadError(name, f"nnz {nnz} exceeds the tensor's {numel} elements")
-        want = nnz * DTYPE_SIZES[payload.value_encoding]
-        if len(payload.values) != want:
-            raise PayloadError(name, f"values are {len(payload.values)} bytes, expected {want} for nnz {nnz}")
-        # The values (nnz <= numel of them, checked above) are checked before anything of the
-        # tensor's size, or the positions, is allocated.
-        vals = torch.frombuffer(bytearray(payload.values), dtype=TORCH_DTYPES[payload.value_encoding]) if nnz else None
-        if vals is not None:
-            if not bool(torch.isfinite(vals).all()):
-                raise PayloadError(name, "a value is NaN or infinite")
-            if not bool((vals != 0).all()):
-                raise PayloadError(name, "a value is zero (the encoder never sends one)")
-        # decode_positions guarantees nnz strictly increasing positions in [0, numel)
-        idx = decode_positions(payload.bits, nnz, payload.golomb_b, numel, name, device)
-        out = torch.zeros(numel, dtype=torch.float32, device=device)
-        if vals is not None:
-            out.index_copy_(0, idx, vals.to(device=device, dtype=torch.float32))
-        return out
+        return decode_sparse_payload(payload, spec, device, nonzero=True)
 
 
 def fp16_error_bound(x: torch.Tensor, threshold: float = FP16_THRESHOLD) -> torch.Tensor:

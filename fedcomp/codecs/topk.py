@@ -55,6 +55,41 @@ def sparse_payload(flat: torch.Tensor, idx: torch.Tensor, values: str) -> tuple[
     return payload, recon.index_copy_(0, idx, vals.to(torch.float32))
 
 
+def decode_sparse_payload(
+    payload: SparsePayload,
+    spec: TensorSpec,
+    device: torch.device,
+    *,
+    nonzero: bool = False,
+    ranges: Sequence[Range] | None = None,
+) -> torch.Tensor:
+    """The dense float32 tensor of a :class:`SparsePayload` whose value encoding is known valid.
+    ``nonzero``: a zero value is an error too; ``ranges``: every position must lie in one."""
+    name, numel = spec.name, spec.numel
+    nnz = int(payload.nnz)
+    if nnz > numel:
+        raise PayloadError(name, f"nnz {nnz} exceeds the tensor's {numel} elements")
+    want = nnz * DTYPE_SIZES[payload.value_encoding]
+    if len(payload.values) != want:
+        raise PayloadError(name, f"values are {len(payload.values)} bytes, expected {want} for nnz {nnz}")
+    # The values (nnz <= numel of them, checked above) are checked before anything of the
+    # tensor's size, or the positions, is allocated.
+    vals = torch.frombuffer(bytearray(payload.values), dtype=TORCH_DTYPES[payload.value_encoding]) if nnz else None
+    if vals is not None:
+        if not bool(torch.isfinite(vals).all()):
+            raise PayloadError(name, "a value is NaN or infinite")
+        if nonzero and not bool((vals != 0).all()):
+            raise PayloadError(name, "a value is zero (the encoder never sends one)")
+    # decode_positions guarantees nnz strictly increasing positions in [0, numel)
+    idx = decode_positions(payload.bits, nnz, payload.golomb_b, numel, name, device)
+    if ranges is not None:
+        check_positions(idx, ranges, name)
+    out = torch.zeros(numel, dtype=torch.float32, device=device)
+    if vals is not None:
+        out.index_copy_(0, idx, vals.to(device=device, dtype=torch.float32))
+    return out
+
+
 def topk_positions(x: torch.Tensor, k: int, name: str = "") -> torch.Tensor:
     """Ascending positions (int64, on ``x``'s device) of the ``k`` entries of the 1-D float
     tensor ``x`` with the largest magnitude; ties at the boundary go to the lowest indices.
@@ -194,27 +229,9 @@ class TopK(Codec):
     # --- decoding -----------------------------------------------------------------------------
 
     def _decode(self, payload: Payload, spec: TensorSpec, device: torch.device) -> torch.Tensor:
-        name, numel = spec.name, spec.numel
+        name = spec.name
         expect_payload(payload, SparsePayload, name)
         assert isinstance(payload, SparsePayload)
-        nnz = int(payload.nnz)
         if payload.value_encoding != self.values:
             raise PayloadError(name, f"value encoding {payload.value_encoding!r} where {self.values!r} was expected")
-        if nnz > numel:
-            raise PayloadError(name, f"nnz {nnz} exceeds the tensor's {numel} elements")
-        want = nnz * DTYPE_SIZES[self.values]
-        if len(payload.values) != want:
-            raise PayloadError(name, f"values are {len(payload.values)} bytes, expected {want} for nnz {nnz}")
-        # The values (nnz <= numel of them, checked above) are finite before anything of the
-        # tensor's size, or the positions, are allocated.
-        vals = torch.frombuffer(bytearray(payload.values), dtype=TORCH_DTYPES[self.values]) if nnz else None
-        if vals is not None and not bool(torch.isfinite(vals).all()):
-            raise PayloadError(name, "a value is NaN or infinite")
-        # decode_positions guarantees nnz strictly increasing positions in [0, numel)
-        idx = decode_positions(payload.bits, nnz, payload.golomb_b, numel, name, device)
-        if self.ranges is not None:
-            check_positions(idx, self.ranges, name)
-        out = torch.zeros(numel, dtype=torch.float32, device=device)
-        if vals is not None:
-            out.index_copy_(0, idx, vals.to(device=device, dtype=torch.float32))
-        return out
+        return decode_sparse_payload(payload, spec, device, ranges=self.ranges)

@@ -34,7 +34,6 @@ import hashlib
 import logging
 import math
 import secrets
-import struct
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -48,8 +47,6 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAdagrad, FedAdam, FedAvg, FedAvgM, FedYogi, Strategy
 
 from fedcomp.codecs import DenseFP32, TensorSpec, get_codec
-from fedcomp.codecs.base import expect_payload
-from fedcomp.codecs.golomb import decode_positions
 from fedcomp.codecs.sbc import SBC
 from fedcomp.errors import ConfigError, PayloadError
 from fedcomp.flower import protocol
@@ -60,7 +57,7 @@ from fedcomp.flower.settings import CompressionConfig
 from fedcomp.flower.traffic import RoundTraffic, metric_record
 from fedcomp.methods.base import UplinkMethod
 from fedcomp.methods.registry import get_downlink, get_uplink
-from fedcomp.wire.payloads import EncodedUpdate, SBCPayload
+from fedcomp.wire.payloads import EncodedUpdate
 from fedcomp.wire.serde import update_from_bytes
 
 __all__ = [
@@ -746,31 +743,9 @@ class _WeightedSum:
 
 
 def _sbc_positions(codec: SBC, enc: Any, spec: TensorSpec) -> tuple[torch.Tensor, float]:
-    """SBC's decoder without its dense output: the kept positions and the one float32 value they
-    share, after the same checks as ``SBC.decode`` (envelope, field types, ``nnz``, a finite
-    float32 mean, a well-formed position stream)."""
+    """SBC's decoder without its dense output, after the same checks as ``SBC.decode``."""
     codec.check_envelope(enc, spec)
-    name, payload = spec.name, enc.payload
-    expect_payload(payload, SBCPayload, name)
-    assert isinstance(payload, SBCPayload)
-    nnz, b, mean, bits = payload.nnz, payload.golomb_b, payload.mean, payload.bits
-    if not (
-        isinstance(nnz, int)
-        and isinstance(b, int)
-        and isinstance(mean, int | float)
-        and isinstance(bits, bytes | bytearray)
-    ):
-        raise PayloadError(name, "SBC payload fields have the wrong types")
-    if nnz > spec.numel:
-        raise PayloadError(name, f"nnz {nnz} exceeds the tensor's {spec.numel} elements")
-    mean = float(mean)
-    try:  # float32 rounding; packing raises OverflowError past float32's range
-        mean32 = struct.unpack("<f", struct.pack("<f", mean))[0] if math.isfinite(mean) else mean
-    except OverflowError:
-        mean32 = math.inf
-    if not math.isfinite(mean32):
-        raise PayloadError(name, f"mean {mean!r} is not a finite float32")
-    return decode_positions(bits, nnz, b, spec.numel, name, "cpu"), float(mean32)
+    return codec.positions(enc.payload, spec, torch.device("cpu"))
 
 
 def _well_formed(msg: Message, check: Callable[[RecordDict], None]) -> bool:
