@@ -30,7 +30,16 @@ from fedcomp.methods.base import DownlinkMethod
 from fedcomp.methods.config import CompressionConfig
 from fedcomp.methods.registry import get_downlink
 
-__all__ = ["Trial", "advance_by_policy", "candidates_of", "chain_decoders", "choose", "distance", "try_candidate"]
+__all__ = [
+    "Trial",
+    "advance_by_policy",
+    "advance_passes",
+    "candidates_of",
+    "chain_decoders",
+    "choose",
+    "distance",
+    "try_candidate",
+]
 
 log = logging.getLogger("flwr").getChild("fedcomp")
 
@@ -66,7 +75,7 @@ def lag_of(after: float, moved: float) -> float:
     return 0.0 if after == 0.0 else math.inf
 
 
-def _passes(
+def advance_passes(
     replica: ServerReplica,
     target: Tensors,
     method: type[DownlinkMethod],
@@ -101,11 +110,24 @@ def try_candidate(
 ) -> Trial:
     """What ``method`` (up to ``max_passes`` passes) would send and leave, measured on a scratch
     copy of ``replica``; ``replica`` itself is not changed."""
+    return _trial(replica, target, method, max_passes, moved, config, server_round)[0]
+
+
+def _trial(
+    replica: ServerReplica,
+    target: Tensors,
+    method: type[DownlinkMethod],
+    max_passes: int,
+    moved: float,
+    config: CompressionConfig,
+    server_round: int,
+) -> tuple[Trial, ServerReplica]:
+    """:func:`try_candidate`, also returning the scratch replica it advanced."""
     scratch = copy.deepcopy(replica)
-    passes, nbytes, after = _passes(
+    passes, nbytes, after = advance_passes(
         scratch, target, method, max_passes, moved, config.replica_lag_max, config, server_round
     )
-    return Trial(method, max_passes, passes, nbytes, after, lag_of(after, moved))
+    return Trial(method, max_passes, passes, nbytes, after, lag_of(after, moved)), scratch
 
 
 def choose(trials: list[Trial], lag_max: float) -> Trial:
@@ -135,13 +157,14 @@ def advance_by_policy(
     candidates: list[tuple[type[DownlinkMethod], int]],
 ) -> Trial:
     """Try every candidate on a scratch copy, then advance ``replica`` with the chosen one (its
-    deltas are what clients get). Returns the chosen trial, as committed."""
-    trials = [try_candidate(replica, target, m, n, moved, config, server_round) for m, n in candidates]
-    best = choose(trials, config.replica_lag_max)
-    passes, nbytes, after = _passes(
-        replica, target, best.method, best.max_passes, moved, config.replica_lag_max, config, server_round
-    )
-    done = Trial(best.method, best.max_passes, passes, nbytes, after, lag_of(after, moved))
+    deltas are what clients get). Returns the chosen trial, as committed.
+
+    The chosen scratch copy is adopted as it is (codecs are deterministic, so encoding the chosen
+    candidate again would give the same bytes and the same replica)."""
+    tried = [_trial(replica, target, m, n, moved, config, server_round) for m, n in candidates]
+    trials = [t for t, _ in tried]
+    done = choose(trials, config.replica_lag_max)
+    vars(replica).update(vars(tried[trials.index(done)][1]))
     log.info(
         "fedcomp: round %s: downlink %s (%s B, lag %.3g); tried %s",
         server_round,

@@ -50,6 +50,7 @@ from fedcomp.codecs import DenseFP32, TensorSpec, get_codec
 from fedcomp.codecs.sbc import SBC
 from fedcomp.errors import ConfigError, PayloadError
 from fedcomp.flower import protocol
+from fedcomp.flower.downlink_policy import advance_by_policy, advance_passes, candidates_of, distance
 from fedcomp.flower.protocol import DownlinkHeader, UpdateOutcome, UpdateStatus, UplinkReport
 from fedcomp.flower.records import fp32_bytes, record_from_tensors, tensors_from_record
 from fedcomp.flower.replica import ServerReplica
@@ -132,12 +133,9 @@ class CompressionStrategy(Strategy):
             self.replica = ServerReplica(target, self.config.delta_log_size, self.config.min_compress_numel)
         elif self._target is None or any(not torch.equal(target[k], self._target[k]) for k in target):
             t = self._traffic(server_round)
-            before = after = _distance(target, self.replica.tensors)
-            moved = _distance(target, self._target) if self._target is not None else 0.0
+            before = after = distance(target, self.replica.tensors)
+            moved = distance(target, self._target) if self._target is not None else 0.0
             t0 = time.perf_counter()
-            # (imported here: the downlink policy's hook is all of this method's business)
-            from fedcomp.flower.downlink_policy import advance_by_policy, candidates_of
-
             candidates = candidates_of(self.config)
             if candidates is not None:
                 # "auto": the smallest candidate that keeps the lag under replica-lag-max, tried on
@@ -147,14 +145,18 @@ class CompressionStrategy(Strategy):
                 t.downlink_passes += chosen.passes
                 after = chosen.after
             else:
-                codec = self.config.downlink_codec_at(server_round)
-                for _ in range(self.config.downlink_passes):
-                    # One delta version per pass: every up-to-date client gets the passes as a chain.
-                    self.replica.advance(target, codec)
-                    t.downlink_passes += 1
-                    after = _distance(target, self.replica.tensors)
-                    if after == 0.0 or (moved > 0 and after / moved <= self.config.replica_lag_max):
-                        break
+                # One delta version per pass: every up-to-date client gets the passes as a chain.
+                passes, _, after = advance_passes(
+                    self.replica,
+                    target,
+                    self.downlink_method,
+                    self.config.downlink_passes,
+                    moved,
+                    self.config.replica_lag_max,
+                    self.config,
+                    server_round,
+                )
+                t.downlink_passes += passes
             t.encode_seconds += time.perf_counter() - t0
             # Diagnostics: how far the clients' replica R trails the model W, relative to how far
             # W moved this round, and how much of the outstanding W - R this downlink closed.
@@ -794,11 +796,6 @@ def _needs_resync_bookkeeping(msg: Message) -> bool:
     and an error that asks for a resync. Other errors (the app failed, its update diverged) leave
     the client's replica as it was, so the server keeps what it knew: no full model next time."""
     return not msg.has_error() or msg.error.code == int(protocol.ErrorCode.RESYNC)
-
-
-def _distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    """L2 norm of ``a - b`` over every tensor (float64 accumulation)."""
-    return float(sum(float((a[k].double() - b[k].double()).pow(2).sum()) for k in a)) ** 0.5
 
 
 def _overrides(method: UplinkMethod, hook: str) -> bool:
