@@ -87,18 +87,20 @@ SETTINGS: dict[str, dict[str, Any] | None] = {
     "sbc1-exact": {"sbc-p": 0.01, "downlink-codec": "dense-fp32"},  # the downlink's share of the gap
     "sbc5-3lc-warm": {"sbc-p": "list:0.5,0.2,0.1,0.05", "3lc-s": 1.0},  # DGC-style warm-up to 5 %
     # The named warm-up preset (fedcomp.methods.schedules): 0.25 -> 0.05 over 4 rounds, then 5 %.
-    "default-warmup": {**APP_COMPRESSION_DEFAULTS, "sbc-p": "warmup:0.05@4"},
+    "default-warmup": {**APP_COMPRESSION_DEFAULTS, "downlink-codec": "3lc", "sbc-p": "warmup:0.05@4"},
     "stc5-3lc": {"uplink-codec": "stc", "sbc-p": 0.05, "3lc-s": 1.0},
     "sbc5-3lcx2": {"sbc-p": 0.05, "3lc-s": 1.0, "downlink-passes": 2},  # a second pass on what 3LC missed
     "sbc1-3lcx2": {"sbc-p": 0.01, "3lc-s": 1.0, "downlink-passes": 2},
     # The reference app's defaults (fedcomp.app.config: the library's plus the seeded initial model).
     "default": dict(APP_COMPRESSION_DEFAULTS),
     # Sparser 3LC deltas (s = 1.5): shorter catch-up chains for clients that were away.
-    "default-s1.5": {**APP_COMPRESSION_DEFAULTS, "3lc-s": 1.5},
+    "default-s1.5": {**APP_COMPRESSION_DEFAULTS, "downlink-codec": "3lc", "3lc-s": 1.5},
+    # The app's defaults before the lattice downlink became one (3LC down, the papers' pairing).
+    "default-3lc": {**APP_COMPRESSION_DEFAULTS, "downlink-codec": "3lc"},
     # Stale-residual remedies (10 of 100 clients: a residual waits ~10 rounds).
-    "default-decay0.8": {**APP_COMPRESSION_DEFAULTS, "stale-residual-decay": 0.8},
-    "default-decay0.9": {**APP_COMPRESSION_DEFAULTS, "stale-residual-decay": 0.9},
-    "default-clip1": {**APP_COMPRESSION_DEFAULTS, "stale-residual-clip": 1.0},
+    "default-decay0.8": {**APP_COMPRESSION_DEFAULTS, "downlink-codec": "3lc", "stale-residual-decay": 0.8},
+    "default-decay0.9": {**APP_COMPRESSION_DEFAULTS, "downlink-codec": "3lc", "stale-residual-decay": 0.9},
+    "default-clip1": {**APP_COMPRESSION_DEFAULTS, "downlink-codec": "3lc", "stale-residual-clip": 1.0},
 }
 
 #: Run-config keys added after results were cached, with the value that changes nothing: left

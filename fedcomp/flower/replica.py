@@ -68,6 +68,10 @@ class ServerReplica:
     # Class defaults, so that a replica pickled before the lattice existed still loads.
     grid: dict[str, int] | None = None
     _lattice_from: int | None = None
+    #: This version's merged lattice catch-ups by the version they start from: clients at the same
+    #: old version in one round share one merge (None: a sum too large to merge). Cleared when the
+    #: replica advances; holds at most one dense model's bytes, like the log.
+    _merged: tuple[int, dict[int, bytes | None]] | None = None
 
     def __init__(self, initial: dict[str, torch.Tensor], max_log: int, min_numel: int) -> None:
         self.tensors = {k: v.detach().to(torch.float32).clone() for k, v in initial.items()}
@@ -153,8 +157,20 @@ class ServerReplica:
         return Downlink("full", (full,), self.version, self.digest)
 
     def _merged_from(self, version: int) -> bytes | None:
-        """One lattice payload from ``version`` to now: the exact integer sum of the logged
-        ``dK`` (None when a sum reaches ``|dK| >= 2**24``: then the full replica goes)."""
+        """One lattice payload from ``version`` to now (cached for this version, see ``_merged``)."""
+        if self._merged is None or self._merged[0] != self.version:
+            self._merged = (self.version, {})
+        cache = self._merged[1]
+        if version not in cache:
+            merged = self._merge_from(version)
+            if sum(len(b) for b in cache.values() if b is not None) + len(merged or b"") > self._log_bytes_cap:
+                return merged  # over the cap: sent, not kept
+            cache[version] = merged
+        return cache[version]
+
+    def _merge_from(self, version: int) -> bytes | None:
+        """The exact integer sum of the logged ``dK`` from ``version`` to now, as one lattice
+        payload (None when a sum reaches ``|dK| >= 2**24``: then the full replica goes)."""
         chain = [b for v, b in self._log if v > version]
         if len(chain) == 1:
             return chain[0]

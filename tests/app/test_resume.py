@@ -15,6 +15,7 @@ import torch
 
 from fedcomp.app.checkpoint import CHECKPOINT_FILE, CheckpointError, ServerCheckpoint, load_checkpoint, save_checkpoint
 from fedcomp.errors import PayloadError
+from fedcomp.flower.settings import CompressionConfig
 from fedcomp.flower.strategy import CompressionStrategy
 from fedcomp.net.deploy import DeployError, LocalDeployment, node_specs
 from fedcomp.net.superlink import find_marked_pids
@@ -22,7 +23,7 @@ from fedcomp.net.superlink import find_marked_pids
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _checkpoint() -> ServerCheckpoint:
+def _checkpoint(downlink: str = "3lc") -> ServerCheckpoint:
     """A checkpoint holding a real strategy state (a replica advanced twice, node records, an
     update outcome) and RNG states."""
     from flwr.app import ArrayRecord
@@ -31,7 +32,7 @@ def _checkpoint() -> ServerCheckpoint:
     from fedcomp.app.apps import initial_model_of
     from fedcomp.flower.protocol import UpdateStatus
 
-    strategy = CompressionStrategy(FedAvg())
+    strategy = CompressionStrategy(FedAvg(), CompressionConfig(downlink_codec=downlink))
     w = {k: v.clone() for k, v in initial_model_of(1).state_dict().items()}
     strategy._sync_replica(ArrayRecord(w), 1)
     w2 = {k: v + 0.01 for k, v in w.items()}
@@ -45,8 +46,9 @@ def _checkpoint() -> ServerCheckpoint:
     return ServerCheckpoint(2, w2, strategy.state_dict(), rounds, {"seed": 1}, [2], py, tr, "2026-01-01T00:00:00+00:00")
 
 
-def test_checkpoint_round_trip_restores_the_whole_state(tmp_path: Path) -> None:
-    ckpt = _checkpoint()
+@pytest.mark.parametrize("downlink", ["3lc", "lattice"])  # lattice: the grid travels in the replica's state
+def test_checkpoint_round_trip_restores_the_whole_state(tmp_path: Path, downlink: str) -> None:
+    ckpt = _checkpoint(downlink)
     path = save_checkpoint(tmp_path, ckpt)
     assert path == tmp_path / CHECKPOINT_FILE and not list(tmp_path.glob(".checkpoint-*"))  # no temp file left
     back = load_checkpoint(tmp_path)
@@ -57,15 +59,17 @@ def test_checkpoint_round_trip_restores_the_whole_state(tmp_path: Path) -> None:
     # node records, outcomes and lineage; it builds the same downlink for a node.
     from flwr.serverapp.strategy import FedAvg
 
-    fresh = CompressionStrategy(FedAvg())
+    config = CompressionConfig(downlink_codec=downlink)
+    fresh = CompressionStrategy(FedAvg(), config)
     assert back.strategy is not None
     fresh.load_state_dict(back.strategy)
-    orig = CompressionStrategy(FedAvg())
+    orig = CompressionStrategy(FedAvg(), config)
     assert ckpt.strategy is not None
     orig.load_state_dict(ckpt.strategy)
     assert fresh.lineage == orig.lineage and fresh.replica is not None and orig.replica is not None
     assert fresh.replica.version == orig.replica.version == 1
     assert fresh.replica.digest == orig.replica.digest
+    assert fresh.replica.grid == orig.replica.grid and (fresh.replica.grid is not None) == (downlink == "lattice")
     assert all(torch.equal(fresh.replica.tensors[k], orig.replica.tensors[k]) for k in orig.replica.tensors)
     assert fresh.replica.downlink_for(0, orig.replica.digest_of(0)) == orig.replica.downlink_for(
         0, orig.replica.digest_of(0)

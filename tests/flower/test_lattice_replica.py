@@ -80,6 +80,24 @@ def test_a_merged_payload_equals_the_chain_bit_for_bit() -> None:
             assert dl.nbytes < sum(len(b) for b in chain[start:])
 
 
+def test_clients_at_one_old_version_share_one_merge_until_the_replica_advances() -> None:
+    codec = get_codec({"id": "lattice", "step": 0.5})
+    replica = ServerReplica(MODEL, max_log=100, min_numel=0)
+    moves = _moves(5)
+    for m in moves[:4]:
+        replica.advance(m, codec)
+    first = replica.downlink_for(1, replica.digest_of(1)).payloads[0]
+    assert replica.downlink_for(1, replica.digest_of(1)).payloads[0] is first  # merged once, not per client
+    assert replica.downlink_for(2, replica.digest_of(2)).payloads[0] != first  # another start, its own merge
+    replica.advance(moves[4], codec)
+    after = replica.downlink_for(1, replica.digest_of(1))
+    held = _clone(MODEL)
+    for v in range(1):
+        apply_lattice(held, replica._log[v][1], specs_of(MODEL), None, v)
+    apply_lattice(held, after.payloads[0], specs_of(MODEL), replica.grid, 1)
+    assert after.payloads[0] != first and digest(held) == replica.digest  # merged anew, to the new model
+
+
 def test_the_replica_is_the_grid_point_of_the_model_and_version_0_stays_the_seeded_model() -> None:
     codec = get_codec({"id": "lattice", "step": 0.5})
     replica = ServerReplica(MODEL, max_log=100, min_numel=0)
