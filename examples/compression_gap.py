@@ -95,6 +95,9 @@ SETTINGS: dict[str, dict[str, Any] | None] = {
     "default": dict(APP_COMPRESSION_DEFAULTS),
     # Sparser 3LC deltas (s = 1.5): shorter catch-up chains for clients that were away.
     "default-s1.5": {**APP_COMPRESSION_DEFAULTS, "downlink-codec": "3lc", "3lc-s": 1.5},
+    # The lattice grid step around the app's default (12): what chose it.
+    "lat8": {**APP_COMPRESSION_DEFAULTS, "lattice-step": 8.0},
+    "lat16": {**APP_COMPRESSION_DEFAULTS, "lattice-step": 16.0},
     # The app's defaults before the lattice downlink became one (3LC down, the papers' pairing).
     "default-3lc": {**APP_COMPRESSION_DEFAULTS, "downlink-codec": "3lc"},
     # Stale-residual remedies (10 of 100 clients: a residual waits ~10 rounds).
@@ -200,6 +203,8 @@ class Task:
             for k, off in KEYS_ADDED_OFF.items():
                 if resolved.get(k) == off:
                     del resolved[k]
+            if resolved.get("downlink-codec") != "lattice":
+                resolved.pop("lattice-step", None)  # read by the lattice downlink only
             fields["compression"] = resolved
         return fields
 
@@ -449,30 +454,34 @@ def calibrate_round_compute(task: Task, data: Any, repeats: int = 5) -> float:
     return best
 
 
+def _same_run_elsewhere(task: Task, path: Path) -> None:
+    """Move a result cached under another file name for the very same run (an older key scheme)
+    to ``path``. Only results that recorded the settings they ran with (``key_fields``) qualify:
+    re-resolving a stored task under today's library defaults would take a run made with other
+    defaults (e.g. the 3LC downlink before lattice became the app's default) for today's."""
+    for other in CACHE.glob(f"{task.setting}-*.json"):
+        stored = json.loads(other.read_text())
+        if stored.get("key_fields") == json.loads(json.dumps(task.key_fields(), default=str)):
+            other.rename(path)
+            return
+
+
 def cached(task: Task) -> dict[str, Any] | None:
     """The cached result of ``task``, if any."""
     path = CACHE / f"{task.key()}.json"
     if not path.exists():
-        for other in CACHE.glob(f"{task.setting}-*.json"):
-            stored = json.loads(other.read_text())
-            if Task(**stored["task"]).key() == task.key():
-                other.rename(path)
-                break
+        _same_run_elsewhere(task, path)
     return json.loads(path.read_text()) if path.exists() else None
 
 
 def cached_run(task: Task, data_dir: str | None, refresh: bool = False) -> dict[str, Any]:
     path = CACHE / f"{task.key()}.json"
     if not path.exists() and not refresh:
-        # A result cached under another file name for the very same run (e.g. an older key).
-        for other in CACHE.glob(f"{task.setting}-*.json"):
-            stored = json.loads(other.read_text())
-            if Task(**stored["task"]).key() == task.key():
-                other.rename(path)
-                break
+        _same_run_elsewhere(task, path)
     if path.exists() and not refresh:
         return json.loads(path.read_text())
     result = run(task, data_dir)
+    result["key_fields"] = json.loads(json.dumps(task.key_fields(), default=str))  # the settings it ran with
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))
     return result

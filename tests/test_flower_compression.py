@@ -58,11 +58,11 @@ def _check_summary(res: dict, run_dir: Path) -> None:
 
 
 def test_compressed_run_learns_and_accounts_every_byte(tmp_path: Path) -> None:
-    # The reference configuration (the pyproject defaults): digits over 10 clients, 5 rounds of
-    # 10 local iterations, SBC at p = 1 % up, 3LC (s = 1) down.
+    # The papers' pairing: digits over 10 clients, 5 rounds of 10 local iterations, SBC at
+    # p = 1 % up, 3LC (s = 1) down (the app's own default downlink, lattice, has its own tests).
     clients, num_rounds = 10, 5
     res = _run(tmp_path, "sbc3lc", clients=clients, **{"num-server-rounds": num_rounds, "local-iters": 10,
-                                                         "sbc-p": 0.01, "3lc-s": 1.0})  # fmt: skip
+                                                         "sbc-p": 0.01, "downlink-codec": "3lc", "3lc-s": 1.0})  # fmt: skip
     print(_figures(res))
     rounds = res["rounds"]
     assert [r["round"] for r in rounds] == list(range(num_rounds + 1))

@@ -50,8 +50,9 @@ class CompressionConfig(BaseModel):
     threelc_s: Schedule = Field(Schedule.parse(1.0), alias="3lc-s")
     threelc_zero_run: bool = Field(True, alias="3lc-zero-run")
     #: "lattice" downlink: grid step relative to the RMS of the first model movement (rounded down to a power
-    #: of two). 8 by measurement: the accuracy of 0.5 at a fifth of the total bytes (docs/lattice.md).
-    lattice_step: float = Field(8.0, gt=0, le=1024, alias="lattice-step")
+    #: of two per tensor). 12 by measurement (docs/lattice.md): the accuracy of 0.5 to 8 at 10 of 100 clients
+    #: and 40 % fewer bytes than 8 on label-skewed data with every client in every round; 16 costs accuracy.
+    lattice_step: float = Field(12.0, gt=0, le=1024, alias="lattice-step")
     local_iters: Schedule = Field(Schedule.parse(10), alias="local-iters")
     error_feedback: bool = Field(True, alias="error-feedback")
     min_compress_numel: int = Field(1000, ge=0, alias="min-compress-numel")
