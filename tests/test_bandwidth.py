@@ -21,10 +21,10 @@ from hypothesis import strategies as st
 
 from fedcomp.app.config import AppConfig
 from fedcomp.app.models import LeNet5Caffe
-from fedcomp.codecs import get_codec
+from fedcomp.codecs import DenseFP32, TensorSpec, get_codec
 from fedcomp.errors import ConfigError
 from fedcomp.flower import protocol as keys
-from fedcomp.flower.mod import compression_mod
+from fedcomp.flower.mod import _CodecClock, compression_mod
 from fedcomp.flower.settings import CompressionConfig
 from fedcomp.flower.strategy import CompressionStrategy
 from fedcomp.methods.bandwidth import (
@@ -37,9 +37,9 @@ from fedcomp.methods.bandwidth import (
     estimate_sbc_bytes,
     get_policy,
 )
-from fedcomp.methods.update import UpdateEncoder
+from fedcomp.methods.update import UpdateEncoder, decode_update
 from fedcomp.net.links import LinkProfile, link_of, parse_link_profiles
-from fedcomp.wire.serde import update_to_bytes
+from fedcomp.wire.serde import update_from_bytes, update_to_bytes
 from tests.flower.helpers import FixedGrid
 
 TENSORS = tuple((k, v.numel()) for k, v in LeNet5Caffe().state_dict().items())
@@ -204,19 +204,23 @@ def _server_identity(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(TaskIdentity, attr, value)
 
 
-def _round_trip(run_config: dict, node_config: dict) -> tuple[Message, CompressionStrategy, dict]:
+def _round_trip(
+    run_config: dict, node_config: dict, context: Context | None = None
+) -> tuple[Message, CompressionStrategy, dict]:
     comp = CompressionConfig.from_run_config(run_config)
     strategy = CompressionStrategy(FedAvg(min_available_nodes=1, min_train_nodes=1), comp)
     model = LeNet5Caffe()
     arrays = ArrayRecord(model.state_dict())
     (out,) = strategy.configure_train(1, arrays, ConfigRecord({"lr": 0.001}), FixedGrid([7]))
-    context = Context(run_id=1, node_id=7, node_config=node_config, state=RecordDict(), run_config={})
+    if context is None:
+        context = Context(run_id=1, node_id=7, node_config=node_config, state=RecordDict(), run_config={})
     seen: dict = {}
 
     def train(msg: Message, ctx: Context) -> Message:
         seen["local-iters"] = msg.content["config"]["local-iters"]
         state = msg.content["arrays"].to_torch_state_dict()
         trained = {k: v + 0.01 * torch.randn_like(v) for k, v in state.items()}
+        seen["delta"] = {k: trained[k] - state[k] for k in state}
         content = RecordDict({"arrays": ArrayRecord(trained), "metrics": MetricRecord({"num-examples": 10})})
         return Message(content, reply_to=msg)
 
@@ -248,8 +252,62 @@ def test_mod_without_a_budget_keeps_the_schedule_and_still_reports() -> None:
     )
     up = reply.content.config_records[keys.UPLINK]
     assert up["sbc-p"] == 0.01 and up["local-iters"] == seen["local-iters"] == 10
-    assert "budget-bytes" not in up and "fits" not in up
+    # A known link runs the policy (dense where that is sooner), but without a budget nothing is capped.
+    assert "budget-bytes" not in up and up["fits"] is True
     assert (up["uplink-mbps"], up["downlink-mbps"], up["latency-ms"]) == (5.0, 50.0, 0.0)
+
+
+def _lenet_numel() -> int:
+    return sum(n for _, n in TENSORS)
+
+
+def test_the_mod_measures_its_codec_time() -> None:
+    """After one bandwidth-aware round the client holds its own codec seconds: its SBC encode
+    (the time it reports) and a few dense fp32 encodes timed on purpose."""
+    context = Context(run_id=1, node_id=7, node_config={"partition-id": 0, "num-partitions": 1}, state=RecordDict(),
+                      run_config={})  # fmt: skip
+    reply, _, _ = _round_trip({"sbc-p": 0.01, "link-profiles": "10,10,0"}, {}, context)
+    up = reply.content.config_records[keys.UPLINK]
+    clock = _CodecClock(context)
+    assert clock.best("sbc") == up["encode-seconds"] and clock.count("sbc") == 1
+    assert clock.count("dense-fp32") == 3 and (clock.best("dense-fp32") or 0.0) > 0
+    assert clock.best("downlink") is None  # round 1's downlink is the full model, not a round's delta
+    seconds = dict(clock.codec_seconds("sbc", "dense-fp32"))
+    assert seconds == {"sbc": clock.best("sbc"), "dense-fp32": clock.best("dense-fp32")}
+
+
+def test_a_fast_client_sends_its_whole_update_dense_and_the_server_takes_it() -> None:
+    """Codec seconds that make dense sooner on a 1 Tbit/s link: the mod sends every tensor as
+    dense fp32, residual included (so none is left), and the strategy aggregates the reply."""
+    context = Context(run_id=1, node_id=7, node_config={"partition-id": 0, "num-partitions": 1}, state=RecordDict(),
+                      run_config={})  # fmt: skip
+    clock = _CodecClock(context)
+    clock.note("sbc", 0.05)
+    clock.note("dense-fp32", 0.001)
+    torch.manual_seed(3)
+    residual = {k: torch.randn_like(v) * 1e-3 for k, v in LeNet5Caffe().state_dict().items() if v.numel() >= MIN_NUMEL}
+    context.state[keys.STATE_RESIDUAL] = ArrayRecord({k: v.clone() for k, v in residual.items()})
+    reply, strategy, seen = _round_trip({"sbc-p": 0.01, "link-profiles": "1000000,1000000,0"}, {}, context)
+    up = reply.content.config_records[keys.UPLINK]
+    assert "sbc-p" not in up and up["estimated-bytes"] == DENSE_BYTES
+    update = update_from_bytes(up["payload"])
+    assert {t.codec_id for t in update.tensors} == {"dense-fp32"} and len(up["payload"]) > 4 * _lenet_numel()
+    specs = [TensorSpec(k, tuple(v.shape), torch.float32) for k, v in seen["delta"].items()]
+    sent = decode_update(update, specs, [DenseFP32()])
+    for k, d in seen["delta"].items():
+        torch.testing.assert_close(sent[k], d + residual.get(k, torch.zeros_like(d)), rtol=0, atol=1e-7)
+    left = context.state.array_records[keys.STATE_RESIDUAL].to_torch_state_dict()
+    assert all(float(t.abs().max()) == 0.0 for t in left.values())
+    strategy.aggregate_train(1, [reply])
+    assert strategy.traffic[1].rejected == {} and strategy.traffic[1].uplink
+    # The same client on a 10 Mbit/s link: 1.4 s of dense bytes against SBC's 0.05 s: it compresses.
+    slow = Context(run_id=1, node_id=7, node_config={"partition-id": 0, "num-partitions": 1}, state=RecordDict(),
+                   run_config={})  # fmt: skip
+    _CodecClock(slow).note("sbc", 0.05)
+    _CodecClock(slow).note("dense-fp32", 0.001)
+    reply, _, _ = _round_trip({"sbc-p": 0.01, "link-profiles": "10,10,0"}, {}, slow)
+    up = reply.content.config_records[keys.UPLINK]
+    assert up["sbc-p"] == 0.01 and "sbc" in {t.codec_id for t in update_from_bytes(up["payload"]).tensors}
 
 
 # --- codec time counted: dense when it uploads sooner ------------------------------------------

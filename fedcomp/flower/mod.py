@@ -34,7 +34,7 @@ from fedcomp.flower.persist import ClientStore, store_for
 from fedcomp.flower.protocol import DownlinkHeader, DownlinkMode, ErrorCode, ReplicaMeta, UplinkReport
 from fedcomp.flower.records import digest, record_from_tensors, tensors_from_record
 from fedcomp.flower.replica import apply_delta, apply_lattice
-from fedcomp.methods.bandwidth import BandwidthBudget, Choice, ClientSituation, get_policy
+from fedcomp.methods.bandwidth import DENSE_CODEC, BandwidthBudget, Choice, ClientSituation, get_policy
 from fedcomp.methods.base import ClientRound, UplinkMethod
 from fedcomp.methods.registry import get_uplink
 from fedcomp.methods.update import UpdateEncoder, decode_update, specs_of
@@ -328,7 +328,10 @@ def _handle(
     _settle_pending(context, st, dl, method, is_train)
     try:
         initial = initial_model(context) if initial_model is not None and st.replica is None else None
+        t_down = time.perf_counter()
         _apply_downlink(st, dl, initial)
+        if dl.mode is DownlinkMode.CHAIN:  # a round's usual downlink (not a resync, not "none")
+            _CodecClock(context).note(_DOWNLINK, time.perf_counter() - t_down)
     except PayloadError as exc:
         st.replica, st.version = None, None
         st.save()
@@ -382,6 +385,14 @@ def _handle(
         base_codec, overrides = codecs
         if plan is not None and plan.codec_config is not None:
             base_codec = get_codec(plan.codec_config)  # p as the bandwidth policy chose it
+        if plan is not None and plan.choice is not None and plan.choice.codec is not None:
+            # The policy went dense (fp32 uploads sooner on this link): the whole update, no
+            # per-tensor codecs. The server decodes dense fp32 tensors for every method whose p
+            # the policy picks. Residual: it goes through the error feedback like any codec, so
+            # this update carries the residual in full and, dense fp32 being lossless, leaves a
+            # zero residual: nothing is dropped and nothing sent twice. A lost dense update is
+            # recovered like any other (it becomes the residual).
+            overrides = None
         feedback = dl.error_feedback and method.error_feedback
         encoder = UpdateEncoder(base_codec, min_numel=dl.min_compress_numel, error_feedback=feedback)
         encoder.load_state_dict(st.residual, device)
@@ -390,6 +401,8 @@ def _handle(
         t0 = time.perf_counter()
         data = update_to_bytes(encoder.encode(delta, base_model_version=st.version, codecs=overrides, keep_sent=keep))
         seconds = time.perf_counter() - t0
+        if plan is not None and plan.choice is not None:
+            _time_codecs(context, base_codec, seconds, delta, dl.min_compress_numel, st.version)
         bad = _not_finite(encoder.state_dict()) or _not_finite(encoder.sent or {})
         if bad:
             # The codec could not represent it (a dense-fp16 value beyond 65504): the same as a
@@ -465,9 +478,12 @@ def _plan_bandwidth(
     raw_iters = config.get(protocol.LOCAL_ITERS) if config is not None else None
     iters = int(raw_iters) if isinstance(raw_iters, int) and not isinstance(raw_iters, bool) else None
     p = method.p_of(rnd.codec_config) if method.adapts_p else None
-    if not method.adapts_p or not budget.active or st.replica is None:
+    # A known link alone is enough: without a budget the policy keeps the scheduled p, but still
+    # goes dense where that uploads sooner (codec time counted).
+    if not method.adapts_p or not (budget.active or link is not None) or st.replica is None:
         return _Plan(link, None, iters, None, p)
     seconds_per_iter = budget.seconds_per_iter or _measured_seconds_per_iter(context)
+    codec_id = str(rnd.codec_config.get("id", method.method_id))
     situation = ClientSituation(
         link=link,
         tensors=tuple((name, t.numel()) for name, t in st.replica.items()),
@@ -476,13 +492,17 @@ def _plan_bandwidth(
         local_iters=iters if iters is not None else 1,
         downlink_bytes=sum(len(b) for b in dl.payloads),
         seconds_per_iter=seconds_per_iter,
+        codec_seconds=_CodecClock(context).codec_seconds(codec_id, str(DENSE_CODEC["id"])),
+        codec_id=codec_id,
     )
     choice = get_policy(budget.policy).choose(budget, situation)
-    codec_config = method.with_p(rnd.codec_config, choice.p)
     if config is not None and iters is not None and choice.local_iters != iters:
         # A copy: the config record may be shared with other messages.
         msg.content[dl.config_key] = ConfigRecord({**config, protocol.LOCAL_ITERS: int(choice.local_iters)})
         iters = int(choice.local_iters)
+    if choice.codec is not None:  # the policy replaced the method's codec (dense fp32): no p
+        return _Plan(link, choice, iters, dict(choice.codec), None)
+    codec_config = method.with_p(rnd.codec_config, choice.p)
     return _Plan(link, choice, iters, codec_config, method.p_of(codec_config))
 
 
@@ -515,3 +535,67 @@ def _bandwidth_report(
 
 def _measured_seconds_per_iter(context: Context) -> float:
     return protocol.measured_seconds_per_iter(context.state.config_records.get(protocol.STATE_BANDWIDTH))
+
+
+#: The downlink's entry in :class:`_CodecClock` (encodes are keyed by codec id).
+_DOWNLINK = "downlink"
+#: Dense encodes timed on purpose, all in the client's first timed round (about one copy of the
+#: update each), so the policy has the fastest of a few from the next round on; a dense round the
+#: policy chose adds its own.
+_DENSE_PROBES = 3
+
+
+class _CodecClock:
+    """The client's codec seconds in ``context.state`` (``protocol.STATE_CODEC_SECONDS``): the
+    fastest seen per entry, like seconds per iteration (a first call's warm-up must not stick),
+    and how many times each was measured."""
+
+    def __init__(self, context: Context) -> None:
+        self.context = context
+        rec = context.state.config_records.get(protocol.STATE_CODEC_SECONDS)
+        self.values: dict[str, Any] = dict(rec) if rec is not None else {}
+
+    def best(self, key: str) -> float | None:
+        v = self.values.get("s." + key)
+        return float(v) if isinstance(v, int | float) and not isinstance(v, bool) and v >= 0 else None
+
+    def count(self, key: str) -> int:
+        v = self.values.get("n." + key)
+        return int(v) if isinstance(v, int) and not isinstance(v, bool) else 0
+
+    def note(self, key: str, seconds: float) -> None:
+        old = self.best(key)
+        self.values["s." + key] = float(seconds if old is None else min(old, seconds))
+        self.values["n." + key] = self.count(key) + 1
+        self.context.state[protocol.STATE_CODEC_SECONDS] = ConfigRecord(dict(self.values))
+
+    def codec_seconds(self, *codec_ids: str) -> tuple[tuple[str, float], ...]:
+        """``ClientSituation.codec_seconds``: per codec, its encode plus the downlink's apply
+        (the round's codec time on this client; the downlink's part is the same for every codec,
+        so it counts in the deadline, not in the choice). Codecs not measured yet are left out."""
+        down = self.best(_DOWNLINK) or 0.0
+        out = []
+        for cid in codec_ids:
+            enc = self.best(cid)
+            if enc is not None:
+                out.append((cid, down + enc))
+        return tuple(out)
+
+
+def _time_codecs(
+    context: Context, used: Codec, seconds: float, delta: Mapping[str, torch.Tensor], min_numel: int, version: int
+) -> None:
+    """Remember this round's encode time under the codec used; until dense fp32 has been timed
+    ``_DENSE_PROBES`` times, time dense encodes of the same delta too (without the residual's
+    one addition: a hair faster than the real dense path), so the policy can compare the two from
+    the next round on."""
+    clock = _CodecClock(context)
+    clock.note(used.codec_id, seconds)
+    dense_id = str(DENSE_CODEC["id"])
+    if used.codec_id == dense_id:
+        return
+    probe = UpdateEncoder(DenseFP32(), min_numel=min_numel, error_feedback=False)
+    for _ in range(max(0, _DENSE_PROBES - clock.count(dense_id))):
+        t0 = time.perf_counter()
+        update_to_bytes(probe.encode(delta, base_model_version=version))
+        clock.note(dense_id, time.perf_counter() - t0)

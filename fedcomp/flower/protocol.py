@@ -45,6 +45,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "SERVER_ROUND",
     "STATE_BANDWIDTH",
+    "STATE_CODEC_SECONDS",
     "STATE_LATTICE",
     "STATE_META",
     "STATE_PENDING",
@@ -85,6 +86,9 @@ STATE_PENDING = "fedcomp.pending"
 STATE_LATTICE = "fedcomp.lattice"
 #: The mod's own measurements for the bandwidth policy (seconds per local iteration).
 STATE_BANDWIDTH = "fedcomp.bandwidth"
+#: context.state ConfigRecord: the client's fastest measured codec seconds (downlink apply, and
+#: encode per uplink codec id), for the bandwidth policy (``fedcomp.flower.mod``).
+STATE_CODEC_SECONDS = "fedcomp.codec-seconds"
 #: Train/evaluate config key: the run's identity across server restarts (a hex token). Clients
 #: key the state they persist on disk by it (``fedcomp.flower.persist``).
 LINEAGE = "fedcomp.lineage"

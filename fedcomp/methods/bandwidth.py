@@ -31,14 +31,19 @@ When even ``sbc-p-min`` does not fit, the client sends at ``sbc-p-min`` and repo
 
 Codec time counts (issue #13): compression pays only when it costs less time than the bytes it
 saves. When the client knows its link and what one whole update costs it in codec time per codec
-(``ClientSituation.codec_seconds``: encode on the client plus decode, seconds, measured), the
-deadline's upload time also pays the chosen codec's seconds, and the policy compares the upload
-it chose (codec seconds + bytes over the uplink) with a dense fp32 upload of the same update: when
-dense is faster (a fast link), the choice names ``{"id": "dense-fp32"}`` as its ``codec``, so a
-fast link never makes a round slower than dense. Every uplink method whose ``p`` the policy picks
-decodes dense fp32 tensors (the base method's decode accepts them), and dense fp32 is lossless,
-so the residual is sent in full and error feedback is not disturbed. Without codec seconds
-(a client that has not measured them) the policy decides on bytes alone, as before.
+(``ClientSituation.codec_seconds``: the client's own measurements, its fastest so far, of
+applying a round's downlink plus encoding its update with that codec; the client mod times its
+real encode every round and, in its first such round, a few dense fp32 encodes of the same
+update), the deadline's upload time also pays the chosen codec's seconds, and the policy compares
+the upload it chose (codec seconds + bytes over the uplink) with a dense fp32 upload of the same
+update: when dense is faster (a fast link), the choice names ``{"id": "dense-fp32"}`` as its
+``codec``, so a fast link never makes a round slower than dense. The server's decode of the
+reply is not counted: the client cannot measure it (``bench links`` charges it). Every uplink
+method whose ``p`` the policy picks decodes dense fp32 tensors (the base method's decode, and the
+streaming sum, accept them), and dense fp32 is lossless, so the residual is sent in full and
+error feedback is not disturbed. Without codec seconds (a client's first round) the policy
+decides on bytes alone, as before. The client mod runs the policy whenever it knows its link or
+a budget applies: a link without a budget keeps the scheduled ``p``, but may still go dense.
 
 Other policies: implement the protocol and :func:`register_policy` it under a name, then set
 ``bandwidth-policy`` to that name (the ClientApp must import the module that registers it).
