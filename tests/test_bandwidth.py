@@ -276,6 +276,35 @@ def test_the_mod_measures_its_codec_time() -> None:
     assert seconds == {"sbc": clock.best("sbc"), "dense-fp32": clock.best("dense-fp32")}
 
 
+def test_the_mod_times_a_rounds_downlink_once_it_serves_the_policy() -> None:
+    """Round 2's downlink is a delta chain: the client times applying it (round 1's was the full
+    model), and the next round's codec seconds include it."""
+    comp = CompressionConfig.from_run_config({"sbc-p": 0.01, "link-profiles": "10,10,0"})
+    strategy = CompressionStrategy(FedAvg(min_available_nodes=1, min_train_nodes=1), comp)
+    context = Context(run_id=1, node_id=7, node_config={"partition-id": 0, "num-partitions": 1}, state=RecordDict(),
+                      run_config={})  # fmt: skip
+
+    def train(msg: Message, ctx: Context) -> Message:
+        state = msg.content["arrays"].to_torch_state_dict()
+        trained = {k: v + 0.01 * torch.randn_like(v) for k, v in state.items()}
+        content = RecordDict({"arrays": ArrayRecord(trained), "metrics": MetricRecord({"num-examples": 10})})
+        return Message(content, reply_to=msg)
+
+    arrays = ArrayRecord(LeNet5Caffe().state_dict())
+    for rnd in (1, 2):
+        (out,) = strategy.configure_train(rnd, arrays, ConfigRecord({"lr": 0.001}), FixedGrid([7]))
+        reply = compression_mod(out, context, train)
+        assert not reply.has_error()
+        new, _ = strategy.aggregate_train(rnd, [reply])
+        assert new is not None
+        arrays = new
+        clock = _CodecClock(context)
+        assert (clock.count("downlink"), clock.count("sbc")) == (rnd - 1, rnd)
+    down = clock.best("downlink")
+    assert down is not None and down > 0
+    assert dict(clock.codec_seconds("sbc"))["sbc"] == pytest.approx(down + (clock.best("sbc") or 0.0))
+
+
 def test_a_fast_client_sends_its_whole_update_dense_and_the_server_takes_it() -> None:
     """Codec seconds that make dense sooner on a 1 Tbit/s link: the mod sends every tensor as
     dense fp32, residual included (so none is left), and the strategy aggregates the reply."""

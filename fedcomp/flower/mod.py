@@ -330,7 +330,9 @@ def _handle(
         initial = initial_model(context) if initial_model is not None and st.replica is None else None
         t_down = time.perf_counter()
         _apply_downlink(st, dl, initial)
-        if dl.mode is DownlinkMode.CHAIN:  # a round's usual downlink (not a resync, not "none")
+        # A round's usual downlink (not a resync, not "none"), for a client that the bandwidth
+        # policy serves (it has timed an encode): other runs keep no codec record.
+        if dl.mode is DownlinkMode.CHAIN and protocol.STATE_CODEC_SECONDS in context.state:
             _CodecClock(context).note(_DOWNLINK, time.perf_counter() - t_down)
     except PayloadError as exc:
         st.replica, st.version = None, None
