@@ -495,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'link':>10} {'dense TTA':>11} {'rounds':>6} {name + ' TTA':>16} {'rounds':>6} {'dense up':>8} "
           f"{'speedup':>8}   {'dense s/round = compute + codec + transfer':<44}{name + ' s/round = compute + codec + transfer'}")  # fmt: skip
     for r in rows:
-        sp = "-" if r["speedup"] is None else f"{r['speedup']:.1f}x"
+        sp = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
         dn, cn = ("-" if n is None else str(n) for n in (r["dense_rounds"], r["compressed_rounds"]))
         print(f"{r['link_mbps']:>5g} Mb/s {_fmt_t(r['dense_time_s']):>11} {dn:>6} "
               f"{_fmt_t(r['compressed_time_s']):>16} {cn:>6} {r['dense_client_rounds']:>8} {sp:>8}   "
