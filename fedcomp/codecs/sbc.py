@@ -21,9 +21,10 @@ from __future__ import annotations
 import math
 import os
 import struct
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -305,15 +306,7 @@ def _threshold_select_cpu(
     ``torch.get_num_threads()`` threads; the parts are joined in order, so the result does not
     depend on the thread count.
     """
-    n = a.shape[0]
-    workers = min(torch.get_num_threads(), n // _PARALLEL_MIN, _MAX_WORKERS)
-    if workers <= 1:
-        parts = [_scan(a, 0, n, thr_hi, thr_lo, limit)]
-    else:
-        bounds = [(n * i // workers) // _CPU_CHUNK * _CPU_CHUNK for i in range(workers)] + [n]
-        pool = _pool()
-        futures = [pool.submit(_scan, a, bounds[i], bounds[i + 1], thr_hi, thr_lo, limit) for i in range(1, workers)]
-        parts = [_scan(a, bounds[0], bounds[1], thr_hi, thr_lo, limit)] + [f.result() for f in futures]
+    parts = split_run(lambda begin, end: _scan(a, begin, end, thr_hi, thr_lo, limit), a.shape[0], _CPU_CHUNK)
     scanned = [part for part in parts if part is not None]
     if len(scanned) < len(parts):
         return None
@@ -351,6 +344,25 @@ def _scan(
 
 
 _POOL: tuple[int, ThreadPoolExecutor] | None = None
+
+T = TypeVar("T")
+
+
+def split_run(fn: Callable[[int, int], T], n: int, align: int, parallel_min: int | None = None) -> list[T]:
+    """``[fn(b_0, b_1), fn(b_1, b_2), ...]``: ``fn`` over contiguous parts of ``[0, n)`` whose
+    inner bounds are multiples of ``align``, in order. Up to ``torch.get_num_threads()`` parts
+    (at most ``_MAX_WORKERS``, one per ``parallel_min`` items, default ``_PARALLEL_MIN``) run at
+    once on the process-wide pool, the first on the calling thread; ``fn`` must release the GIL
+    for its heavy work (NumPy ufuncs do) and write only its own part. Joined in order, so a
+    result that depends only on the parts' concatenation does not depend on the thread count."""
+    per = _PARALLEL_MIN if parallel_min is None else parallel_min
+    workers = min(torch.get_num_threads(), n // max(1, per), _MAX_WORKERS)
+    if workers <= 1:
+        return [fn(0, n)]
+    bounds = [(n * i // workers) // align * align for i in range(workers)] + [n]
+    pool = _pool()
+    futures = [pool.submit(fn, bounds[i], bounds[i + 1]) for i in range(1, workers)]
+    return [fn(bounds[0], bounds[1])] + [f.result() for f in futures]
 
 
 def _pool() -> ThreadPoolExecutor:

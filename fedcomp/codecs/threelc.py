@@ -41,7 +41,13 @@ monotone, so ``round(x / m) == 1`` exactly when ``x >= t`` for one float32 thres
 compares per value then give the same bytes and reconstruction as the division, bit for bit
 (tested against the torch path on CPU). Packing accumulates the digits in uint8, and decoding
 takes the digits off each byte by division by 3. Neither allocates more than a few bytes per
-group of a chunk beyond its output.
+group of a chunk beyond its output. The whole CPU path is NumPy, never torch's CPU kernels
+(their OpenMP regions slow down many-fold on a loaded machine): ``max|T|`` is one read of the
+tensor (min and max per cache-sized chunk), quantize + pack a second, both split into ranges
+run on the CPU threads (:func:`fedcomp.codecs.sbc.split_run`); zero runs are found on the packed
+bytes. Decoding a sparse stream (at most one group in ``_SPARSE_DECODE`` other than 121, the
+usual case for a model delta) skips the expansion: the output is fresh zeros and the five
+values of each listed group are scattered; a denser stream is expanded and unpacked.
 
 On other devices everything is vectorized torch (no Python loop over elements or bytes). The hot paths (quantize + pack + reconstruction on encode, unpack + scale on
 decode) walk the tensor in chunks of groups, handling the five parts of a chunk together as a
@@ -63,6 +69,7 @@ import numpy as np
 import torch
 
 from fedcomp.codecs.base import Codec, TensorSpec, check_wire_dtype, expect_payload
+from fedcomp.codecs.sbc import split_run
 from fedcomp.errors import ConfigError, PayloadError
 from fedcomp.wire.payloads import EncodedTensor, Payload, ThreeLCPayload
 
@@ -77,6 +84,12 @@ MAX_RUN = 14
 _WEIGHTS_F32 = torch.tensor(WEIGHTS, dtype=torch.float32)
 #: Byte for the last piece of a run of r 121s, r = 1..14 (index 0 unused).
 _LAST_PIECE = torch.tensor([0, ZERO_GROUP] + [RUN_BASE + r - 2 for r in range(2, MAX_RUN + 1)], dtype=torch.uint8)
+
+_LAST_PIECE_NP = _LAST_PIECE.numpy()
+#: On CPU, a stream with at most one group in this many other than 121 is decoded sparsely.
+_SPARSE_DECODE = 4
+#: A tensor's groups are split among the CPU threads one range per this many groups.
+_PARALLEL_GROUPS = 1 << 17
 
 _F32_MAX = float(torch.finfo(torch.float32).max)
 # Groups per chunk on CPU: the five parts' slices of this many values stay in cache.
@@ -327,19 +340,30 @@ def _quantize_pack_cpu(a: np.ndarray, t: np.float32, m: float, recon: np.ndarray
     ``le = a <= -t`` (0/1 bytes) give ``q = ge - le``; the byte is the base-3 Horner sum of the
     digits ``q + 1``, accumulated in uint8 as ``sum w_k (ge_k - le_k)`` (wrapping mod 256 on the
     way) plus 121 at the end: exact, since the true value is in 0..242. Padding (digit 0) counts
-    as ``le = 1``.
+    as ``le = 1``. Large tensors are split into ranges of groups coded by the CPU threads
+    (:func:`fedcomp.codecs.sbc.split_run`); each range writes only its own bytes and values.
     """
-    n = a.shape[0]
-    g = groups(n)
+    g = groups(a.shape[0])
     packed = np.empty(g, dtype=np.uint8)
-    width_max = max(1, min(_CPU_CHUNK, g))
+    split_run(lambda g0, g1: _quantize_pack_range(a, t, m, recon, packed, g0, g1), g, _CPU_CHUNK, _PARALLEL_GROUPS)
+    return packed
+
+
+def _quantize_pack_range(
+    a: np.ndarray, t: np.float32, m: float, recon: np.ndarray | None, packed: np.ndarray, g0: int, g1: int
+) -> None:
+    """:func:`_quantize_pack_cpu` for the groups ``[g0, g1)``: writes ``packed[g0:g1]`` and the
+    values of those groups in ``recon``."""
+    n = a.shape[0]
+    g = packed.shape[0]
+    width_max = max(1, min(_CPU_CHUNK, g1 - g0))
     ge = np.empty(width_max, dtype=np.bool_)
     le = np.empty(width_max, dtype=np.bool_)
     q8 = np.empty(width_max, dtype=np.int8)
     neg_t = -t
     m32 = np.float32(m)
-    for a0 in range(0, g, width_max):
-        width = min(width_max, g - a0)
+    for a0 in range(g0, g1, width_max):
+        width = min(width_max, g1 - a0)
         acc = packed[a0 : a0 + width]
         for k in range(5):
             lo = k * g + a0
@@ -362,7 +386,6 @@ def _quantize_pack_cpu(a: np.ndarray, t: np.float32, m: float, recon: np.ndarray
                 np.subtract(gek[:part].view(np.int8), lek[:part].view(np.int8), out=q)
                 np.multiply(q, m32, out=recon[lo : lo + part])
         np.add(acc, ZERO_GROUP, out=acc)
-    return packed
 
 
 def _unpack_scale_cpu(packed: np.ndarray, scale: float, out: np.ndarray) -> None:
@@ -370,18 +393,24 @@ def _unpack_scale_cpu(packed: np.ndarray, scale: float, out: np.ndarray) -> None
 
     The digits come off each byte by division by 3 (last part first); ``q = digit - 1`` is
     widened to float32 and multiplied by ``float32(scale)``: the same float32 products as the
-    torch path (``-1 * 0.0`` is ``-0.0`` there too).
+    torch path (``-1 * 0.0`` is ``-0.0`` there too). Ranges of groups run on the CPU threads.
     """
-    n = out.shape[0]
-    g = groups(n)
+    g = groups(out.shape[0])
     with np.errstate(over="ignore"):
         s32 = np.float32(scale)
-    width_max = max(1, min(_CPU_CHUNK, g))
+    split_run(lambda g0, g1: _unpack_scale_range(packed, s32, out, g0, g1), g, _CPU_CHUNK, _PARALLEL_GROUPS)
+
+
+def _unpack_scale_range(packed: np.ndarray, s32: np.float32, out: np.ndarray, g0: int, g1: int) -> None:
+    """:func:`_unpack_scale_cpu` for the groups ``[g0, g1)``."""
+    n = out.shape[0]
+    g = groups(n)
+    width_max = max(1, min(_CPU_CHUNK, g1 - g0))
     rest = np.empty(width_max, dtype=np.uint8)
     quot = np.empty(width_max, dtype=np.uint8)
     dig = np.empty(width_max, dtype=np.uint8)
-    for a0 in range(0, g, width_max):
-        width = min(width_max, g - a0)
+    for a0 in range(g0, g1, width_max):
+        width = min(width_max, g1 - a0)
         r, qt, d = rest[:width], quot[:width], dig[:width]
         np.copyto(r, packed[a0 : a0 + width])
         for k in range(4, -1, -1):
@@ -396,6 +425,27 @@ def _unpack_scale_cpu(packed: np.ndarray, scale: float, out: np.ndarray) -> None
                 np.copyto(dst, d[:part].view(np.int8), casting="unsafe")
                 np.multiply(dst, s32, out=dst)
             r, qt = qt, r
+
+
+def _max_abs_cpu(a: np.ndarray, name: str) -> float:
+    """:func:`max_abs` of a float32 NumPy array: the min and max of each cache-sized chunk in
+    one read of ``a`` (ranges on the CPU threads); NaN propagates through both, like torch's."""
+    if a.shape[0] == 0:
+        return 0.0
+
+    def extremes(begin: int, end: int) -> tuple[float, float]:
+        lo, hi = [], []
+        for c0 in range(begin, end, _CPU_CHUNK * 5):
+            c = a[c0 : min(end, c0 + _CPU_CHUNK * 5)]
+            lo.append(c.min())
+            hi.append(c.max())
+        return float(np.min(lo)), float(np.max(hi))
+
+    mags = [abs(v) for part in split_run(extremes, a.shape[0], _CPU_CHUNK * 5) for v in part]
+    value = math.nan if any(math.isnan(v) for v in mags) else max(mags)
+    if not math.isfinite(value):
+        raise ValueError(f"tensor {name!r}: 3LC cannot encode non-finite values (max|T| = {value})")
+    return value
 
 
 # --- zero-run encoding ----------------------------------------------------------------------------
@@ -434,6 +484,75 @@ def zero_run_encode(packed: torch.Tensor) -> torch.Tensor:
     if k:
         out[ends[:-1]] = x[pos]
     return out[1:]
+
+
+def _zero_run_encode_np(x: np.ndarray) -> np.ndarray:
+    """:func:`zero_run_encode` of a uint8 NumPy array, in NumPy (the CPU path; same bytes)."""
+    g = x.shape[0]
+    pos = np.flatnonzero(x != ZERO_GROUP)
+    k = pos.shape[0]
+    if k == g:  # no 121 at all
+        return x.copy()
+    bounds = np.empty(k + 2, dtype=np.int64)
+    bounds[0], bounds[-1] = -1, g
+    bounds[1:-1] = pos
+    gap = np.diff(bounds)
+    gap -= 1  # L_i
+    nbytes = (gap + (MAX_RUN - 1)) // MAX_RUN + 1  # c_i + 1
+    ends = np.cumsum(nbytes)
+    out = np.full(int(ends[-1]), RUN_BASE + MAX_RUN - 2, dtype=np.uint8)  # a leading dummy byte, then 255s
+    gap += 2 * MAX_RUN
+    gap -= MAX_RUN * nbytes  # r_i, 14 when L_i = 0
+    out[ends - 1] = _LAST_PIECE_NP[gap]
+    if k:
+        out[ends[:-1]] = x[pos]
+    return out[1:]
+
+
+def _literals_np(x: np.ndarray, expected_len: int, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """The bytes of a zero-run stream that are not 121 and their positions in its expansion
+    (which must be ``expected_len`` bytes long, else :class:`PayloadError`): everything between
+    them expands to 121s. Work and memory are linear in ``len(x)``, not in the expansion."""
+    is_run = x >= RUN_BASE
+    counts = x.astype(np.int64)
+    counts -= RUN_BASE - 2
+    np.copyto(counts, 1, where=~is_run)
+    ends = np.cumsum(counts)
+    total = int(ends[-1]) if ends.shape[0] else 0
+    if total != expected_len:
+        raise PayloadError(name, f"zero runs expand to {total} groups, expected {expected_len}")
+    literal = np.flatnonzero(~is_run & (x != ZERO_GROUP))
+    return (ends[literal] - 1), x[literal]
+
+
+def _zero_run_decode_np(x: np.ndarray, expected_len: int, name: str) -> np.ndarray:
+    """:func:`zero_run_decode` of a uint8 NumPy array, in NumPy (the CPU path; same result)."""
+    pos, vals = _literals_np(x, expected_len, name)
+    out = np.full(expected_len, ZERO_GROUP, dtype=np.uint8)
+    out[pos] = vals
+    return out
+
+
+def _sparse_unpack_scale_np(pos: np.ndarray, vals: np.ndarray, numel: int, scale: float) -> np.ndarray:
+    """``scale * unpack_base243(packed, numel)`` for a packed stream that is 121 everywhere but
+    at ``pos`` (bytes ``vals`` <= 242): zeros (fresh calloc pages, free until touched) and the
+    five values of each listed group written by five scatters. The float32 products are those
+    of :func:`_unpack_scale_cpu` (``q * float32(scale)`` from the same three ``q``), bit for bit:
+    a 121 group is five ``0 * scale = +0.0`` (scale is finite and >= 0)."""
+    g = groups(numel)
+    out = np.zeros(numel, dtype=np.float32)
+    with np.errstate(over="ignore"):
+        table = np.array([-1.0, 0.0, 1.0], dtype=np.float32) * np.float32(scale)
+    rest = vals.copy()
+    for k in range(4, -1, -1):
+        digit = rest % 3
+        rest //= 3
+        at = pos + k * g
+        inside = at < numel  # the padding digits of the last parts are dropped
+        if not inside.all():
+            at, digit = at[inside], digit[inside]
+        out[at] = table[digit]
+    return out
 
 
 def zero_run_expanded_length(data: torch.Tensor) -> int:
@@ -506,25 +625,43 @@ class ThreeLC(Codec):
         return self._payload(flat, name, want_recon=True)
 
     def _payload(self, flat: torch.Tensor, name: str, want_recon: bool) -> tuple[ThreeLCPayload, torch.Tensor | None]:
+        if flat.device.type == "cpu":
+            return self._payload_cpu(flat.contiguous().numpy(), name, want_recon)
         n = flat.numel()
         m = scale_for(max_abs(flat, name), self.s)
         recon: torch.Tensor | None = None
-        t = round_threshold(m) if m > 0.0 and flat.device.type == "cpu" else None
         if m == 0.0:
             packed = _zero_packed(n, flat.device)
             if want_recon:
                 recon = torch.zeros(n, dtype=torch.float32, device=flat.device)
-        elif t is not None:
-            if want_recon:
-                recon = torch.empty(n, dtype=torch.float32)
-            a = flat.contiguous().numpy()
-            packed = torch.from_numpy(_quantize_pack_cpu(a, t, m, None if recon is None else recon.numpy()))
         else:
             packed, recon = _quantize_pack(flat, m)
         if self.zero_run:
             packed = zero_run_encode(packed)
         data = packed.cpu().numpy().tobytes()
         return ThreeLCPayload(scale=m, numel=n, zero_run=self.zero_run, data=data), recon
+
+    def _payload_cpu(self, a: np.ndarray, name: str, want_recon: bool) -> tuple[ThreeLCPayload, torch.Tensor | None]:
+        """:meth:`_payload` on CPU, all in NumPy: one read of ``a`` for ``max|a|``, one for the
+        fused quantize + pack (both on the CPU threads), zero runs found on the packed bytes."""
+        n = a.shape[0]
+        m = scale_for(_max_abs_cpu(a, name), self.s)
+        t = round_threshold(m) if m > 0.0 else None
+        recon: torch.Tensor | None = None
+        if m == 0.0:
+            packed = _zero_packed(n, torch.device("cpu")).numpy()
+            if want_recon:
+                recon = torch.zeros(n, dtype=torch.float32)
+        elif t is not None:
+            if want_recon:
+                recon = torch.empty(n, dtype=torch.float32)
+            packed = _quantize_pack_cpu(a, t, m, None if recon is None else recon.numpy())
+        else:  # a subnormal scale without a threshold: the division path
+            packed_t, recon = _quantize_pack(torch.from_numpy(a), m)
+            packed = packed_t.numpy()
+        if self.zero_run:
+            packed = _zero_run_encode_np(packed)
+        return ThreeLCPayload(scale=m, numel=n, zero_run=self.zero_run, data=packed.tobytes()), recon
 
     def _decode(self, payload: Payload, spec: TensorSpec, device: torch.device) -> torch.Tensor:
         name = spec.name
@@ -546,6 +683,10 @@ class ThreeLC(Codec):
             raise PayloadError(name, f"data is {len(data)} bytes, more than the {g} groups it codes")
         if g == 0:
             return torch.zeros(0, dtype=torch.float32, device=device)
+        if device.type == "cpu":
+            return torch.from_numpy(
+                self._decode_cpu(np.frombuffer(data, dtype=np.uint8), payload.zero_run, numel, name, float(scale))
+            )
         raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
         if payload.zero_run:
             packed = zero_run_decode(raw, g, name)
@@ -555,3 +696,30 @@ class ThreeLC(Codec):
                 raise PayloadError(name, f"byte {top} is not a base-3^5 code (0..242) without zero runs")
             packed = raw
         return _unpack_scale(packed, numel, float(scale), device)
+
+    @staticmethod
+    def _decode_cpu(raw: np.ndarray, zero_run: bool, numel: int, name: str, scale: float) -> np.ndarray:
+        """:meth:`_decode` on CPU (lengths checked), all in NumPy. A sparse update (few groups
+        other than 121, the common case) is decoded from its literal bytes alone, without
+        expanding the zero runs; a dense one is expanded and unpacked by :func:`_unpack_scale_cpu`."""
+        g = groups(numel)
+        if zero_run:
+            pos, vals = _literals_np(raw, g, name)
+        else:
+            top = int(raw.max())
+            if top >= RUN_BASE:
+                raise PayloadError(name, f"byte {top} is not a base-3^5 code (0..242) without zero runs")
+            pos = np.flatnonzero(raw != ZERO_GROUP)
+            vals = raw[pos]
+        with np.errstate(over="ignore"):
+            finite = bool(np.isfinite(np.float32(scale)))  # else 0 * scale is NaN: every group counts
+        if finite and pos.shape[0] * _SPARSE_DECODE <= g:
+            return _sparse_unpack_scale_np(pos, vals, numel, scale)
+        if zero_run:
+            packed = np.full(g, ZERO_GROUP, dtype=np.uint8)
+            packed[pos] = vals
+        else:
+            packed = raw
+        out = np.empty(numel, dtype=np.float32)
+        _unpack_scale_cpu(packed, scale, out)
+        return out
