@@ -1,10 +1,12 @@
 """Dense baselines: fp32, fp16, and a lossless identity codec for tests.
 
-Speed: these codecs should cost a cast and a copy. Encoding casts once (straight to the wire
-type when the input is float32) and copies the result into the payload's ``bytes`` once;
-:meth:`_DenseCodec.encode` builds no reconstruction (only error feedback needs it). Decoding on
-CPU casts straight from the received bytes into the output tensor (one pass, no intermediate copy
-of the wire data).
+Speed: these codecs should cost one cast (which is also the copy). :meth:`_DenseCodec.encode`
+returns a :class:`~fedcomp.wire.fast_writer.DeferredDensePayload`: the tensor is cast when the
+update is serialized, straight into its slot of the wire bytes (``fedcomp.wire.fast_writer``), so
+encoding a whole update writes each value once; it builds no reconstruction (only error feedback
+needs it, through :meth:`_DenseCodec._encode`, which casts eagerly: its input is the feedback's
+accumulator, which may change before the update is written). Decoding on CPU casts straight from
+the received bytes into the output tensor (one pass, no intermediate copy of the wire data).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from fedcomp.codecs.base import Codec, TensorSpec, check_wire_dtype, expect_payload
 from fedcomp.errors import PayloadError
+from fedcomp.wire.fast_writer import DeferredDensePayload
 from fedcomp.wire.payloads import (
     DTYPE_SIZES,
     TORCH_DTYPES,
@@ -47,21 +50,15 @@ class _DenseCodec(Codec):
         flat = tensor.detach().reshape(-1)
         return flat if self._wire is None else flat.to(torch.float32)
 
-    def _wire_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The flat tensor in the wire dtype: one cast from float32 (other inputs go through
-        float32 first, as :meth:`_flatten` defines, so the bytes do not depend on the path)."""
-        flat = tensor.detach().reshape(-1)
-        if self._wire is None:
-            return flat
-        if flat.dtype != torch.float32:
-            flat = flat.to(torch.float32)
-        return flat.to(TORCH_DTYPES[self._wire])
-
     def encode(self, tensor: torch.Tensor, name: str = "") -> EncodedTensor:
-        """:meth:`Codec.encode` without the reconstruction: one cast and one copy into bytes."""
+        """:meth:`Codec.encode` without the reconstruction, and without casting yet: the payload
+        is deferred (:class:`DeferredDensePayload`), cast once when the update is written, straight
+        into the wire bytes. Inputs other than float32 go through float32 first (as
+        :meth:`_flatten` defines), so the bytes do not depend on the path. ``tensor`` is read when
+        the update is serialized: do not modify it in between."""
         check_wire_dtype(tensor, name)
-        wire = self._wire_tensor(tensor)
-        return self._envelope(tensor, name, DensePayload(WIRE_DTYPES[wire.dtype], tensor_to_le_bytes(wire)))
+        encoding = self._wire or WIRE_DTYPES[tensor.dtype]
+        return self._envelope(tensor, name, DeferredDensePayload(encoding, tensor))
 
     def _encode(self, flat: torch.Tensor, name: str) -> tuple[Payload, torch.Tensor | None]:
         wire = flat if self._wire is None else flat.to(TORCH_DTYPES[self._wire])

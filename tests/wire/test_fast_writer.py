@@ -1,0 +1,214 @@
+"""The one-copy writer (``fedcomp.wire.fast_writer``) writes exactly protobuf's bytes.
+
+``serde.update_to_bytes`` / ``tensor_to_bytes`` frame messages by hand and write each payload
+byte once; ``update_to_bytes_protobuf`` / ``tensor_to_bytes_protobuf`` are protobuf's own
+``SerializeToString``. Every case here asserts the two agree byte for byte: every payload type,
+real codec outputs, empty and 0-d tensors, defaults omitted, and lengths on both sides of each
+varint boundary (127/128, 16383/16384) at all three nesting levels (payload field, payload
+message, tensor message). Also: the parallel/accelerated CRC-32 equals zlib's, and a deferred
+dense payload's bytes do not depend on the path (cast into the wire buffer or read as ``data``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fedcomp.codecs import get_codec
+from fedcomp.wire import fast_writer, serde
+from fedcomp.wire.fast_writer import DeferredDensePayload
+from fedcomp.wire.payloads import (
+    DensePayload,
+    EncodedTensor,
+    EncodedUpdate,
+    GradiVeQPayload,
+    SBCPayload,
+    SparsePayload,
+    STCPayload,
+    ThreeLCPayload,
+)
+
+
+def _tensor(payload, name: str = "w", shape: tuple[int, ...] = (3,), codec_id: str = "dense-fp32", version: int = 1):
+    return EncodedTensor(name, shape, "float32", codec_id, version, payload)
+
+
+def _same(*tensors: EncodedTensor, base: int = 7) -> bytes:
+    """Assert both writers agree on each tensor and on the update of all of them; return it."""
+    for t in tensors:
+        assert serde.tensor_to_bytes(t) == serde.tensor_to_bytes_protobuf(t), t.name
+    u = EncodedUpdate(base_model_version=base, tensors=tuple(tensors))
+    fast = serde.update_to_bytes(u)
+    assert type(fast) is bytes
+    assert fast == serde.update_to_bytes_protobuf(u)
+    return fast
+
+
+#: Lengths on both sides of the one- and two-byte varint limits.
+BOUNDARIES = [0, 1, 2, 125, 126, 127, 128, 129, 130, 16377, 16380, 16381, 16382, 16383, 16384, 16385, 16386]
+
+
+@pytest.mark.parametrize("n", BOUNDARIES)
+def test_dense_lengths_at_varint_boundaries(n):
+    # Raw bytes of odd and even lengths: the data field, the payload message and the tensor cross
+    # each boundary at a different n (their headers differ by a few bytes).
+    raw = bytes(range(256)) * (n // 256) + bytes(range(n % 256))
+    _same(_tensor(DensePayload("float32", raw)), _tensor(DensePayload("float16", memoryview(raw)), name="v"))
+
+
+@pytest.mark.parametrize("n", [60, 61, 62, 63, 64, 65, 8188, 8189, 8190, 8191, 8192, 8193])
+@pytest.mark.parametrize("name_len", [0, 1, 120, 200])
+def test_tensor_message_lengths_at_varint_boundaries(n, name_len):
+    # fp16 values: 2n bytes of data; the name shifts the tensor message across the boundaries.
+    x = torch.linspace(-2, 2, n)
+    t = get_codec("dense-fp16").encode(x, "n" * name_len)
+    _same(t)
+
+
+@pytest.mark.parametrize("codec_id", ["dense-fp16", "dense-fp32", "identity"])
+@pytest.mark.parametrize("shape", [(), (0,), (3, 0, 2), (1,), (7, 5), (2, 3, 4, 5)])
+def test_deferred_dense_shapes(codec_id, shape):
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(1)) if shape else torch.tensor(1.5)
+    enc = get_codec(codec_id).encode(x, "t")
+    assert isinstance(enc.payload, DeferredDensePayload)
+    data = _same(enc, base=0)
+    back = serde.update_from_bytes(data).tensors[0]
+    assert bytes(back.payload.data) == enc.payload.data  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("codec_id", ["dense-fp16", "dense-fp32", "identity"])
+def test_deferred_bytes_do_not_depend_on_the_path(codec_id, dtype):
+    # Values that round differently float64 -> float16 directly and through float32: the eager path
+    # always went through float32 (``_flatten``), and so must the cast into the wire buffer.
+    x = torch.tensor([1 + 2**-11 + 2**-40, -(1 + 2**-11 + 2**-40), 3.14159, 1e-6, 70000.0], dtype=torch.float64)
+    x = x.to(dtype)
+    codec = get_codec(codec_id)
+    deferred = codec.encode(x, "t")
+    eager, _ = codec._encode(codec._flatten(x), "t")  # the error-feedback path, cast eagerly
+    assert isinstance(eager, DensePayload) and not isinstance(eager, DeferredDensePayload)
+    assert deferred.payload == eager and eager == deferred.payload
+    assert deferred.payload.data == eager.data  # type: ignore[union-attr]
+    assert serde.tensor_to_bytes(deferred) == serde.tensor_to_bytes_protobuf(
+        dataclasses.replace(deferred, payload=eager)
+    )
+
+
+def test_deferred_payload_equality_and_repr():
+    x = torch.arange(6, dtype=torch.float32)
+    p = DeferredDensePayload("float16", x)
+    assert p == DensePayload("float16", x.half().numpy().tobytes())
+    assert p != DensePayload("float32", x.numpy().tobytes())
+    assert p != DensePayload("float16", bytes(12))
+    assert hash(p) == hash(DensePayload("float16", x.half().numpy().tobytes()))
+    assert repr(p) == "DeferredDensePayload(encoding='float16', numel=6)"
+    with pytest.raises(ValueError, match="encoding"):
+        DeferredDensePayload("int8", x)
+
+
+def test_every_payload_type():
+    bits = bytes(range(200))
+    cases = [
+        SBCPayload(mean=-0.25, golomb_b=3, nnz=17, bits=bits),
+        SBCPayload(mean=0.0, golomb_b=0, nnz=0, bits=b""),
+        STCPayload(mu=1.5, golomb_b=2, nnz=9, bits=bits[:130], signs=b"\x80\x01"),
+        STCPayload(mu=0.0, golomb_b=0, nnz=0, bits=b"", signs=b""),
+        ThreeLCPayload(scale=0.5, numel=1000, zero_run=True, data=bits * 90),
+        ThreeLCPayload(scale=0.5, numel=5, zero_run=False, data=b"\x01"),
+        SparsePayload(golomb_b=4, nnz=3, bits=bits[:127], value_encoding="float16", values=bytes(6)),
+        SparsePayload(golomb_b=0, nnz=0, bits=b"", value_encoding="float32", values=b""),
+        GradiVeQPayload(compressor_version=2**40, slice_size=64, dim=8, coefficients=bytes(16384)),
+    ]
+    ids = {
+        SBCPayload: "sbc",
+        STCPayload: "stc",
+        ThreeLCPayload: "3lc",
+        SparsePayload: "topk",
+        GradiVeQPayload: "gradiveq",
+    }
+    _same(*(_tensor(p, name=f"t{i}", codec_id=ids[type(p)]) for i, p in enumerate(cases)))
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"id": "sbc", "p": 0.05},
+        {"id": "stc", "p": 0.05},
+        {"id": "3lc", "s": 1.0},
+        {"id": "topk", "p": 0.05},
+        {"id": "lattice", "exponent": -8},
+    ],
+)
+def test_real_codec_outputs(config):
+    gen = torch.Generator().manual_seed(3)
+    codec = get_codec(config)
+    tensors = [
+        codec.encode(torch.randn(shape, generator=gen), f"layer{i}") for i, shape in enumerate([(64, 33), (5000,)])
+    ]
+    _same(*tensors, get_codec("dense-fp32").encode(torch.randn(10, generator=gen), "bias"))
+
+
+def test_envelope_defaults_and_large_versions():
+    t = _tensor(DensePayload("float32", bytes(8)), name="", shape=(2,), codec_id="", version=0)
+    for base in (0, 1, 127, 128, 2**63 - 1):
+        _same(t, base=base)
+    empty = EncodedUpdate(base_model_version=5, tensors=())
+    assert serde.update_to_bytes(empty) == serde.update_to_bytes_protobuf(empty)
+    unicode = _tensor(DensePayload("float32", bytes(4)), name="Gewicht.ä.ß.层")
+    _same(unicode)
+
+
+def test_a_large_update_is_one_bytes_object_equal_to_protobufs():
+    # Above the 4 MiB threshold: the output is built in place (CPython) with huge pages advised.
+    gen = torch.Generator().manual_seed(0)
+    tensors = {f"w{i}": torch.randn(n, generator=gen) for i, n in enumerate([1_500_000, 1000, 1_200_001])}
+    encs = [get_codec("dense-fp16").encode(x, name) for name, x in tensors.items()]
+    data = _same(*encs)
+    assert len(data) > 4 << 20
+    parsed = serde.update_from_bytes(data)
+    for (name, x), t in zip(tensors.items(), parsed.tensors, strict=True):
+        assert t.name == name
+        assert bytes(t.payload.data) == x.half().numpy().tobytes()  # type: ignore[union-attr]
+
+
+@given(
+    dims=st.lists(st.integers(0, 300), max_size=3),
+    name=st.text(max_size=20),
+    codec_id=st.sampled_from(["dense-fp16", "dense-fp32", "identity"]),
+    base=st.integers(0, 2**64 - 1),
+)
+def test_property_matches_protobuf(dims, name, codec_id, base):
+    x = torch.linspace(-1, 1, 1 + 0 * len(dims)).expand(*dims).contiguous() if dims else torch.tensor(0.5)
+    _same(get_codec(codec_id).encode(x, name), base=base)
+
+
+# --- CRC-32 -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("accelerated", [True, False])
+@pytest.mark.parametrize("n", [0, 1, 5, 8 << 20, (8 << 20) + 1, (9 << 20) + 3])
+def test_crc32_equals_zlib(n, accelerated, monkeypatch):
+    if not accelerated:  # zlib on two threads, halves combined
+        monkeypatch.setattr(fast_writer, "FAST_CRC32", None)
+    elif fast_writer.FAST_CRC32 is None:
+        pytest.skip("neither isal nor zlib-ng is installed")
+    data = (bytes(range(251)) * (n // 251 + 1))[:n]
+    assert fast_writer.crc32(data) == zlib.crc32(data)
+    assert fast_writer.crc32(memoryview(data)) == zlib.crc32(data)
+
+
+def test_crc32_combine():
+    data = bytes((i * 7919) % 256 for i in range(5000))
+    for cut in (0, 1, 2, 100, 2499, 4999, 5000):
+        a, b = data[:cut], data[cut:]
+        assert fast_writer.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(data), cut
+
+
+def test_varint():
+    for value in (0, 1, 127, 128, 255, 16383, 16384, 2**32, 2**64 - 1):
+        assert fast_writer.varint(value) == serde._encode_varint(value)
