@@ -13,7 +13,9 @@ reduction order. Ties at the selection boundary go to the lowest indices; the me
 once to the nearest float32 (ties to even); the two sides are compared exactly. CPU and CUDA
 give identical bytes. On CPU the selection runs in NumPy (its compare and nonzero are several
 times faster than torch's there); on other devices it runs in torch; both select the same
-positions, and the selected values come back to the host for the means either way.
+positions, and the selected values come back to the host for the means either way. The CPU
+decoder scatters in NumPy too: torch's CPU kernels run OpenMP regions that slow down many-fold
+when the machine is busy, NumPy's run on the calling thread or on :func:`split_run`'s.
 """
 
 from __future__ import annotations
@@ -72,7 +74,9 @@ class SBC(Codec):
 
     ``mode="exact"`` selects exactly ``k = max(1, round(p * n))`` entries per side, ties broken
     towards the lowest index: the paper's algorithm, bit for bit (tests compare it with a plain
-    Python reference). It costs a selection (partition / top-k) over the whole tensor per side.
+    Python reference). On CPU it costs two reads of a large tensor (a finiteness check, then a
+    threaded scan for candidates beyond bounds read off a subsample; the selection works on
+    those); elsewhere a top-k per side.
 
     ``mode="fast"`` (the default) follows the paper's suggestion to subsample: it estimates the
     two thresholds from a deterministic sample of ``sample_size`` entries (stratified positions
@@ -165,9 +169,12 @@ class SBC(Codec):
         if device.type == "cpu":
             # NumPy's zeros come from calloc: a large output is fresh zero pages that cost nothing
             # until touched (torch.zeros writes every page), and reading them later stays cheap.
-            out = torch.from_numpy(np.zeros(numel, dtype=np.float32))
-        else:
-            out = torch.zeros(numel, dtype=torch.float32, device=device)
+            # The scatter is NumPy's too (torch's CPU index_fill_ is many-fold slower on a busy
+            # machine); mean32 is a float32 value, stored exactly.
+            arr = np.zeros(numel, dtype=np.float32)
+            arr[idx.numpy()] = mean32
+            return torch.from_numpy(arr)
+        out = torch.zeros(numel, dtype=torch.float32, device=device)
         if idx.numel():
             out.index_fill_(0, idx, mean32)
         return out
@@ -212,7 +219,7 @@ Positions = np.ndarray | torch.Tensor
 def _exact_select(flat: torch.Tensor, k: int, name: str) -> tuple[torch.Tensor, float]:
     if flat.device.type == "cpu":
         a = flat.numpy()
-        if not np.isfinite(a).all():
+        if not all_finite(a):
             raise ValueError(f"tensor {name!r}: SBC cannot encode NaN or infinite values")
         hi_np, lo_np = _extreme_positions_cpu(a, k)
         chosen = _choose(flat, hi_np, a[hi_np], lo_np, a[lo_np])
@@ -226,13 +233,49 @@ def _exact_select(flat: torch.Tensor, k: int, name: str) -> tuple[torch.Tensor, 
     return chosen
 
 
+def all_finite(a: np.ndarray) -> bool:
+    """Whether every value of float ``a`` is finite: the min and max of each cache-sized chunk
+    (NaN propagates through both), one read of ``a`` and no temporary of its size, split
+    among the CPU threads."""
+
+    def finite(begin: int, end: int) -> bool:
+        with np.errstate(over="ignore", invalid="ignore"):  # set in the thread that sums
+            for c0 in range(begin, end, _CPU_CHUNK):
+                c = a[c0 : min(end, c0 + _CPU_CHUNK)]
+                # One reduction: a NaN or infinity makes the sum non-finite; so can an overflow
+                # of finite values, which the exact check then clears.
+                if not math.isfinite(c.sum()) and not np.isfinite(c).all():
+                    return False
+        return True
+
+    return a.shape[0] == 0 or all(split_run(finite, a.shape[0], _CPU_CHUNK))
+
+
 def _extreme_positions_cpu(a: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Ascending positions of the ``k`` largest and of the ``k`` smallest entries of finite
-    ``a``, ties going to the lowest index."""
+    ``a``, ties going to the lowest index.
+
+    For a large ``a`` and a small ``k`` (where :func:`_order_stats` would take the tails) the
+    candidates are gathered in one threaded scan (:func:`_threshold_select_cpu` at bounds read
+    off a subsample) and everything else works on them: both thresholds and both selections
+    are those of the whole-array rule below, found without further passes over ``a``.
+    """
     n = a.shape[0]
     if k >= n:  # only for n == 1
         everything = np.arange(n)
         return everything, everything
+    if n >= _ORDER_MIN and k * _ORDER_STEP <= n:
+        q_lo, q_hi = _tail_bounds(a, k)
+        # About 4 k candidates are expected; masses of ties (zeros) make many more: those take
+        # the whole-array path, whose temporaries are smaller than this many positions.
+        found = _threshold_select_cpu(a, q_hi, q_lo, limit=16 * k + 64)
+        if found is not None and found[0].shape[0] >= k and found[2].shape[0] >= k:
+            hi, hi_vals, lo, lo_vals = found
+            # Every entry at or beyond the k-th most extreme value is a candidate (that value is
+            # at or beyond the bound), so the rule below, applied to the candidates, is exact.
+            t_hi = np.partition(hi_vals, hi_vals.shape[0] - k)[hi_vals.shape[0] - k]
+            t_lo = np.partition(lo_vals, k - 1)[k - 1]
+            return _take_extremes(hi, hi_vals, t_hi, k, True), _take_extremes(lo, lo_vals, t_lo, k, False)
     t_lo, t_hi = _order_stats(a, k)
     out = []
     for beyond, t in ((a > t_hi, t_hi), (a < t_lo, t_lo)):
@@ -265,11 +308,7 @@ def _order_stats(a: np.ndarray, r: int) -> tuple[np.float32, np.float32]:
             return lo_part[r - 1], np.partition(lo_part[r:], n - 2 * r)[n - 2 * r]
         ordered = np.sort(a)
         return ordered[r - 1], ordered[n - r]
-    sub = a[::_ORDER_STEP]
-    m = sub.shape[0]
-    j = min(m, 2 * (r // _ORDER_STEP) + 8)
-    bounds = np.partition(sub, [j - 1, m - j])
-    q_lo, q_hi = bounds[j - 1], bounds[m - j]
+    q_lo, q_hi = _tail_bounds(a, r)
     below, above = a[a <= q_lo], a[a >= q_hi]
     if below.shape[0] < r or above.shape[0] < r:
         lo_part = np.partition(a, r - 1)
@@ -277,6 +316,29 @@ def _order_stats(a: np.ndarray, r: int) -> tuple[np.float32, np.float32]:
     t_lo = np.partition(below, r - 1)[r - 1]
     t_hi = np.partition(above, above.shape[0] - r)[above.shape[0] - r]
     return t_lo, t_hi
+
+
+def _take_extremes(pos: np.ndarray, vals: np.ndarray, t: np.float32, k: int, largest: bool) -> np.ndarray:
+    """Of candidates ``pos`` (ascending) holding ``vals``: every one beyond ``t`` and the first
+    of those equal to ``t``, ``k`` in all, ascending (the whole-array rule of
+    :func:`_extreme_positions_cpu` on the candidates)."""
+    keep = vals > t if largest else vals < t
+    at = np.flatnonzero(vals == t)[: k - int(np.count_nonzero(keep))]
+    keep[at] = True
+    return pos[keep]
+
+
+def _tail_bounds(a: np.ndarray, r: int) -> tuple[np.float32, np.float32]:
+    """Bounds ``q_lo <= q_hi`` read off every ``step``-th value of ``a``, beyond which about
+    twice the share of the ``r`` most extreme values lies (:func:`_order_stats`). The step is
+    ``_ORDER_STEP``, or larger where the subsample would still hold over 512 values beyond each
+    bound (about 4 % noise: the bounds only decide how much is scanned, never the result)."""
+    step = max(_ORDER_STEP, r // 256)
+    sub = a[::step]
+    m = sub.shape[0]
+    j = min(m, 2 * (r // step) + 8)
+    lo_part = np.partition(sub, j - 1)  # two single-kth partitions: a multi-kth one is slower
+    return lo_part[j - 1], np.partition(lo_part[j:], m - 2 * j)[m - 2 * j] if 2 * j <= m else np.sort(sub)[m - j]
 
 
 def _extreme_positions_torch(flat: torch.Tensor, k: int, largest: bool) -> torch.Tensor:
