@@ -349,18 +349,8 @@ def _parse_canonical(data: bytes | memoryview, what: str) -> pb.CompressedTensor
     return msg
 
 
-def _key(field: int, wire: int) -> bytes:
-    """The (minimal) varint key of a field."""
-    return _encode_varint((field << 3) | wire)
-
-
-def _encode_varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, value = value & 0x7F, value >> 7
-        out.append(byte | (0x80 if value else 0))
-        if not value:
-            return bytes(out)
+_key = fast_writer.key
+_encode_varint = fast_writer.varint
 
 
 def _walk(data: memoryview, start: int, end: int, most: int, what: str) -> list[tuple[int, int, int, int, int]]:
@@ -506,6 +496,10 @@ def seal(body: bytes) -> bytes:
 
 def _varint(data: bytes | memoryview, pos: int, end: int) -> tuple[int, int]:
     """The minimal (canonical) base-128 varint at ``data[pos:end]`` and the position after it."""
+    if pos < end:  # one byte (keys, most lengths and values): the common case, checked first
+        first = data[pos]
+        if first < 0x80:
+            return first, pos + 1
     value = shift = 0
     start = pos
     while True:

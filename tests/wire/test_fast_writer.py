@@ -32,6 +32,7 @@ from fedcomp.wire.payloads import (
     STCPayload,
     ThreeLCPayload,
 )
+from tests.wire.test_serde_bounds import varint as reference_varint
 
 
 def _tensor(payload, name: str = "w", shape: tuple[int, ...] = (3,), codec_id: str = "dense-fp32", version: int = 1):
@@ -211,4 +212,5 @@ def test_crc32_combine():
 
 def test_varint():
     for value in (0, 1, 127, 128, 255, 16383, 16384, 2**32, 2**64 - 1):
-        assert fast_writer.varint(value) == serde._encode_varint(value)
+        assert fast_writer.varint(value) == reference_varint(value)
+        assert serde._varint(reference_varint(value) + b"\x00", 0, 11) == (value, len(reference_varint(value)))
