@@ -42,10 +42,11 @@ compares per value then give the same bytes and reconstruction as the division, 
 (tested against the torch path on CPU). Packing accumulates the digits in uint8, and decoding
 takes the digits off each byte by division by 3. Neither allocates more than a few bytes per
 group of a chunk beyond its output. The whole CPU path is NumPy, never torch's CPU kernels
-(their OpenMP regions slow down many-fold on a loaded machine): ``max|T|`` is one read of the
-tensor (min and max per cache-sized chunk), quantize + pack a second, both split into ranges
-run on the CPU threads (:func:`fedcomp.codecs.sbc.split_run`); zero runs are found on the packed
-bytes. Decoding a sparse stream (at most one group in ``_SPARSE_DECODE`` other than 121, the
+(their OpenMP regions slow down many-fold on a loaded machine). Encoding reads the tensor once
+for ``max|T|`` and, in the same pass, the candidates for +-1 (:func:`_scan_cpu`); a sparse
+tensor is packed from those alone and zero-run coded from its groups that are not 121, a dense
+one takes a second read (the fused quantize + pack). Both passes are split into ranges run on
+the CPU threads (:func:`fedcomp.codecs.sbc.split_run`). Decoding a sparse stream (at most one group in ``_SPARSE_DECODE`` other than 121, the
 usual case for a model delta) skips the expansion: the output is fresh zeros and the five
 values of each listed group are scattered; a denser stream is expanded and unpacked.
 
@@ -86,12 +87,16 @@ _WEIGHTS_F32 = torch.tensor(WEIGHTS, dtype=torch.float32)
 _LAST_PIECE = torch.tensor([0, ZERO_GROUP] + [RUN_BASE + r - 2 for r in range(2, MAX_RUN + 1)], dtype=torch.uint8)
 
 _LAST_PIECE_NP = _LAST_PIECE.numpy()
+_WEIGHTS_NP = np.array(WEIGHTS, dtype=np.int16)
+#: On CPU, a tensor with at most one value in this many quantized to +-1 is packed sparsely.
+_SPARSE_ENCODE = 32
 #: On CPU, a stream with at most one group in this many other than 121 is decoded sparsely.
 _SPARSE_DECODE = 4
 #: A tensor's groups are split among the CPU threads one range per this many groups.
 _PARALLEL_GROUPS = 1 << 17
 
 _F32_MAX = float(torch.finfo(torch.float32).max)
+_F32_TINY = np.float32(torch.finfo(torch.float32).tiny)  # the least normal float32
 # Groups per chunk on CPU: the five parts' slices of this many values stay in cache.
 _CPU_CHUNK = 1 << 15
 _DEV_CHUNK = 1 << 22
@@ -427,27 +432,6 @@ def _unpack_scale_range(packed: np.ndarray, s32: np.float32, out: np.ndarray, g0
             r, qt = qt, r
 
 
-def _max_abs_cpu(a: np.ndarray, name: str) -> float:
-    """:func:`max_abs` of a float32 NumPy array: the min and max of each cache-sized chunk in
-    one read of ``a`` (ranges on the CPU threads); NaN propagates through both, like torch's."""
-    if a.shape[0] == 0:
-        return 0.0
-
-    def extremes(begin: int, end: int) -> tuple[float, float]:
-        lo, hi = [], []
-        for c0 in range(begin, end, _CPU_CHUNK * 5):
-            c = a[c0 : min(end, c0 + _CPU_CHUNK * 5)]
-            lo.append(c.min())
-            hi.append(c.max())
-        return float(np.min(lo)), float(np.max(hi))
-
-    mags = [abs(v) for part in split_run(extremes, a.shape[0], _CPU_CHUNK * 5) for v in part]
-    value = math.nan if any(math.isnan(v) for v in mags) else max(mags)
-    if not math.isfinite(value):
-        raise ValueError(f"tensor {name!r}: 3LC cannot encode non-finite values (max|T| = {value})")
-    return value
-
-
 # --- zero-run encoding ----------------------------------------------------------------------------
 
 
@@ -488,11 +472,16 @@ def zero_run_encode(packed: torch.Tensor) -> torch.Tensor:
 
 def _zero_run_encode_np(x: np.ndarray) -> np.ndarray:
     """:func:`zero_run_encode` of a uint8 NumPy array, in NumPy (the CPU path; same bytes)."""
-    g = x.shape[0]
     pos = np.flatnonzero(x != ZERO_GROUP)
-    k = pos.shape[0]
-    if k == g:  # no 121 at all
+    if pos.shape[0] == x.shape[0]:  # no 121 at all
         return x.copy()
+    return _zero_run_from_literals(pos, x[pos], x.shape[0])
+
+
+def _zero_run_from_literals(pos: np.ndarray, vals: np.ndarray, g: int) -> np.ndarray:
+    """:func:`zero_run_encode` of the ``g`` bytes that are 121 except ``vals`` (not 121) at the
+    ascending positions ``pos``: the gaps between them become run bytes."""
+    k = pos.shape[0]
     bounds = np.empty(k + 2, dtype=np.int64)
     bounds[0], bounds[-1] = -1, g
     bounds[1:-1] = pos
@@ -505,8 +494,112 @@ def _zero_run_encode_np(x: np.ndarray) -> np.ndarray:
     gap -= MAX_RUN * nbytes  # r_i, 14 when L_i = 0
     out[ends - 1] = _LAST_PIECE_NP[gap]
     if k:
-        out[ends[:-1]] = x[pos]
+        out[ends[:-1]] = vals
     return out[1:]
+
+
+def _scan_cpu(a: np.ndarray, s: float, limit: int) -> tuple[float, np.ndarray | None]:
+    """``max|a|`` and, in the same read of ``a``, a superset of the values that 3LC will
+    quantize to +-1: ascending positions, or None past ``limit`` of them (or when the running
+    maximum is 0 or subnormal). ``max|a|`` is NaN or infinite when ``a`` is not finite.
+
+    Each cache-sized chunk is made absolute, its maximum taken, and its values at or above
+    ``0.49 * min(s * running max, float32 max)`` kept. The final ``m = s * max|a|`` (clamped to
+    the float32 maximum) is at least that ``min`` and the final threshold
+    (:func:`round_threshold`) is ``m / 2`` within a float32 step, so nothing the final
+    threshold selects is missed. Ranges run on the CPU
+    threads, each with its own running maximum (never above the global one).
+    """
+    s32 = float(np.float32(s))
+
+    def scan(begin: int, end: int) -> tuple[float, list[np.ndarray] | None]:
+        width = min(_CPU_CHUNK * 2, end - begin)
+        buf = np.empty(width, dtype=np.float32)
+        mask = np.empty(width, dtype=np.bool_)
+        running, bound = 0.0, np.float32(0.0)
+        found: list[np.ndarray] | None = []
+        count = 0
+        for c0 in range(begin, end, width):
+            c = a[c0 : min(end, c0 + width)]
+            b = buf[: c.shape[0]]
+            np.abs(c, out=b)
+            top = float(b.max())
+            if not math.isfinite(top):
+                return top, None
+            if top > running:
+                running = top
+                bound = np.float32(0.49 * min(s32 * running, _F32_MAX))  # m is clamped there
+                if not bound > _F32_TINY:  # a zero or subnormal bound would keep nearly everything
+                    found = None
+            if found is None or running == 0.0:
+                continue
+            m = mask[: c.shape[0]]
+            np.greater_equal(b, bound, out=m)
+            idx = np.flatnonzero(m)
+            count += idx.shape[0]
+            if count > limit:
+                found = None
+                continue
+            if idx.shape[0]:
+                idx += c0
+                found.append(idx)
+        return running, found
+
+    parts = split_run(scan, a.shape[0], _CPU_CHUNK)
+    tops = [top for top, _ in parts]
+    if any(math.isnan(top) for top in tops):
+        return math.nan, None
+    top = max(tops)
+    if not math.isfinite(top) or any(found is None for _, found in parts):
+        return top, None
+    pos = [i for _, found in parts if found for i in found]
+    return top, np.concatenate(pos) if pos else np.zeros(0, dtype=np.int64)
+
+
+def _pack_sparse_cpu(a: np.ndarray, pos: np.ndarray, t: np.float32) -> tuple[np.ndarray, np.ndarray]:
+    """The packed bytes of ``quantize(a)`` (threshold ``t`` of :func:`round_threshold`) as the
+    ascending positions of the groups that are not 121 and their bytes, from ``pos``: ascending
+    positions of a superset of the values with ``|x| >= t`` (exactly those with ``q = +-1``,
+    ``q = sign(x)``).
+
+    Each such value adds ``w_k q`` to the byte of its group, as do the padding digits
+    (``q = -1``). A group's byte is 121 only when all its five ``q`` are 0 (base-3 digits are
+    unique), so the groups listed are exactly the bytes that are not 121.
+    """
+    n = a.shape[0]
+    g = groups(n)
+    v = a[pos]
+    keep = np.abs(v) >= t
+    pos, v = pos[keep], v[keep]
+    contrib = np.where(v > 0, 1, -1).astype(np.int16)
+    pad = np.arange(n, 5 * g, dtype=np.int64)  # padding: digit 0, q = -1
+    pos = np.concatenate([pos, pad])
+    contrib = np.concatenate([contrib, np.full(pad.shape[0], -1, dtype=np.int16)])
+    part = pos // g
+    contrib *= _WEIGHTS_NP[part]
+    group = pos - part * g
+    # positions ascend within each part: a stable sort by group merges the five runs
+    order = np.argsort(group, kind="stable")
+    group, contrib = group[order], contrib[order]
+    if group.shape[0] == 0:
+        return group, np.zeros(0, dtype=np.uint8)
+    starts = np.flatnonzero(np.diff(group, prepend=-1))
+    byte = np.add.reduceat(contrib, starts)
+    byte += ZERO_GROUP
+    return group[starts], byte.astype(np.uint8)
+
+
+def _fill_sparse_recon(a: np.ndarray, t: np.float32, m: float, at: np.ndarray, g: int, out: np.ndarray) -> None:
+    """Write ``m * q`` into zero-filled ``out`` for the values of the groups ``at`` (every value
+    with ``q != 0`` lies in one of them): the same float32 bits as the dense path's."""
+    n = a.shape[0]
+    m32 = np.float32(m)
+    for k in range(5):
+        pos = at + k * g
+        pos = pos[pos < n]
+        v = a[pos]
+        q = (v >= t).astype(np.int8) - (v <= -t).astype(np.int8)
+        out[pos] = q * m32
 
 
 def _literals_np(x: np.ndarray, expected_len: int, name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -642,12 +735,32 @@ class ThreeLC(Codec):
         return ThreeLCPayload(scale=m, numel=n, zero_run=self.zero_run, data=data), recon
 
     def _payload_cpu(self, a: np.ndarray, name: str, want_recon: bool) -> tuple[ThreeLCPayload, torch.Tensor | None]:
-        """:meth:`_payload` on CPU, all in NumPy: one read of ``a`` for ``max|a|``, one for the
-        fused quantize + pack (both on the CPU threads), zero runs found on the packed bytes."""
+        """:meth:`_payload` on CPU, all in NumPy. One read of ``a`` finds ``max|a|`` and the
+        candidates for +-1 (:func:`_scan_cpu`); a sparse tensor (the usual model delta) is then
+        packed from those alone and zero-run coded from the groups that are not 121. A dense
+        one (more than one value in ``_SPARSE_ENCODE`` beyond the bound) takes a second read,
+        the fused quantize + pack; both split among the CPU threads."""
         n = a.shape[0]
-        m = scale_for(_max_abs_cpu(a, name), self.s)
+        top, cand = _scan_cpu(a, self.s, n // _SPARSE_ENCODE) if n else (0.0, None)
+        if not math.isfinite(top):
+            raise ValueError(f"tensor {name!r}: 3LC cannot encode non-finite values (max|T| = {top})")
+        m = scale_for(top, self.s)
         t = round_threshold(m) if m > 0.0 else None
         recon: torch.Tensor | None = None
+        g = groups(n)
+        if t is not None and cand is not None:
+            at, byte = _pack_sparse_cpu(a, cand, t)
+            if want_recon:  # fresh zeros (+0.0, as 0 * m), +-m at the values beyond t
+                rec = np.zeros(n, dtype=np.float32)
+                _fill_sparse_recon(a, t, m, at, g, rec)
+                recon = torch.from_numpy(rec)
+            if self.zero_run:
+                data = _zero_run_from_literals(at, byte, g).tobytes()
+            else:
+                full = np.full(g, ZERO_GROUP, dtype=np.uint8)
+                full[at] = byte
+                data = full.tobytes()
+            return ThreeLCPayload(scale=m, numel=n, zero_run=self.zero_run, data=data), recon
         if m == 0.0:
             packed = _zero_packed(n, torch.device("cpu")).numpy()
             if want_recon:

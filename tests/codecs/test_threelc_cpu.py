@@ -15,6 +15,7 @@ from fedcomp.codecs.threelc import ThreeLC, groups
 from fedcomp.errors import PayloadError
 from fedcomp.wire.payloads import ThreeLCPayload
 from tests.codecs import reference_threelc as ref
+from tests.codecs.test_threelc import S_VALUES, sparse_tensors
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -110,12 +111,11 @@ def test_threads_split_a_tensor_into_the_same_bytes(monkeypatch):
     assert recon.numpy().tobytes() == one_recon.numpy().tobytes()
     monkeypatch.setattr(threelc, "_SPARSE_DECODE", 1)  # the dense unpacker, split in ranges
     assert codec.decode(enc, spec, "cpu").numpy().tobytes() == one_dec.numpy().tobytes()
-    assert threelc._max_abs_cpu(a, "w") == float(np.abs(a).max())
-    for i in (0, 319, 320, n // 2, n - 1):  # chunk and range edges
+    for i in (0, 127, 128, n // 2, n - 1):  # chunk and range edges: the scale is max|T| (s = 1)
         for big in (1e6, -1e6):
             b = a.copy()
             b[i] = big
-            assert threelc._max_abs_cpu(b, "w") == 1e6
+            assert ThreeLC().encode(torch.from_numpy(b), "w").payload.scale == 1e6
     for bad in (np.nan, np.inf, -np.inf):
         b = a.copy()
         b[-2] = bad  # in the last range
@@ -128,3 +128,48 @@ def test_sparse_decoder_rejects_a_stream_that_expands_wrong():
     spec = TensorSpec("w", (100,), torch.float32)
     with pytest.raises(PayloadError, match="expand to 23 groups, expected 20"):
         ThreeLC()._decode(payload, spec, torch.device("cpu"))
+
+
+@settings(
+    max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
+@given(x=sparse_tensors(), s=S_VALUES, zero_run=st.booleans())
+def test_sparse_and_dense_packing_give_the_reference_bytes(monkeypatch, x, s, zero_run):
+    """Packing from the values beyond the threshold alone (sparse) and packing every group
+    (dense) give the reference's bytes and the same reconstruction bits, padding included."""
+    x = x.reshape(-1)
+    if x.numel() == 0 or not bool(torch.isfinite(x).all()):
+        return
+    m, data = ref.encode(x.tolist(), s, zero_run)
+    out = {}
+    for switch in (1, 1 << 40):  # 1: every tensor sparse; 2**40: only one with no +-1 value
+        monkeypatch.setattr(threelc, "_SPARSE_ENCODE", switch)
+        enc, recon = ThreeLC(s=s, zero_run=zero_run).encode_with_reconstruction(x, "t")
+        assert (enc.payload.scale, enc.payload.data) == (m, data)
+        out[switch] = recon.numpy().tobytes()
+    assert out[1] == out[1 << 40]  # bits: -0.0 and 0.0 differ
+
+
+@pytest.mark.parametrize("switch", [1, 1 << 40])
+def test_values_at_the_threshold_pack_like_the_reference(monkeypatch, switch):
+    """Values exactly at +-t (the least that rounds to +-1) and the float32 just inside it."""
+    t = threelc.round_threshold(1.0)
+    inside = np.nextafter(t, np.float32(0.0))
+    row = [1.0, t, -t, inside, -inside, 0.0, -0.0, -1.0]
+    x = torch.tensor(row * 40 + [t, -t, 0.5], dtype=torch.float32)
+    monkeypatch.setattr(threelc, "_SPARSE_ENCODE", switch)
+    enc = ThreeLC(s=1.0).encode(x, "t")
+    assert (enc.payload.scale, enc.payload.data) == ref.encode(x.tolist(), 1.0, True)
+
+
+@pytest.mark.parametrize("s", [1.0, 1.9])
+def test_scale_clamped_at_float32_max_misses_no_value(monkeypatch, s):
+    """With m clamped to the float32 maximum, the scan's bound must stay below m / 2."""
+    f32_max = float(np.finfo(np.float32).max)
+    rng = np.random.default_rng(5)
+    x = (rng.uniform(-1, 1, 3000) * 1e-3).astype(np.float32)
+    x[[10, 700, 2999]] = [3.0e38, -1.8e38, 2.0e38]  # with s = 1.9 and m = f32 max: 2e38 > t > 1.7e38
+    for values in (x, x * np.float32(1e-30)):
+        enc = ThreeLC(s=s).encode(torch.from_numpy(values), "t")
+        assert (enc.payload.scale, enc.payload.data) == ref.encode(values.tolist(), s, True)
+    assert ThreeLC(s=1.9).encode(torch.from_numpy(x), "t").payload.scale == f32_max
