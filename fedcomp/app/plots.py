@@ -150,7 +150,7 @@ def compression_settings(config: Mapping[str, Any]) -> str:
     if config.get("compress") is False:
         return "dense FedAvg (fp32)"
     params = {"sbc": ("sbc-p",), "stc": ("sbc-p",), "topk": ("topk-density",), "deft": ("topk-density",),
-              "gradiveq": ("gradiveq-eps",), "3lc": ("3lc-s",)}  # fmt: skip
+              "gradiveq": ("gradiveq-eps",), "3lc": ("3lc-s",), "lattice": ("lattice-step",)}  # fmt: skip
     parts = []
     for key, default in (("uplink-codec", "sbc"), ("downlink-codec", "3lc")):
         codec = str(config.get(key, default))

@@ -133,6 +133,8 @@ def test_overlay_labels_runs_by_name_and_settings(tmp_path: Path) -> None:
          "stc p=0.01 up, identity down"),
         ({"compress": True, "uplink-codec": "gradiveq", "gradiveq-eps": 0.3, "downlink-codec": "3lc", "3lc-s": 1.9},
          "gradiveq eps=0.3 up, 3lc s=1.9 down"),
+        ({"compress": True, "uplink-codec": "sbc", "sbc-p": 0.05, "downlink-codec": "lattice", "lattice-step": 12.0},
+         "sbc p=0.05 up, lattice step=12 down"),
         ({"compress": True, "uplink-codec": "deft", "topk-density": "0.1:0.01@10"},
          "deft density=0.1:0.01@10 up, 3lc down"),
     ],
@@ -237,8 +239,8 @@ def test_plots_of_a_real_flower_run(tmp_path: Path) -> None:
     assert series.cumulative_bytes[-1] == (
         results["summary"]["total_uplink_bytes"] + results["summary"]["total_downlink_bytes"]
     )
-    assert series.compression is not None and series.compression > 10  # SBC + 3LC by default
-    assert "sbc p=0.05 up, 3lc s=1 down" in series.label
+    assert series.compression is not None and series.compression > 10  # SBC + lattice by default
+    assert "sbc p=0.05 up, lattice step=12 down" in series.label
     assert os.access(run_dir / "results.json", os.R_OK)
 
 
