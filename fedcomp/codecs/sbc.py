@@ -368,41 +368,49 @@ def _threshold_select_cpu(
     ``torch.get_num_threads()`` threads; the parts are joined in order, so the result does not
     depend on the thread count.
     """
-    parts = split_run(lambda begin, end: _scan(a, begin, end, thr_hi, thr_lo, limit), a.shape[0], _CPU_CHUNK)
+    parts = split_run(lambda begin, end: _scan_values(a, begin, end, thr_hi, thr_lo, limit), a.shape[0], _CPU_CHUNK)
     scanned = [part for part in parts if part is not None]
     if len(scanned) < len(parts):
         return None
-    hi = np.concatenate([part[0] for part in scanned])
-    lo = np.concatenate([part[1] for part in scanned])
+    hi, hi_vals, lo, lo_vals = (np.concatenate([part[i] for part in scanned]) for i in range(4))
     if hi.size + lo.size > limit:
         return None
-    return hi, a[hi], lo, a[lo]
+    return hi, hi_vals, lo, lo_vals
 
 
 def _scan(
     a: np.ndarray, begin: int, end: int, thr_hi: np.float32, thr_lo: np.float32, limit: int
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """Positions in ``[begin, end)`` of ``a >= thr_hi`` and of ``a <= thr_lo`` (None past ``limit``)."""
+    found = _scan_values(a, begin, end, thr_hi, thr_lo, limit)
+    return None if found is None else (found[0], found[2])
+
+
+def _scan_values(
+    a: np.ndarray, begin: int, end: int, thr_hi: np.float32, thr_lo: np.float32, limit: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    """Positions and values in ``[begin, end)`` of ``a >= thr_hi`` and of ``a <= thr_lo`` (None
+    past ``limit``); the values are taken from each chunk while it is in cache."""
     mask = np.empty(min(_CPU_CHUNK, end - begin), dtype=bool)
-    his, los, count = [], [], 0
+    out: tuple[list[np.ndarray], ...] = ([np.zeros(0, dtype=np.int64)], [a[:0]], [np.zeros(0, dtype=np.int64)], [a[:0]])
+    count = 0
     for start in range(begin, end, _CPU_CHUNK):
         part = a[start : min(start + _CPU_CHUNK, end)]
         m = mask[: part.shape[0]]
         np.greater_equal(part, thr_hi, out=m)
-        hi = np.flatnonzero(m)
+        hi = m.nonzero()[0]  # flatnonzero's wrappers cost more than the call on a chunk
         np.less_equal(part, thr_lo, out=m)
-        lo = np.flatnonzero(m)
+        lo = m.nonzero()[0]
         count += hi.size + lo.size
         if count > limit:
             return None
-        if start:
-            hi += start
-            lo += start
-        his.append(hi)
-        los.append(lo)
-    if not his:
-        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    return np.concatenate(his), np.concatenate(los)
+        for i, found in ((0, hi), (2, lo)):
+            if found.size:
+                out[i + 1].append(part[found])
+                if start:
+                    found += start
+                out[i].append(found)
+    return tuple(np.concatenate(x) if len(x) > 1 else x[0] for x in out)  # type: ignore[return-value]
 
 
 _POOL: tuple[int, ThreadPoolExecutor] | None = None

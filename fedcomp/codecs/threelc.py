@@ -92,6 +92,9 @@ _WEIGHTS_NP = np.array(WEIGHTS, dtype=np.int16)
 _SPARSE_ENCODE = 32
 #: On CPU, a stream with at most one group in this many other than 121 is decoded sparsely.
 _SPARSE_DECODE = 4
+#: Values per chunk of the encoder's scan (:func:`_scan_cpu`): 1 MB, large enough that the Python
+#: cost per chunk is small, small enough to stay in cache for the second look.
+_SCAN_CHUNK = 1 << 18
 #: A tensor's groups are split among the CPU threads one range per this many groups.
 _PARALLEL_GROUPS = 1 << 17
 
@@ -503,7 +506,9 @@ def _scan_cpu(a: np.ndarray, s: float, limit: int) -> tuple[float, np.ndarray | 
     quantize to +-1: ascending positions, or None past ``limit`` of them (or when the running
     maximum is 0 or subnormal). ``max|a|`` is NaN or infinite when ``a`` is not finite.
 
-    Each cache-sized chunk is made absolute, its maximum taken, and its values at or above
+    Each chunk of ``_SCAN_CHUNK`` values (it stays in cache) has its min and max taken (one
+    read from memory; two reductions are cheaper than an absolute value written out) and, when
+    one reaches the bound, is made absolute and its values at or above
     ``0.49 * min(s * running max, float32 max)`` kept. The final ``m = s * max|a|`` (clamped to
     the float32 maximum) is at least that ``min`` and the final threshold
     (:func:`round_threshold`) is ``m / 2`` within a float32 step, so nothing the final
@@ -513,7 +518,7 @@ def _scan_cpu(a: np.ndarray, s: float, limit: int) -> tuple[float, np.ndarray | 
     s32 = float(np.float32(s))
 
     def scan(begin: int, end: int) -> tuple[float, list[np.ndarray] | None]:
-        width = min(_CPU_CHUNK * 2, end - begin)
+        width = min(_SCAN_CHUNK, end - begin)
         buf = np.empty(width, dtype=np.float32)
         mask = np.empty(width, dtype=np.bool_)
         running, bound = 0.0, np.float32(0.0)
@@ -521,21 +526,21 @@ def _scan_cpu(a: np.ndarray, s: float, limit: int) -> tuple[float, np.ndarray | 
         count = 0
         for c0 in range(begin, end, width):
             c = a[c0 : min(end, c0 + width)]
-            b = buf[: c.shape[0]]
-            np.abs(c, out=b)
-            top = float(b.max())
-            if not math.isfinite(top):
-                return top, None
+            lo, hi = float(c.min()), float(c.max())  # NaN propagates through both
+            if not (math.isfinite(lo) and math.isfinite(hi)):
+                return (math.nan if math.isnan(lo) or math.isnan(hi) else math.inf), None
+            top = max(-lo, hi)
             if top > running:
                 running = top
                 bound = np.float32(0.49 * min(s32 * running, _F32_MAX))  # m is clamped there
                 if not bound > _F32_TINY:  # a zero or subnormal bound would keep nearly everything
                     found = None
-            if found is None or running == 0.0:
+            if found is None or running == 0.0 or top < bound:  # the last: nothing here reaches it
                 continue
-            m = mask[: c.shape[0]]
+            b, m = buf[: c.shape[0]], mask[: c.shape[0]]
+            np.abs(c, out=b)
             np.greater_equal(b, bound, out=m)
-            idx = np.flatnonzero(m)
+            idx = m.nonzero()[0]
             count += idx.shape[0]
             if count > limit:
                 found = None
@@ -545,7 +550,7 @@ def _scan_cpu(a: np.ndarray, s: float, limit: int) -> tuple[float, np.ndarray | 
                 found.append(idx)
         return running, found
 
-    parts = split_run(scan, a.shape[0], _CPU_CHUNK)
+    parts = split_run(scan, a.shape[0], _SCAN_CHUNK)
     tops = [top for top, _ in parts]
     if any(math.isnan(top) for top in tops):
         return math.nan, None

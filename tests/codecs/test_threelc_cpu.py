@@ -102,6 +102,7 @@ def test_threads_split_a_tensor_into_the_same_bytes(monkeypatch):
     one_dec = codec.decode(one_enc, spec, "cpu")
     monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
     monkeypatch.setattr(threelc, "_CPU_CHUNK", 64)
+    monkeypatch.setattr(threelc, "_SCAN_CHUNK", 128)
     monkeypatch.setattr(threelc, "_PARALLEL_GROUPS", 100)
     monkeypatch.setattr(threelc, "_SPARSE_DECODE", 1 << 40)
     monkeypatch.setattr(sbc, "_PARALLEL_MIN", 100)
