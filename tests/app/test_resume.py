@@ -1,5 +1,5 @@
 """Resume after a crash (issue 14, item 5): the server checkpoint, the clients' persisted state,
-and a real local deployment whose ServerApp is SIGKILLed after round 3 and resumed."""
+and a real local deployment whose ServerApp is SIGKILLed after round 2 and resumed."""
 
 from __future__ import annotations
 
@@ -152,24 +152,24 @@ def _final_digest(data: dict[str, Any]) -> str:
 
 
 @pytest.mark.flower
-@pytest.mark.slow  # real SuperLink + 3 SuperNodes, three runs of 6 rounds: ~1-3 min on 2 cores
-def test_a_serverapp_killed_after_round_3_resumes_to_the_same_model(tmp_path: Path) -> None:
+@pytest.mark.slow  # real SuperLink + 3 SuperNodes, three runs of 4 rounds: ~1-4 min on 2 cores
+def test_a_serverapp_killed_after_round_2_resumes_to_the_same_model(tmp_path: Path) -> None:
     results = tmp_path / "results"
-    base = {"dataset": "digits", "seed": 3, "num-server-rounds": 6, "results-dir": str(results), "local-iters": 5}
+    base = {"dataset": "digits", "seed": 3, "num-server-rounds": 4, "results-dir": str(results), "local-iters": 5}
     killed: list[int] = []
     with LocalDeployment(REPO, node_specs(3), tmp_path / "work") as dep:
         dep.start(timeout_s=90)
         full = dep.run({**base, "run-name": "full"}, timeout_s=300)
-        assert full["status"] == "completed" and [r["round"] for r in full["rounds"]] == list(range(7))
+        assert full["status"] == "completed" and [r["round"] for r in full["rounds"]] == list(range(5))
 
-        def kill_after_round_3(entry: dict[str, Any]) -> None:
-            if entry["round"] != 3 or killed:
+        def kill_after_round_2(entry: dict[str, Any]) -> None:
+            if entry["round"] != 2 or killed:
                 return
             # The checkpoint follows results.json by a few milliseconds: kill after both.
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline:
                 with contextlib.suppress(CheckpointError):
-                    if load_checkpoint(results / "crash").round >= 3:
+                    if load_checkpoint(results / "crash").round >= 2:
                         break
                 time.sleep(0.05)
             pids = _serverapp_pids(dep.token)
@@ -179,24 +179,24 @@ def test_a_serverapp_killed_after_round_3_resumes_to_the_same_model(tmp_path: Pa
             dep.stop_session(dep.procs[-1])  # the `flwr run --stream` CLI of the dead run
 
         with pytest.raises(DeployError):
-            dep.run({**base, "run-name": "crash"}, timeout_s=300, on_round=kill_after_round_3)
+            dep.run({**base, "run-name": "crash"}, timeout_s=300, on_round=kill_after_round_2)
         assert killed
         deadline = time.monotonic() + 10
         while killed[0] in _serverapp_pids(dep.token) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert killed[0] not in _serverapp_pids(dep.token)
         ckpt = load_checkpoint(results / "crash")
-        assert 3 <= ckpt.round < 6  # killed after round 3 was recorded, before the run ended
+        assert 2 <= ckpt.round < 4  # killed after round 2 was recorded, before the run ended
         resumed = dep.run({**base, "run-name": "crash", "resume": True}, timeout_s=300)
     assert resumed["status"] == "completed"
-    assert [r["round"] for r in resumed["rounds"]] == list(range(7))  # appended to the same results
+    assert [r["round"] for r in resumed["rounds"]] == list(range(5))  # appended to the same results
     # Every round's model, before and after the crash, is the uninterrupted run's.
     assert [r["model_digest"] for r in resumed["rounds"]] == [r["model_digest"] for r in full["rounds"]]
     assert _final_digest(resumed) == _final_digest(full)
     a = torch.load(results / "full" / "final_model.pt")
     b = torch.load(results / "crash" / "final_model.pt")
     assert all(torch.equal(a[k], b[k]) for k in a)
-    print(f"resume: killed ServerApp {killed[0]} after round 3 (checkpoint {ckpt.round}); digest {_final_digest(full)}")
+    print(f"resume: killed ServerApp {killed[0]} after round 2 (checkpoint {ckpt.round}); digest {_final_digest(full)}")
 
 
 def test_resume_refuses_what_it_cannot_continue(tmp_path: Path) -> None:
