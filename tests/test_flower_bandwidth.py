@@ -52,6 +52,7 @@ def test_slow_and_fast_links_get_their_own_p_and_a_fast_link_goes_dense(tmp_path
         assert sent[slow] < 0.05 * 4 * numel  # compressed
         # Same total sparsity p / iterations on both (up to the rounding of iterations).
         assert abs(p[slow] / iters[slow] - 0.001) / 0.001 < 0.5
+        assert r["client_codec"] == {slow: "sbc", fast: "sbc" if r["round"] == 1 else "dense-fp32"}
         if r["round"] == 1:
             assert p[fast] == 0.1 and p[fast] / iters[fast] == pytest.approx(0.001)
             assert budget[slow] * 1.05 < sent[fast] < 0.2 * 4 * numel  # SBC at p-max

@@ -193,6 +193,7 @@ def server_main(
                 client_budget_bytes=_by_node(t.budget_bytes),
                 client_estimated_bytes=_by_node(t.estimated_bytes),
                 client_fits=_by_node(t.fits),
+                client_codec=_by_node(t.codec),
                 client_train_seconds=_by_node(t.train_seconds),
                 client_links=_by_node(t.links),
                 client_encode_seconds=_by_node(t.client_encode_seconds),

@@ -422,6 +422,7 @@ def _handle(
             encode_seconds=seconds,
             train_seconds=float(train_seconds),
             device=str(device),
+            codec=base_codec.codec_id,
             residual_norm=_norm(st.residual),
             update_norm=_norm(delta),
             status=status,

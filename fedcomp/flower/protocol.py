@@ -404,6 +404,10 @@ class DownlinkHeader:
 # --- client -> server ---------------------------------------------------------------------------
 
 
+#: The longest device or codec name an uplink report may carry.
+MAX_NAME_CHARS = 64
+
+
 @dataclass(frozen=True)
 class UplinkReport:
     """The uplink record: the client's replica state, its compressed update (train replies), and
@@ -415,6 +419,9 @@ class UplinkReport:
     encode_seconds: float | None = None
     train_seconds: float | None = None
     device: str | None = None
+    #: The codec id of the update's compressed tensors (``dense-fp32`` when the bandwidth policy
+    #: sent the whole update dense); informational: the server decodes by each tensor's own id.
+    codec: str | None = None
     #: What the bandwidth policy chose (fedcomp.methods.bandwidth).
     sbc_p: float | None = None
     local_iters: int | None = None
@@ -438,6 +445,7 @@ class UplinkReport:
         ("encode-seconds", "encode_seconds", float),
         ("train-seconds", "train_seconds", float),
         ("device", "device", str),
+        ("codec", "codec", str),
         ("sbc-p", "sbc_p", float),
         ("local-iters", "local_iters", int),
         ("budget-bytes", "budget_bytes", int),
@@ -487,6 +495,9 @@ class UplinkReport:
             value = rec[key]
             if not math.isfinite(value) or value < 0:
                 raise PayloadError("", f"{w}: field {key!r} must be finite and >= 0, got {value!r}")
+        for key, attr, kind in cls._OPTIONAL:  # names only (device, codec): they end up in results.json
+            if kind is str and optional[attr] is not None and len(optional[attr]) > MAX_NAME_CHARS:
+                raise PayloadError("", f"{w}: field {key!r} is longer than {MAX_NAME_CHARS} characters")
         if optional["sbc_p"] is not None and optional["sbc_p"] > 1:
             raise PayloadError("", f"{w}: field 'sbc-p' must be <= 1, got {optional['sbc_p']!r}")
         return cls(replica_version, replica_digest, link=link, status=status, **optional)  # type: ignore[arg-type]

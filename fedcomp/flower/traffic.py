@@ -97,6 +97,7 @@ class RoundTraffic:
     budget_bytes: dict[int, int] = field(default_factory=dict)
     estimated_bytes: dict[int, int] = field(default_factory=dict)
     fits: dict[int, bool] = field(default_factory=dict)
+    codec: dict[int, str] = field(default_factory=dict)  # the uplink codec each client used
     train_seconds: dict[int, float] = field(default_factory=dict)
     links: dict[int, list[float]] = field(default_factory=dict)
 
@@ -108,6 +109,7 @@ class RoundTraffic:
             (report.budget_bytes, self.budget_bytes),
             (report.estimated_bytes, self.estimated_bytes),
             (report.fits, self.fits),
+            (report.codec, self.codec),
             (report.train_seconds, self.train_seconds),
             (report.encode_seconds, self.client_encode_seconds),
         ):

@@ -206,6 +206,7 @@ def _full_report(**change: Any) -> UplinkReport:
         "encode_seconds": 0.25,
         "train_seconds": 1.5,
         "device": "cpu",
+        "codec": "sbc",
         "sbc_p": 0.01,
         "local_iters": 3,
         "budget_bytes": 5000,
@@ -227,6 +228,7 @@ FULL_RECORD = {
     "encode-seconds": 0.25,
     "train-seconds": 1.5,
     "device": "cpu",
+    "codec": "sbc",
     "sbc-p": 0.01,
     "local-iters": 3,
     "budget-bytes": 5000,
@@ -291,6 +293,13 @@ def test_uplink_to_record_omits_only_what_is_none() -> None:
         "latency-ms": 0.0,
     }
     assert UplinkReport.from_record(rec) == falsy
+
+
+@pytest.mark.parametrize("key", ["device", "codec"])
+def test_uplink_names_longer_than_64_characters_are_refused(key: str) -> None:
+    assert UplinkReport.from_record({**FULL_RECORD, key: "x" * 64}) == _full_report(**{key: "x" * 64})
+    assert _ul_error({**FULL_RECORD, key: "x" * 65}).endswith(f"uplink: field {key!r} is longer than 64 characters")
+    assert "must be str" in _ul_error({**FULL_RECORD, key: 7})
 
 
 def test_the_link_is_written_as_floats() -> None:
