@@ -120,6 +120,10 @@ class SBC(Codec):
 
     def _encode(self, flat: torch.Tensor, name: str) -> tuple[Payload, torch.Tensor | None]:
         payload, idx = self._payload(flat, name)
+        if flat.device.type == "cpu":  # calloc'd zeros and a NumPy scatter, as in the decoder
+            arr = np.zeros(flat.numel(), dtype=np.float32)
+            arr[idx.numpy()] = payload.mean
+            return payload, torch.from_numpy(arr)
         recon = torch.zeros(flat.numel(), dtype=torch.float32, device=flat.device)
         return payload, recon.index_fill_(0, idx, payload.mean)
 
