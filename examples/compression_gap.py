@@ -459,11 +459,16 @@ def _same_run_elsewhere(task: Task, path: Path) -> None:
     to ``path``. Only results that recorded the settings they ran with (``key_fields``) qualify:
     re-resolving a stored task under today's library defaults would take a run made with other
     defaults (e.g. the 3LC downlink before lattice became the app's default) for today's."""
+    fields = _recorded_fields(task)
     for other in CACHE.glob(f"{task.setting}-*.json"):
-        stored = json.loads(other.read_text())
-        if stored.get("key_fields") == json.loads(json.dumps(task.key_fields(), default=str)):
+        if json.loads(other.read_text()).get("key_fields") == fields:
             other.rename(path)
             return
+
+
+def _recorded_fields(task: Task) -> dict[str, Any]:
+    """``task.key_fields()`` as a result file records it (through JSON)."""
+    return json.loads(json.dumps(task.key_fields(), default=str))  # type: ignore[no-any-return]
 
 
 def cached(task: Task) -> dict[str, Any] | None:
@@ -481,7 +486,7 @@ def cached_run(task: Task, data_dir: str | None, refresh: bool = False) -> dict[
     if path.exists() and not refresh:
         return json.loads(path.read_text())
     result = run(task, data_dir)
-    result["key_fields"] = json.loads(json.dumps(task.key_fields(), default=str))  # the settings it ran with
+    result["key_fields"] = _recorded_fields(task)  # the settings it ran with
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))
     return result
