@@ -69,6 +69,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedcomp import _native
 from fedcomp.codecs.base import Codec, TensorSpec, check_wire_dtype, expect_payload
 from fedcomp.codecs.sbc import split_run
 from fedcomp.errors import ConfigError, PayloadError
@@ -81,6 +82,9 @@ ZERO_GROUP = 121
 #: First zero-run byte (a run of two 121s); 255 is a run of fourteen.
 RUN_BASE = 243
 MAX_RUN = 14
+
+#: The C kernels (``fedcomp/_native/threelc.c``), or None: then the CPU paths run in NumPy.
+_KERNEL = _native.load("threelc")
 
 _WEIGHTS_F32 = torch.tensor(WEIGHTS, dtype=torch.float32)
 #: Byte for the last piece of a run of r 121s, r = 1..14 (index 0 unused).
@@ -682,6 +686,50 @@ def zero_run_decode(data: torch.Tensor, expected_len: int, name: str = "") -> to
     return out
 
 
+def _run_bytes(length: int) -> bytes:
+    """The zero-run coding of ``length`` consecutive 121 bytes (module docstring, step 3)."""
+    full, r = divmod(length, MAX_RUN)
+    last = b"" if r == 0 else bytes([ZERO_GROUP if r == 1 else RUN_BASE + r - 2])
+    return b"\xff" * full + last
+
+
+def _encode_split(
+    kernel: Any, a: np.ndarray, s: float, buf: bytearray, rec: np.ndarray | None, zero_run: bool
+) -> tuple[int, float, bytes]:
+    """The C encoder over ranges on the CPU threads (:func:`fedcomp.codecs.sbc.split_run`):
+    ``(code, m, data)`` as ``kernel.encode`` gives them. max|a| is taken per range of values,
+    then each range of groups is packed into its own part of ``buf``; with zero runs, a range
+    codes only from its first byte other than 121 to its last and returns the runs of 121 at
+    its ends, which are joined here with the neighbours' (a run may span ranges), so the bytes
+    are the single-threaded ones."""
+    n = a.shape[0]
+    g = groups(n)
+    top = max(split_run(lambda b, e: int(kernel.max_abs(a, b, e)), n, _SCAN_CHUNK))
+    code, m, tbits = kernel.params(top, s)
+    if code:
+        return code, math.nan if code == 1 else math.inf, b""
+    ranges = split_run(
+        lambda g0, g1: (g0, *kernel.pack(a, tbits, m, g0, g1, buf, rec, zero_run, False)),
+        g,
+        _CPU_CHUNK,
+        _PARALLEL_GROUPS,
+    )
+    if not zero_run:
+        return 0, m, bytes(buf)
+    view = memoryview(buf)
+    pieces: list[bytes | memoryview] = []
+    pending = 0  # 121s carried over from the ranges before
+    for g0, lead, nbytes, trail in ranges:
+        if nbytes == 0:  # all 121
+            pending += lead
+            continue
+        pieces.append(_run_bytes(pending + lead))
+        pieces.append(view[g0 : g0 + nbytes])
+        pending = trail
+    pieces.append(_run_bytes(pending))
+    return 0, m, b"".join(pieces)
+
+
 # --- the codec ------------------------------------------------------------------------------------
 
 
@@ -745,6 +793,10 @@ class ThreeLC(Codec):
         packed from those alone and zero-run coded from the groups that are not 121. A dense
         one (more than one value in ``_SPARSE_ENCODE`` beyond the bound) takes a second read,
         the fused quantize + pack; both split among the CPU threads."""
+        if _KERNEL is not None:
+            done = self._payload_native(_KERNEL, a, name, want_recon)
+            if done is not None:
+                return done
         n = a.shape[0]
         top, cand = _scan_cpu(a, self.s, n // _SPARSE_ENCODE) if n else (0.0, None)
         if not math.isfinite(top):
@@ -781,6 +833,30 @@ class ThreeLC(Codec):
             packed = _zero_run_encode_np(packed)
         return ThreeLCPayload(scale=m, numel=n, zero_run=self.zero_run, data=packed.tobytes()), recon
 
+    def _payload_native(
+        self, kernel: Any, a: np.ndarray, name: str, want_recon: bool
+    ) -> tuple[ThreeLCPayload, torch.Tensor | None] | None:
+        """:meth:`_payload_cpu` by the C kernels: max|a|, then quantize + pack + zero-run code in
+        one pass straight into a buffer of ``ceil(n / 5)`` bytes (the coded stream is never
+        longer), the reconstruction written only where ``q != 0`` into fresh zeros. A large
+        tensor is split into ranges on the CPU threads (:func:`_encode_split`). None for a
+        subnormal scale without a threshold (the NumPy path then divides)."""
+        n = a.shape[0]
+        g = groups(n)
+        buf = bytearray(g)
+        rec = np.zeros(n, dtype=np.float32) if want_recon else None
+        if g >= 2 * _PARALLEL_GROUPS and torch.get_num_threads() > 1:
+            code, m, data = _encode_split(kernel, a, self.s, buf, rec, self.zero_run)
+        else:
+            code, m, nbytes = kernel.encode(a, self.s, buf, rec, self.zero_run)
+            data = bytes(buf) if nbytes == g else bytes(memoryview(buf)[:nbytes])
+        if code in (1, 2):  # NaN, or an infinity: m is max|a|
+            raise ValueError(f"tensor {name!r}: 3LC cannot encode non-finite values (max|T| = {m})")
+        if code:
+            return None
+        recon = None if rec is None else torch.from_numpy(rec)
+        return ThreeLCPayload(scale=m, numel=n, zero_run=self.zero_run, data=data), recon
+
     def _decode(self, payload: Payload, spec: TensorSpec, device: torch.device) -> torch.Tensor:
         name = spec.name
         expect_payload(payload, ThreeLCPayload, name)
@@ -802,6 +878,12 @@ class ThreeLC(Codec):
         if g == 0:
             return torch.zeros(0, dtype=torch.float32, device=device)
         if device.type == "cpu":
+            # the C decoder, when the stream's length is right (else the NumPy one raises), into
+            # fresh zeros: only the groups other than 121 are written
+            if _KERNEL is not None and (not payload.zero_run or _KERNEL.expanded_length(data) == g):
+                out = np.zeros(numel, dtype=np.float32)
+                if _KERNEL.decode(data, numel, float(scale), payload.zero_run, out, True):
+                    return torch.from_numpy(out)
             return torch.from_numpy(
                 self._decode_cpu(np.frombuffer(data, dtype=np.uint8), payload.zero_run, numel, name, float(scale))
             )
