@@ -10,7 +10,7 @@ else Gaussian images with random labels), and the update is weights after minus 
 ``--values student-t`` instead draws each tensor from a Student-t (df 3) scaled by 1/sqrt(fan-in).
 
 Each codec is timed two ways (``scope``): ``update``, the library's whole-update path
-(``UpdateEncoder.encode`` / ``decode_update``), and ``per-tensor``, the codec's own ``encode`` /
+(``UpdateEncoder.encode`` / ``decode_update_bytes``), and ``per-tensor``, the codec's own ``encode`` /
 ``decode`` called once per tensor. For each codec, scope and op it reports the median wall time
 over ``--repeat`` runs and, beside it, reference operations on the same tensors timed right before
 each run: a warm ``copy_`` into preallocated buffers (``copy_median_s``, ``copy_ratio``: one
@@ -41,7 +41,7 @@ import torch
 from fedcomp.bench import int_at_least, write_rows
 from fedcomp.codecs import Codec, get_codec
 from fedcomp.codecs.base import TensorSpec
-from fedcomp.methods.update import UpdateEncoder, decode_update, specs_of
+from fedcomp.methods.update import UpdateEncoder, decode_update_bytes, specs_of
 from fedcomp.wire import serde
 from fedcomp.wire.payloads import EncodedUpdate
 
@@ -57,7 +57,7 @@ CASES: list[tuple[dict, tuple[float | None, float | None] | None]] = [
 ]
 
 #: The two ways an update is coded: ``update`` is the library's whole-update path
-#: (:class:`UpdateEncoder` / :func:`decode_update`), ``per-tensor`` calls the codec's own
+#: (:class:`UpdateEncoder` / :func:`decode_update_bytes`), ``per-tensor`` calls the codec's own
 #: ``encode``/``decode`` once per tensor (what a user of one codec does).
 SCOPES = ("update", "per-tensor")
 
@@ -166,6 +166,7 @@ def _paired(fn: Callable[[], T], refs: dict[str, Callable[[], object]], device: 
     for _ in range(repeat):
         for k, ref in refs.items():
             times[k].append(_clock(ref, device)[0])
+        del out  # as a sender between rounds: the last output is gone before the next is made
         t, out = _clock(fn, device)
         ops.append(t)
         for k in refs:
@@ -186,7 +187,7 @@ def _encode(enc: UpdateEncoder, update: dict[str, torch.Tensor]) -> bytes:
 
 
 def _decode(data: bytes, specs: list[TensorSpec], codecs: list[Codec], device: torch.device) -> dict[str, torch.Tensor]:
-    return decode_update(serde.update_from_bytes(data), specs, codecs, device)
+    return decode_update_bytes(data, specs, codecs, device)[1]
 
 
 def _encode_per_tensor(enc: UpdateEncoder, update: dict[str, torch.Tensor]) -> bytes:

@@ -16,6 +16,7 @@ from fedcomp.codecs.dense import DenseFP32
 from fedcomp.errors import PayloadError
 from fedcomp.methods.feedback import ErrorFeedback
 from fedcomp.wire.payloads import EncodedUpdate
+from fedcomp.wire.serde import update_from_bytes_deferred
 
 #: Default size below which a tensor is sent dense.
 DEFAULT_MIN_NUMEL = 1000
@@ -130,3 +131,26 @@ def decode_update(
             raise PayloadError(spec.name, f"codec {enc.codec_id!r} is not accepted here ({sorted(accepted)})")
         out[spec.name] = codec.decode(enc, spec, device)
     return out
+
+
+def decode_update_bytes(
+    data: bytes,
+    specs: Sequence[TensorSpec],
+    codecs: Iterable[Codec],
+    device: torch.device | str | None = None,
+    per_tensor: Mapping[str, Codec] | None = None,
+) -> tuple[EncodedUpdate, dict[str, torch.Tensor]]:
+    """Parse and decode untrusted update bytes: ``update_from_bytes(data, expected=specs)``, then
+    :func:`decode_update`, with the CRC-32 of a large update computed on a worker thread while the
+    tensors are decoded (:func:`fedcomp.wire.serde.update_from_bytes_deferred`) instead of before.
+    Returns the parsed update (its ``base_model_version`` and payloads) and the tensors. Raises
+    the same :class:`PayloadError` as the two calls in turn; on a checksum mismatch the checksum's,
+    whatever else the corruption broke."""
+    update, verify = update_from_bytes_deferred(data, expected=specs)
+    try:
+        out = decode_update(update, specs, codecs, device, per_tensor)
+    except PayloadError:
+        verify()
+        raise
+    verify()
+    return update, out

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 from google.protobuf.descriptor import FieldDescriptor as _FieldDescriptor
@@ -588,8 +588,59 @@ def update_from_bytes(
         raise PayloadError("", "no crc32 field at the end of the update (FORMAT.md, Envelope)")
     sent = int.from_bytes(view[end + 1 :], "little")
     actual = fast_writer.crc32(view[:end])  # two threads on a large update
+    _check_crc(sent, actual)
+    return _parse_update(view, end, expected, max_tensors)
+
+
+def _check_crc(sent: int, actual: int) -> None:
     if sent != actual:
         raise PayloadError("", f"checksum mismatch: crc32 says {sent:#010x}, the bytes give {actual:#010x}")
+
+
+def update_from_bytes_deferred(
+    data: bytes,
+    expected: Sequence[TensorShape] | None = None,
+    *,
+    max_tensors: int = MAX_TENSORS,
+) -> tuple[EncodedUpdate, Callable[[], None]]:
+    """:func:`update_from_bytes` with the CRC still running: the update parsed (every check but
+    the CRC's) and a ``verify()`` that waits for the CRC-32, computed on a worker thread, and
+    raises the same :class:`PayloadError` on a mismatch.
+
+    For a receiver that decodes the update at once (:func:`fedcomp.methods.update.decode_update_bytes`):
+    the CRC of a large update overlaps the decode instead of preceding it. Safe because the CRC
+    guards against corruption, not against a hostile sender (who can always send a valid one):
+    the parse and the decoders check everything else and bound every allocation by the model's
+    shapes either way. Call ``verify()`` before using anything decoded."""
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise PayloadError("", f"an update is bytes, not {type(data).__name__}")
+    view = memoryview(data)
+    end = len(view) - _CRC_LEN
+    if end < _DEFER_CRC_MIN or view[end] != _CRC_TAG:
+        update = update_from_bytes(data, expected, max_tensors=max_tensors)
+        return update, lambda: None
+    sent = int.from_bytes(view[end + 1 :], "little")
+    pending = fast_writer.crc32_async(view[:end])
+
+    def verify() -> None:
+        _check_crc(sent, pending.result())
+
+    try:
+        update = _parse_update(view, end, expected, max_tensors)
+    except PayloadError:
+        verify()  # a corrupted update: report the checksum rather than what the corruption broke
+        raise
+    return update, verify
+
+
+#: Updates at least this large have their CRC deferred by :func:`update_from_bytes_deferred`.
+_DEFER_CRC_MIN = 1 << 20
+
+
+def _parse_update(
+    view: memoryview, end: int, expected: Sequence[TensorShape] | None, max_tensors: int
+) -> EncodedUpdate:
+    """The update in ``view[:end]`` (its CRC checked or deferred by the caller)."""
     if expected is None:
         most, bound = max_tensors, "the limit without a model"
     else:

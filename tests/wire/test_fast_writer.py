@@ -214,3 +214,124 @@ def test_varint():
     for value in (0, 1, 127, 128, 255, 16383, 16384, 2**32, 2**64 - 1):
         assert fast_writer.varint(value) == reference_varint(value)
         assert serde._varint(reference_varint(value) + b"\x00", 0, 11) == (value, len(reference_varint(value)))
+
+
+# --- large outputs: the trailing CRC and memory reuse ----------------------------------------------
+
+
+def _large_update(seed: int, sizes: tuple[int, ...] = (1_500_000, 1000, 2_200_001, 300_000)) -> EncodedUpdate:
+    """Dense and byte-payload tensors, over the pipelined-CRC and reuse thresholds together."""
+    gen = torch.Generator().manual_seed(seed)
+    encs = [get_codec("dense-fp16").encode(torch.randn(n, generator=gen), f"w{i}") for i, n in enumerate(sizes)]
+    raw = bytes(torch.randint(0, 256, (5 << 20,), generator=gen, dtype=torch.uint8).numpy())
+    encs.insert(1, _tensor(DensePayload("float32", raw), name="raw", shape=(len(raw) // 4,)))
+    return EncodedUpdate(base_model_version=seed, tensors=tuple(encs))
+
+
+@pytest.mark.parametrize("accelerated", [True, False])
+def test_trailing_crc_of_a_large_update_equals_protobufs(accelerated, monkeypatch):
+    # The CRC runs on a worker thread a piece behind the writer: the trailer must be zlib's CRC of
+    # the whole body all the same, whichever CRC function runs and however the pieces fall.
+    if not accelerated:
+        monkeypatch.setattr(fast_writer, "FAST_CRC32", None)
+    elif fast_writer.FAST_CRC32 is None:
+        pytest.skip("neither isal nor zlib-ng is installed")
+    for step in (fast_writer._CRC_STEP, 1 << 16, 3):
+        monkeypatch.setattr(fast_writer, "_CRC_STEP", step)
+        u = _large_update(1)
+        data = serde.update_to_bytes(u)
+        assert len(data) >= fast_writer._CRC_PIPELINE
+        assert data == serde.update_to_bytes_protobuf(u)
+        assert int.from_bytes(data[-4:], "little") == zlib.crc32(data[:-5])
+
+
+def _address(data: bytes) -> int:
+    assert fast_writer._BYTES_API is not None
+    return fast_writer._BYTES_API[1](data)  # type: ignore[operator, no-any-return]
+
+
+@pytest.fixture
+def reuse(monkeypatch):
+    """Output reuse on, nothing kept yet; returns the list of sizes of new large outputs made."""
+    if not fast_writer._REUSE_OUTPUT or fast_writer._BYTES_API is None:
+        pytest.skip("output reuse needs CPython with its GIL")
+    new, ptr = fast_writer._BYTES_API
+    made: list[int] = []
+
+    def counting_new(src, n):
+        made.append(n)
+        return new(src, n)  # type: ignore[operator]
+
+    monkeypatch.setattr(fast_writer, "_BYTES_API", (counting_new, ptr))
+    fast_writer.set_output_reuse(True)  # start from nothing kept
+    yield made
+    fast_writer.set_output_reuse(True)
+
+
+def test_a_large_output_reuses_the_last_one_only_when_nobody_holds_it(reuse):
+    first = serde.update_to_bytes(_large_update(1))
+    first_hash = hash(first)
+    kept = first  # another holder: the next output must be new memory, the first left untouched
+    snapshot = bytes(first)
+    second = serde.update_to_bytes(_large_update(2))
+    assert len(reuse) == 2
+    assert kept == snapshot and hash(kept) == first_hash
+    del first, kept, snapshot
+    # Nobody holds the second now: the third is written into its memory, and is right.
+    where = _address(second)
+    h2 = hash(second)
+    del second
+    u3 = _large_update(3)
+    third = serde.update_to_bytes(u3)
+    assert len(reuse) == 2 and _address(third) == where
+    assert third == serde.update_to_bytes_protobuf(u3)
+    # The hash cached while it was the second output must not be served for the third.
+    assert hash(third) == hash(bytes(third)) != h2
+
+
+def test_reuse_needs_the_same_size_and_can_be_turned_off(reuse):
+    a = serde.update_to_bytes(_large_update(1))
+    del a
+    longer = _large_update(2, sizes=(1_500_001, 1000, 2_200_001, 300_000))  # two bytes longer
+    b = serde.update_to_bytes(longer)
+    assert len(reuse) == 2 and fast_writer._SPARE is b
+    assert b == serde.update_to_bytes_protobuf(longer)
+    del b
+    fast_writer.set_output_reuse(False)
+    assert fast_writer._SPARE is None
+    c = serde.update_to_bytes(longer)
+    assert len(reuse) == 3 and fast_writer._SPARE is None  # a new output, nothing kept while off
+    assert c == serde.update_to_bytes_protobuf(longer)
+
+
+def test_a_memoryview_or_array_over_the_output_blocks_reuse(reuse):
+    a = serde.update_to_bytes(_large_update(1))
+    view = memoryview(a)
+    snapshot = bytes(view)
+    del a
+    b = serde.update_to_bytes(_large_update(2))
+    assert len(reuse) == 2  # a new output: the view holds the first
+    assert bytes(view) == snapshot  # the view still sees the first output's bytes
+    assert b == serde.update_to_bytes_protobuf(_large_update(2))
+
+
+def test_outputs_written_from_two_threads_at_once_are_each_right(reuse):
+    import threading
+
+    updates = [_large_update(s) for s in (1, 2)]
+    expected = [serde.update_to_bytes_protobuf(u) for u in updates]
+    wrong: list[int] = []
+
+    def worker(i: int) -> None:
+        for _ in range(6):
+            data = serde.update_to_bytes(updates[i])
+            if data != expected[i]:
+                wrong.append(i)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads)
+    assert wrong == []
