@@ -260,6 +260,108 @@ static void pack_range(packer *p, Py_ssize_t g0, Py_ssize_t g1, Py_ssize_t *lead
     }
 }
 
+/* Values per chunk of scan_select: the chunk stays in L1 between its max and its selection. */
+#define SCAN_CHUNK 2048
+
+/* max|x| over [begin, end) as bits (as max_abs_bits) and, in the same read, the ascending
+ * positions of a superset of the values the codec will quantize to +-1: those at or above
+ * 0.49 * min(s * running max, float32 max), which is below the final threshold (about m / 2,
+ * m = s * max|x| clamped to the float32 maximum). *count is how many, or -1 when more than
+ * `limit` (or the bound is zero or subnormal, or the input not finite): then pack densely. */
+static uint32_t scan_select(const uint32_t *x, Py_ssize_t begin, Py_ssize_t end, double s, int64_t *cand,
+                            Py_ssize_t limit, Py_ssize_t *count) {
+    uint32_t running = 0;
+    int32_t bound = (int32_t)INF_BITS;
+    Py_ssize_t c = 0;
+    int ok = 1;
+    double s32 = (double)(float)s;
+    for (Py_ssize_t i = begin; i < end; i += SCAN_CHUNK) {
+        Py_ssize_t stop = end - i < SCAN_CHUNK ? end : i + SCAN_CHUNK;
+        uint32_t top = max_abs_bits(x, i, stop);
+        if (top > running) {
+            running = top;
+            if (running >= INF_BITS) { /* not finite: only the maximum matters now */
+                ok = 0;
+                running = top > max_abs_bits(x, stop, end) ? top : max_abs_bits(x, stop, end);
+                break;
+            }
+            double sm = s32 * (double)u2f(running);
+            float bf = (float)(0.49 * (sm < (double)FLT_MAX ? sm : (double)FLT_MAX));
+            if (!(bf > FLT_MIN)) ok = 0; /* a zero or subnormal bound would keep nearly everything */
+            bound = (int32_t)f2u(bf);
+        }
+        if (!ok || (int32_t)top < bound) continue;
+        for (Py_ssize_t j = i; j < stop; j++) {
+            if ((int32_t)(x[j] & ABS_MASK) < bound) continue;
+            if (c >= limit) {
+                ok = 0;
+                break;
+            }
+            cand[c++] = j;
+        }
+    }
+    *count = ok ? c : -1;
+    return running;
+}
+
+/* The whole tensor's output (whole = 1) from the ascending candidate positions cand[0:c] (a
+ * superset of the values with q != 0, all < n): the groups they fall in, merged over the five
+ * parts in group order; every other group is 121. The last groups (with padding) are computed
+ * directly. Returns the number of bytes written from p->out. */
+static Py_ssize_t pack_sparse(packer *p, const int64_t *cand, Py_ssize_t c) {
+    Py_ssize_t g = p->g, n = p->n;
+    Py_ssize_t jfull = n - 4 * g;
+    if (jfull < 0) jfull = 0;
+    Py_ssize_t h[5], e[5], idx = 0;
+    for (int k = 0; k < 5; k++) {
+        h[k] = idx;
+        while (idx < c && cand[idx] < (Py_ssize_t)(k + 1) * g) idx++;
+        e[k] = idx;
+    }
+    p->o = p->out;
+    p->run = 0;
+    p->lead = -1;
+    if (!p->zero_run) memset(p->out, ZERO_GROUP, (size_t)g);
+    Py_ssize_t next = 0; /* the first group not yet written */
+    for (;;) {
+        Py_ssize_t j = PY_SSIZE_T_MAX;
+        for (int k = 0; k < 5; k++)
+            if (h[k] < e[k] && cand[h[k]] - (Py_ssize_t)k * g < j) j = cand[h[k]] - (Py_ssize_t)k * g;
+        if (j >= jfull) break;
+        int32_t acc = 0;
+        for (int k = 0; k < 5; k++) {
+            int32_t q = 0;
+            if (h[k] < e[k] && cand[h[k]] - (Py_ssize_t)k * g == j) q = quant(p->x[cand[h[k]++]], p->tb);
+            acc = 3 * acc + q;
+        }
+        if (p->zero_run) p->run += j - next;
+        group_byte(p, j, (uint8_t)(acc + ZERO_GROUP));
+        next = j + 1;
+    }
+    if (p->zero_run && jfull > next) p->run += jfull - next;
+    for (Py_ssize_t j = jfull > next ? jfull : next; j < g; j++) {
+        int32_t acc = 0;
+        for (int k = 0; k < 5; k++) {
+            Py_ssize_t i = (Py_ssize_t)k * g + j;
+            acc = 3 * acc + (i < n ? quant(p->x[i], p->tb) : -1);
+        }
+        group_byte(p, j, (uint8_t)(acc + ZERO_GROUP));
+    }
+    if (!p->zero_run) return g;
+    p->o = put_run(p->o, p->run);
+    return p->o - p->out;
+}
+
+static int check_cand(Py_buffer *buf, const int64_t *cand, Py_ssize_t c, Py_ssize_t n) {
+    if (check_len(buf, c, 8, "candidates")) return -1;
+    for (Py_ssize_t i = 0; i < c; i++)
+        if (cand[i] < 0 || cand[i] >= n || (i && cand[i] <= cand[i - 1])) {
+            PyErr_SetString(PyExc_ValueError, "candidates must be ascending positions inside the tensor");
+            return -1;
+        }
+    return 0;
+}
+
 static int get_recon(PyObject *obj, Py_buffer *buf, Py_ssize_t n) {
     if (obj == Py_None) return 0;
     if (PyObject_GetBuffer(obj, buf, PyBUF_CONTIG) < 0) return -1;
@@ -339,13 +441,69 @@ done:
     return result;
 }
 
+static PyObject *scan(PyObject *self, PyObject *args) {
+    Py_buffer a, cb;
+    Py_ssize_t begin, end, off, limit;
+    double s;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*nndw*nn", &a, &begin, &end, &s, &cb, &off, &limit)) return NULL;
+    PyObject *result = NULL;
+    if (begin < 0 || end < begin || end > a.len / 4 || off < 0 || limit < 0 || check_len(&cb, off + limit, 8, "scan candidates")) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "scan: range out of bounds");
+        goto done;
+    }
+    Py_ssize_t count;
+    uint32_t top;
+    Py_BEGIN_ALLOW_THREADS
+    top = scan_select((const uint32_t *)a.buf, begin, end, s, (int64_t *)cb.buf + off, limit, &count);
+    Py_END_ALLOW_THREADS
+    result = Py_BuildValue("kn", (unsigned long)top, count);
+done:
+    PyBuffer_Release(&a);
+    PyBuffer_Release(&cb);
+    return result;
+}
+
+static PyObject *pack_sparse_py(PyObject *self, PyObject *args) {
+    Py_buffer a, cb, out, rb;
+    unsigned long tbits;
+    float m;
+    PyObject *recon_obj;
+    int zero_run;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*kfw*Op", &a, &cb, &tbits, &m, &out, &recon_obj, &zero_run)) return NULL;
+    PyObject *result = NULL;
+    int has_recon = 0;
+    Py_ssize_t n = a.len / 4, g = groups_of(n), c = cb.len / 8;
+    if (tbits > INF_BITS) {
+        PyErr_SetString(PyExc_ValueError, "pack_sparse: threshold out of bounds");
+        goto done;
+    }
+    if (check_len(&out, g, 1, "pack_sparse out") || check_cand(&cb, (const int64_t *)cb.buf, c, n)) goto done;
+    has_recon = get_recon(recon_obj, &rb, n);
+    if (has_recon < 0) goto done;
+    packer p = {(const uint32_t *)a.buf, n, g, (int32_t)tbits, f2u(m), has_recon ? (uint32_t *)rb.buf : NULL,
+                zero_run, 1, (uint8_t *)out.buf, NULL, 0, -1};
+    Py_ssize_t nbytes;
+    Py_BEGIN_ALLOW_THREADS
+    nbytes = pack_sparse(&p, (const int64_t *)cb.buf, c);
+    Py_END_ALLOW_THREADS
+    result = PyLong_FromSsize_t(nbytes);
+done:
+    if (has_recon > 0) PyBuffer_Release(&rb);
+    PyBuffer_Release(&a);
+    PyBuffer_Release(&cb);
+    PyBuffer_Release(&out);
+    return result;
+}
+
 static PyObject *encode(PyObject *self, PyObject *args) {
-    Py_buffer a, out, rb;
+    Py_buffer a, out, rb, cb;
     double s;
     PyObject *recon_obj;
     int zero_run;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*dw*Op", &a, &s, &out, &recon_obj, &zero_run)) return NULL;
+    if (!PyArg_ParseTuple(args, "y*dw*Opw*", &a, &s, &out, &recon_obj, &zero_run, &cb)) return NULL;
     PyObject *result = NULL;
     int has_recon = 0;
     Py_ssize_t n = a.len / 4, g = groups_of(n);
@@ -354,17 +512,20 @@ static PyObject *encode(PyObject *self, PyObject *args) {
     if (has_recon < 0) goto done;
     packer p = {(const uint32_t *)a.buf, n, g, 0, 0, has_recon ? (uint32_t *)rb.buf : NULL,
                 zero_run, 1, (uint8_t *)out.buf, NULL, 0, -1};
-    Py_ssize_t lead = 0, nbytes = 0, trail = 0;
+    Py_ssize_t lead = 0, nbytes = 0, trail = 0, count;
     float m = 0.0f;
     uint32_t tb = INF_BITS, top;
     int code;
     Py_BEGIN_ALLOW_THREADS
-    top = max_abs_bits(p.x, 0, n);
+    top = scan_select(p.x, 0, n, s, (int64_t *)cb.buf, cb.len / 8, &count);
     code = scale_params(top, s, &m, &tb);
     if (code == 0) {
         p.tb = (int32_t)tb;
         p.mb = f2u(m);
-        pack_range(&p, 0, g, &lead, &nbytes, &trail);
+        if (count >= 0)
+            nbytes = pack_sparse(&p, (const int64_t *)cb.buf, count);
+        else
+            pack_range(&p, 0, g, &lead, &nbytes, &trail);
     }
     Py_END_ALLOW_THREADS
     result = Py_BuildValue("idn", code, code == 1 || code == 2 ? (double)u2f(top) : (double)m, nbytes);
@@ -372,6 +533,7 @@ done:
     if (has_recon > 0) PyBuffer_Release(&rb);
     PyBuffer_Release(&a);
     PyBuffer_Release(&out);
+    PyBuffer_Release(&cb);
     return result;
 }
 
@@ -494,6 +656,8 @@ static PyMethodDef methods[] = {
     {"max_abs", max_abs, METH_VARARGS, "Largest magnitude bits of float32 a[begin:end]."},
     {"params", params, METH_VARARGS, "(code, m, t_bits): 3LC's scale and threshold for max|a| bits and s."},
     {"pack", pack, METH_VARARGS, "Quantize + pack (+ zero-run code) the groups [g0, g1): (lead, nbytes, trail)."},
+    {"scan", scan, METH_VARARGS, "max|a| bits and candidate positions for +-1 in [begin, end): (bits, count)."},
+    {"pack_sparse", pack_sparse_py, METH_VARARGS, "The whole tensor's bytes from candidate positions: nbytes."},
     {"encode", encode, METH_VARARGS, "The whole 3LC encoding of a tensor: (code, m, nbytes)."},
     {"expanded_length", expanded_length, METH_VARARGS, "Groups a zero-run stream expands to."},
     {"decode", decode, METH_VARARGS, "Zero-run decode + unpack + scale; False on an invalid stream."},

@@ -101,6 +101,8 @@ _SPARSE_DECODE = 4
 _SCAN_CHUNK = 1 << 18
 #: A tensor's groups are split among the CPU threads one range per this many groups.
 _PARALLEL_GROUPS = 1 << 17
+#: With the C kernels, a tensor of at least this many values is encoded on the CPU threads.
+_PARALLEL_VALUES = 1 << 19
 
 _F32_MAX = float(torch.finfo(torch.float32).max)
 _F32_TINY = np.float32(torch.finfo(torch.float32).tiny)  # the least normal float32
@@ -522,7 +524,7 @@ def _scan_cpu(a: np.ndarray, s: float, limit: int) -> tuple[float, np.ndarray | 
     s32 = float(np.float32(s))
 
     def scan(begin: int, end: int) -> tuple[float, list[np.ndarray] | None]:
-        width = min(_SCAN_CHUNK, end - begin)
+        width = max(1, min(_SCAN_CHUNK, end - begin))  # an empty range (small n, large chunks) finds nothing
         buf = np.empty(width, dtype=np.float32)
         mask = np.empty(width, dtype=np.bool_)
         running, bound = 0.0, np.float32(0.0)
@@ -697,17 +699,30 @@ def _encode_split(
     kernel: Any, a: np.ndarray, s: float, buf: bytearray, rec: np.ndarray | None, zero_run: bool
 ) -> tuple[int, float, bytes]:
     """The C encoder over ranges on the CPU threads (:func:`fedcomp.codecs.sbc.split_run`):
-    ``(code, m, data)`` as ``kernel.encode`` gives them. max|a| is taken per range of values,
-    then each range of groups is packed into its own part of ``buf``; with zero runs, a range
+    ``(code, m, data)`` as ``kernel.encode`` gives them. max|a| and the candidates for +-1 are
+    taken per range of values; a sparse tensor (each range found at most one value in
+    ``_SPARSE_ENCODE`` beyond its bound) is then packed from its candidates in one call.
+    Otherwise each range of groups is packed into its own part of ``buf``; with zero runs, a range
     codes only from its first byte other than 121 to its last and returns the runs of 121 at
     its ends, which are joined here with the neighbours' (a run may span ranges), so the bytes
     are the single-threaded ones."""
     n = a.shape[0]
     g = groups(n)
-    top = max(split_run(lambda b, e: int(kernel.max_abs(a, b, e)), n, _SCAN_CHUNK))
-    code, m, tbits = kernel.params(top, s)
+    per = _SPARSE_ENCODE
+    cand = np.empty(n // per + 1, dtype=np.int64)  # range [b, e) may write cand[b // per : e // per]
+    scans = split_run(
+        lambda b, e: (b // per, *kernel.scan(a, b, e, s, cand, b // per, e // per - b // per)),
+        n,
+        _SCAN_CHUNK,
+        _PARALLEL_VALUES // 2,
+    )
+    code, m, tbits = kernel.params(max(top for _, top, _ in scans), s)
     if code:
         return code, math.nan if code == 1 else math.inf, b""
+    if all(count >= 0 for _, _, count in scans):  # sparse: the bytes from the candidates alone
+        pos = np.concatenate([cand[at : at + count] for at, _, count in scans])
+        nbytes = kernel.pack_sparse(a, pos, tbits, m, buf, rec, zero_run)
+        return 0, m, bytes(buf) if nbytes == g else bytes(memoryview(buf)[:nbytes])
     ranges = split_run(
         lambda g0, g1: (g0, *kernel.pack(a, tbits, m, g0, g1, buf, rec, zero_run, False)),
         g,
@@ -845,10 +860,11 @@ class ThreeLC(Codec):
         g = groups(n)
         buf = bytearray(g)
         rec = np.zeros(n, dtype=np.float32) if want_recon else None
-        if g >= 2 * _PARALLEL_GROUPS and torch.get_num_threads() > 1:
+        if n >= _PARALLEL_VALUES and torch.get_num_threads() > 1:
             code, m, data = _encode_split(kernel, a, self.s, buf, rec, self.zero_run)
         else:
-            code, m, nbytes = kernel.encode(a, self.s, buf, rec, self.zero_run)
+            cand = np.empty(n // _SPARSE_ENCODE, dtype=np.int64)
+            code, m, nbytes = kernel.encode(a, self.s, buf, rec, self.zero_run, cand)
             data = bytes(buf) if nbytes == g else bytes(memoryview(buf)[:nbytes])
         if code in (1, 2):  # NaN, or an infinity: m is max|a|
             raise ValueError(f"tensor {name!r}: 3LC cannot encode non-finite values (max|T| = {m})")
