@@ -189,3 +189,44 @@ def test_a_hostile_payload_allocates_no_more_than_the_tensor() -> None:
     with kit.LargestTensor() as seen, pytest.raises(PayloadError):
         Lattice().decode(hostile, spec)
     assert seen.largest <= spec.numel
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_cpu_path_equals_the_torch_path(seed: int) -> None:
+    # The NumPy CPU encoder and the device-generic torch encoder (what CUDA runs) give the same
+    # payload and reconstruction: ties at half a step, zeros, large and tiny values, one value.
+    gen = torch.Generator().manual_seed(seed)
+    n = [1, 7, 1000, 4097, 100_000, 3][seed]
+    x = torch.randn(n, generator=gen) * 10 ** (seed - 2)
+    x[:: max(1, n // 5)] = 0.0
+    e = [-9, -4, -12, 0, -2, 2][seed]
+    h = math.ldexp(1.0, e)
+    x[1::7] = (torch.randint(-50, 50, x[1::7].shape, generator=gen) + 0.5) * h  # exact half steps
+    codec = Lattice(8.0, e)
+    cpu = codec._payload_cpu(x.numpy(), "w", h, want_recon=True)
+    ref = codec._payload_torch(x, "w", h)
+    assert cpu[0] == ref[0]
+    assert cpu[1] is not None and torch.equal(cpu[1], ref[1])
+    assert codec.encode(x, "w").payload == ref[0]
+
+
+def test_rice_parameter_is_the_first_cheapest_of_all() -> None:
+    from fedcomp.codecs.lattice import _K_MAX, _rice_k
+
+    rng = np.random.default_rng(0)
+    for scale in (0, 1, 3, 100, 5000, 2**22):
+        m1 = rng.integers(0, scale + 1, 500)
+        costs = [int((m1 >> k).sum()) + len(m1) * (k + 1) for k in range(_K_MAX + 1)]
+        assert _rice_k(m1) == int(np.argmin(costs)), scale
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf", "wide"])
+def test_cpu_and_torch_paths_refuse_the_same_inputs(bad: str) -> None:
+    x = torch.linspace(-1, 1, 2000)
+    x[1234] = {"nan": math.nan, "inf": -math.inf, "wide": 2.0**30}[bad]
+    codec = Lattice(8.0, -4)
+    with pytest.raises(ValueError) as cpu:
+        codec._payload_cpu(x.numpy(), "w", 2.0**-4, want_recon=False)
+    with pytest.raises(ValueError) as ref:
+        codec._payload_torch(x, "w", 2.0**-4)
+    assert str(cpu.value) == str(ref.value)
