@@ -33,6 +33,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from fedcomp.codecs import Codec, DenseFP32, Lattice, TensorSpec
@@ -270,8 +271,28 @@ def apply_lattice(
     exponents = {enc.name: lattice_exponent(enc) for enc in update.tensors}
     for k, d in decoded.items():
         h = math.ldexp(1.0, exponents[k])
-        merged = torch.round(tensors[k].to(torch.float32) / h) + d / h
+        current = tensors[k].to(torch.float32)
+        if current.device.type == "cpu" and d.device.type == "cpu" and current.shape == d.shape:
+            tensors[k] = _merge_cpu(current, d, h, k, exponents[k])
+            continue
+        merged = torch.round(current / h) + d / h
         if merged.numel() and not float(merged.abs().max()) < K_LIMIT:
             raise PayloadError(k, f"the replica leaves the grid 2**{exponents[k]} (|K| >= 2**24)")
         tensors[k] = merged * h
     return exponents
+
+
+def _merge_cpu(current: torch.Tensor, d: torch.Tensor, h: float, name: str, e: int) -> torch.Tensor:
+    """``h * (round(current / h) + d / h)`` in float32, as the device-generic lines of
+    :func:`apply_lattice` compute it, in NumPy in place: one new array, no temporaries (``d`` is
+    the freshly decoded delta, consumed; ``current`` is left as it was)."""
+    h32 = np.float32(h)
+    q = np.divide(current.detach().numpy(), h32)
+    np.rint(q, out=q)
+    step = np.ascontiguousarray(d.detach().numpy())
+    step = np.divide(step, h32, out=step) if step.flags.writeable else step / h32
+    q += step
+    if q.size and not (float(q.max()) < K_LIMIT and -float(q.min()) < K_LIMIT):  # NaN fails both
+        raise PayloadError(name, f"the replica leaves the grid 2**{e} (|K| >= 2**24)")
+    q *= h32
+    return torch.from_numpy(q)

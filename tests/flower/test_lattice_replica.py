@@ -212,3 +212,29 @@ def test_a_merged_payload_decodes_as_lattice_only() -> None:
     update = update_from_bytes(dl.payloads[0], expected=specs_of(MODEL))
     assert update.base_model_version == 0
     assert {t.codec_id for t in update.tensors} == {Lattice.codec_id}
+
+
+@pytest.mark.parametrize("e", [-12, -4, 0, 3])
+def test_cpu_merge_equals_the_device_generic_lines(e: int) -> None:
+    # apply_lattice's NumPy merge on CPU against the torch expression every other device runs:
+    # a replica off the grid (the first delta snaps it), on it, half steps, and the |K| bound.
+    from fedcomp.flower.replica import _merge_cpu
+
+    gen = torch.Generator().manual_seed(e + 100)
+    h = math.ldexp(1.0, e)
+    current = torch.randn(3001, generator=gen) * 40 * h
+    current[::3] = torch.round(current[::3] / h) * h + h / 2  # exact half steps: ties to even
+    d = torch.randint(-5, 6, (3001,), generator=gen).to(torch.float32) * h
+    want = (torch.round(current / h) + d / h) * h
+    before = current.clone()
+    got = _merge_cpu(current, d.clone(), h, "w", e)
+    assert torch.equal(got, want)
+    assert torch.equal(current, before)  # the replica's old tensor is left as it was
+    far = current.clone()
+    far[7] = 2.0**24 * h
+    with pytest.raises(PayloadError, match="leaves the grid"):
+        _merge_cpu(far, d.clone(), h, "w", e)
+    nan = current.clone()
+    nan[5] = math.nan
+    with pytest.raises(PayloadError, match="leaves the grid"):
+        _merge_cpu(nan, d.clone(), h, "w", e)
