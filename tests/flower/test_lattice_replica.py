@@ -231,7 +231,7 @@ def test_cpu_merge_equals_the_device_generic_lines(e: int) -> None:
     assert torch.equal(got, want)
     assert torch.equal(current, before)  # the replica's old tensor is left as it was
     far = current.clone()
-    far[7] = 2.0**24 * h
+    far[7] = (2.0**24 + 10) * h  # past the bound whatever d adds there (|d / h| <= 5)
     with pytest.raises(PayloadError, match="leaves the grid"):
         _merge_cpu(far, d.clone(), h, "w", e)
     nan = current.clone()
