@@ -1,9 +1,439 @@
-/* fedcomp._native._sbc: C kernels (placeholder module; kernels to come). */
+/* fedcomp._native._sbc: C kernels for SBC's CPU paths (fedcomp/codecs/sbc.py, fedcomp/codecs/golomb.py).
+ *
+ * Each kernel does in one pass what the NumPy path does in several, and gives exactly its result
+ * (same positions, values, sums and bytes; the tests compare both paths). The kernels take Python
+ * buffers, check every length against what they will touch (ValueError on a mismatch), write only
+ * into buffers the caller allocated, and release the GIL around their loops so that
+ * fedcomp.codecs.sbc.split_run runs them on several threads at once.
+ *
+ *   scan(a, begin, end, thr_hi, thr_lo, limit, hi_pos, hi_vals, lo_pos, lo_vals) -> (nhi, nlo) | None
+ *       positions (int64) and values (float32) in [begin, end) of a >= thr_hi and of a <= thr_lo;
+ *       None when more than `limit` are found (each output holds min(limit, end - begin) entries).
+ *   gather(a, pos, out) -> bool         out[i] = a[pos[i]]; whether every value gathered is finite.
+ *   sum_stats(vals) -> (sum, lo, hi)    float64 sum (in order) and the min/max of (bits & 0x7fffffff).
+ *   golomb_encode(idx, b) -> bytes      the two-section Golomb-Rice layout of fedcomp/codecs/golomb.py.
+ *   golomb_decode(bits, nnz, b, numel, out) -> bool          positions into int64 `out` (nnz entries).
+ *   golomb_scatter(bits, nnz, b, numel, out, value) -> bool  out[pos] = value, float32 `out` (numel).
+ *       The decoders return False on any inconsistency the NumPy decoder reports (the caller then
+ *       reruns the NumPy path to raise its PayloadError); `out` is then partly written.
+ */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stdint.h>
+#include <string.h>
 
-static PyMethodDef methods[] = {{NULL, NULL, 0, NULL}};
+/* --- threshold scan ---------------------------------------------------------------------------- */
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_sbc", NULL, -1, methods};
+#if defined(__SSE2__) || defined(_M_X64)
+#include <emmintrin.h>
+#define HAVE_SSE2 1
+#endif
 
-PyMODINIT_FUNC PyInit__sbc(void) { return PyModule_Create(&module); }
+/* Elements per block tested at once: bit j of *mh (*ml) says x[j] >= hi (x[j] <= lo). */
+#define SCAN_BLOCK 16
+
+static inline void block_masks(const float *x, float hi, float lo, unsigned *mh, unsigned *ml) {
+#ifdef HAVE_SSE2
+    __m128 vh = _mm_set1_ps(hi), vl = _mm_set1_ps(lo);
+    unsigned h = 0, l = 0;
+    for (int j = 0; j < SCAN_BLOCK; j += 4) {
+        __m128 v = _mm_loadu_ps(x + j);
+        h |= (unsigned)_mm_movemask_ps(_mm_cmpge_ps(v, vh)) << j;
+        l |= (unsigned)_mm_movemask_ps(_mm_cmple_ps(v, vl)) << j;
+    }
+    *mh = h;
+    *ml = l;
+#else
+    unsigned h = 0, l = 0;
+    for (int j = 0; j < SCAN_BLOCK; j++) {
+        h |= (unsigned)(x[j] >= hi) << j;
+        l |= (unsigned)(x[j] <= lo) << j;
+    }
+    *mh = h;
+    *ml = l;
+#endif
+}
+
+/* Index of the lowest set bit of a non-zero mask. */
+static inline int lowest_bit(unsigned m) {
+#if defined(__GNUC__) || defined(__clang__)
+    return __builtin_ctz(m);
+#else
+    int i = 0;
+    while (!(m & 1u)) {
+        m >>= 1;
+        i++;
+    }
+    return i;
+#endif
+}
+
+static int popcount(unsigned m) {
+#if defined(__GNUC__) || defined(__clang__)
+    return __builtin_popcount(m);
+#else
+    int n = 0;
+    for (; m; m &= m - 1) n++;
+    return n;
+#endif
+}
+
+static int check_len(Py_buffer *buf, Py_ssize_t items, Py_ssize_t itemsize, const char *what) {
+    if (buf->len < items * itemsize) {
+        PyErr_Format(PyExc_ValueError, "%s: buffer holds %zd bytes, need %zd", what, buf->len, items * itemsize);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *scan(PyObject *self, PyObject *args) {
+    Py_buffer a, hp, hv, lp, lv;
+    Py_ssize_t begin, end, limit;
+    float hi, lo;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*nnffnw*w*w*w*", &a, &begin, &end, &hi, &lo, &limit, &hp, &hv, &lp, &lv))
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t n = a.len / 4;
+    if (begin < 0 || end < begin || end > n || limit < 0) {
+        PyErr_SetString(PyExc_ValueError, "scan: range or limit out of bounds");
+        goto done;
+    }
+    Py_ssize_t cap = limit < end - begin ? limit : end - begin; /* the most one side can hold */
+    if (check_len(&hp, cap, 8, "scan hi_pos") || check_len(&hv, cap, 4, "scan hi_vals") ||
+        check_len(&lp, cap, 8, "scan lo_pos") || check_len(&lv, cap, 4, "scan lo_vals"))
+        goto done;
+    const float *x = (const float *)a.buf;
+    int64_t *hpos = (int64_t *)hp.buf, *lpos = (int64_t *)lp.buf;
+    float *hval = (float *)hv.buf, *lval = (float *)lv.buf;
+    Py_ssize_t nhi = 0, nlo = 0;
+    int over = 0;
+    Py_BEGIN_ALLOW_THREADS
+    Py_ssize_t i = begin;
+    for (; i + SCAN_BLOCK <= end; i += SCAN_BLOCK) {
+        unsigned mh, ml;
+        block_masks(x + i, hi, lo, &mh, &ml);
+        if (!(mh | ml)) continue;
+        if (nhi + nlo + popcount(mh) + popcount(ml) > limit) {
+            over = 1;
+            break;
+        }
+        for (; mh; mh &= mh - 1) {
+            Py_ssize_t j = i + lowest_bit(mh);
+            hpos[nhi] = j;
+            hval[nhi++] = x[j];
+        }
+        for (; ml; ml &= ml - 1) {
+            Py_ssize_t j = i + lowest_bit(ml);
+            lpos[nlo] = j;
+            lval[nlo++] = x[j];
+        }
+    }
+    for (; i < end && !over; i++) { /* the tail of fewer than SCAN_BLOCK */
+        float v = x[i];
+        int h = v >= hi, l = v <= lo;
+        if (nhi + nlo + h + l > limit) {
+            over = 1;
+            break;
+        }
+        if (h) {
+            hpos[nhi] = i;
+            hval[nhi++] = v;
+        }
+        if (l) {
+            lpos[nlo] = i;
+            lval[nlo++] = v;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (over) {
+        Py_INCREF(Py_None);
+        result = Py_None;
+    } else {
+        result = Py_BuildValue("nn", nhi, nlo);
+    }
+done:
+    PyBuffer_Release(&a);
+    PyBuffer_Release(&hp);
+    PyBuffer_Release(&hv);
+    PyBuffer_Release(&lp);
+    PyBuffer_Release(&lv);
+    return result;
+}
+
+static PyObject *gather(PyObject *self, PyObject *args) {
+    Py_buffer a, pos, out;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*w*", &a, &pos, &out)) return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t n = a.len / 4, m = pos.len / 8;
+    if (check_len(&out, m, 4, "gather out")) goto done;
+    const float *x = (const float *)a.buf;
+    const int64_t *p = (const int64_t *)pos.buf;
+    float *o = (float *)out.buf;
+    int bad_index = 0;
+    uint32_t nonfinite = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < m; i++) {
+        int64_t j = p[i];
+        if (j < 0 || j >= n) {
+            bad_index = 1;
+            break;
+        }
+        float v = x[j];
+        uint32_t bits;
+        memcpy(&bits, &v, 4);
+        nonfinite |= (uint32_t)((bits & 0x7F800000u) == 0x7F800000u);
+        o[i] = v;
+    }
+    Py_END_ALLOW_THREADS
+    if (bad_index) {
+        PyErr_SetString(PyExc_ValueError, "gather: position out of range");
+        goto done;
+    }
+    result = PyBool_FromLong(!nonfinite);
+done:
+    PyBuffer_Release(&a);
+    PyBuffer_Release(&pos);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+static PyObject *sum_stats(PyObject *self, PyObject *args) {
+    Py_buffer vals;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*", &vals)) return NULL;
+    Py_ssize_t m = vals.len / 4;
+    const float *x = (const float *)vals.buf;
+    double sum = 0.0;
+    uint32_t lo = 0x7FFFFFFFu, hi = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < m; i++) {
+        uint32_t bits;
+        memcpy(&bits, &x[i], 4);
+        bits &= 0x7FFFFFFFu;
+        lo = bits < lo ? bits : lo;
+        hi = bits > hi ? bits : hi;
+        sum += (double)x[i];
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&vals);
+    return Py_BuildValue("dkk", sum, (unsigned long)lo, (unsigned long)hi);
+}
+
+/* --- Golomb-Rice coding ------------------------------------------------------------------------ */
+
+typedef struct {
+    uint8_t *out;
+    uint64_t acc; /* pending bits are the low `nacc` bits (< 8 between calls); bits above are junk */
+    int nacc;
+} bitwriter;
+
+/* Append the low n bits of v (n <= 32), most significant first. */
+static inline void put_bits(bitwriter *w, uint64_t v, int n) {
+    w->acc = (w->acc << n) | v;
+    w->nacc += n;
+    while (w->nacc >= 8) {
+        w->nacc -= 8;
+        *w->out++ = (uint8_t)(w->acc >> w->nacc);
+    }
+}
+
+static PyObject *golomb_encode(PyObject *self, PyObject *args) {
+    Py_buffer ib;
+    int b;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*i", &ib, &b)) return NULL;
+    PyObject *result = NULL;
+    if (b < 0 || b > 62) {
+        PyErr_SetString(PyExc_ValueError, "golomb_encode: b must be in [0, 62]");
+        goto done;
+    }
+    Py_ssize_t nnz = ib.len / 8;
+    const int64_t *idx = (const int64_t *)ib.buf;
+    /* total bits: nnz * b remainder bits, then sum(q) + nnz unary bits; positions must ascend */
+    uint64_t sum_q = 0;
+    int64_t prev = -1;
+    for (Py_ssize_t k = 0; k < nnz; k++) {
+        if (idx[k] <= prev) {
+            PyErr_SetString(PyExc_ValueError, "golomb_encode: positions must be non-negative and ascending");
+            goto done;
+        }
+        sum_q += (uint64_t)(idx[k] - prev - 1) >> b;
+        prev = idx[k];
+    }
+    uint64_t used = (uint64_t)nnz * (uint64_t)b + sum_q + (uint64_t)nnz;
+    if (used / 8 >= (uint64_t)PY_SSIZE_T_MAX) {
+        PyErr_SetString(PyExc_ValueError, "golomb_encode: stream too long");
+        goto done;
+    }
+    Py_ssize_t nbytes = (Py_ssize_t)((used + 7) / 8);
+    result = PyBytes_FromStringAndSize(NULL, nbytes);
+    if (result == NULL) goto done;
+    uint8_t *out = (uint8_t *)PyBytes_AS_STRING(result);
+    Py_BEGIN_ALLOW_THREADS
+    bitwriter w = {out, 0, 0};
+    uint64_t mask = b ? (((uint64_t)1 << b) - 1) : 0;
+    prev = -1;
+    if (b)
+        for (Py_ssize_t k = 0; k < nnz; k++) {
+            uint64_t r = (uint64_t)(idx[k] - prev - 1) & mask;
+            prev = idx[k];
+            if (b > 32) {
+                put_bits(&w, r >> 32, b - 32);
+                put_bits(&w, r & 0xFFFFFFFFu, 32);
+            } else {
+                put_bits(&w, r, b);
+            }
+        }
+    prev = -1;
+    for (Py_ssize_t k = 0; k < nnz; k++) {
+        uint64_t q = (uint64_t)(idx[k] - prev - 1) >> b;
+        prev = idx[k];
+        while (q >= 31) {
+            put_bits(&w, 0x7FFFFFFFu, 31);
+            q -= 31;
+        }
+        put_bits(&w, (((uint64_t)1 << q) - 1) << 1, (int)q + 1); /* q ones, then a zero */
+    }
+    if (w.nacc) *w.out++ = (uint8_t)(w.acc << (8 - w.nacc));
+    Py_END_ALLOW_THREADS
+done:
+    PyBuffer_Release(&ib);
+    return result;
+}
+
+/* Leading one bits of a byte (8 for 0xFF). */
+static uint8_t LEADING_ONES[256];
+
+/* Decode nnz codewords; positions into pos (if not NULL) and/or value into out[pos] (if not NULL).
+ * Returns 1 if the stream is one the NumPy decoder accepts, else 0. Reads only bits[0, nbytes). */
+static int decode_core(const uint8_t *bits, Py_ssize_t nbytes, int64_t nnz, int b, int64_t numel, int64_t *pos,
+                       float *out, float value) {
+    uint64_t rem_len = (uint64_t)nnz * (uint64_t)b;
+    if ((uint64_t)nbytes * 8 < rem_len + (uint64_t)nnz) return 0;
+    uint64_t max_q = (uint64_t)(numel - 1) >> b;
+    uint64_t mask = b ? (((uint64_t)1 << b) - 1) : 0;
+    /* remainder reader: byte rp, pending bits racc (low rn bits) */
+    Py_ssize_t rp = 0;
+    uint64_t racc = 0;
+    int rn = 0;
+    /* unary reader: byte up, bits already consumed in that byte uoff */
+    Py_ssize_t up = (Py_ssize_t)(rem_len / 8);
+    int uoff = (int)(rem_len % 8);
+    uint64_t cur = 0;
+    for (int64_t k = 0; k < nnz; k++) {
+        uint64_t r = 0;
+        if (b) {
+            int need = b;
+            while (need > 0) { /* at most 32 bits per step keeps racc within 64 bits */
+                int n = need > 32 ? need - 32 : need;
+                while (rn < n) {
+                    racc = (racc << 8) | bits[rp++]; /* rp < ceil(rem_len / 8) <= nbytes */
+                    rn += 8;
+                }
+                rn -= n;
+                r = (r << n) | ((racc >> rn) & ((((uint64_t)1) << n) - 1));
+                need -= n;
+            }
+        }
+        uint64_t q = 0;
+        for (;;) {
+            if (up >= nbytes) return 0; /* the unary section runs out of zero bits */
+            uint8_t v = (uint8_t)((bits[up] << uoff) | ((1u << uoff) - 1));
+            int ones = LEADING_ONES[v];
+            if (ones == 8) {
+                q += (uint64_t)(8 - uoff);
+                up++;
+                uoff = 0;
+                if (q > max_q) return 0;
+                continue;
+            }
+            q += (uint64_t)ones;
+            uoff += ones + 1;
+            if (uoff == 8) {
+                up++;
+                uoff = 0;
+            }
+            break;
+        }
+        if (q > max_q) return 0;
+        uint64_t d = (q << b) + (r & mask) + 1; /* <= numel + 2**62 < 2**63 */
+        cur = k ? cur + d : d - 1;             /* cur < numel < 2**62 before: no uint64 wrap */
+        if (cur >= (uint64_t)numel) return 0;
+        if (pos) pos[k] = (int64_t)cur;
+        if (out) out[cur] = value;
+    }
+    /* the stream ends with the byte holding the last zero bit; its padding bits are zero */
+    uint64_t end = (uint64_t)up * 8 + (uint64_t)uoff;
+    if ((end + 7) / 8 != (uint64_t)nbytes) return 0;
+    if (end % 8 && (bits[nbytes - 1] & (0xFF >> (end % 8)))) return 0;
+    return 1;
+}
+
+static int check_decode_args(int64_t nnz, int b, int64_t numel) {
+    if (nnz < 1 || numel < nnz || numel >= ((int64_t)1 << 62) || b < 0 || b > 62) {
+        PyErr_SetString(PyExc_ValueError, "golomb decode: need 1 <= nnz <= numel < 2**62 and 0 <= b <= 62");
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *golomb_decode(PyObject *self, PyObject *args) {
+    Py_buffer bits, out;
+    long long nnz, numel;
+    int b;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*LiLw*", &bits, &nnz, &b, &numel, &out)) return NULL;
+    PyObject *result = NULL;
+    if (check_decode_args(nnz, b, numel) || check_len(&out, (Py_ssize_t)nnz, 8, "golomb_decode out")) goto done;
+    int ok;
+    Py_BEGIN_ALLOW_THREADS
+    ok = decode_core((const uint8_t *)bits.buf, bits.len, nnz, b, numel, (int64_t *)out.buf, NULL, 0.0f);
+    Py_END_ALLOW_THREADS
+    result = PyBool_FromLong(ok);
+done:
+    PyBuffer_Release(&bits);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+static PyObject *golomb_scatter(PyObject *self, PyObject *args) {
+    Py_buffer bits, out;
+    long long nnz, numel;
+    int b;
+    float value;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*LiLw*f", &bits, &nnz, &b, &numel, &out, &value)) return NULL;
+    PyObject *result = NULL;
+    if (check_decode_args(nnz, b, numel) || check_len(&out, (Py_ssize_t)numel, 4, "golomb_scatter out")) goto done;
+    int ok;
+    Py_BEGIN_ALLOW_THREADS
+    ok = decode_core((const uint8_t *)bits.buf, bits.len, nnz, b, numel, NULL, (float *)out.buf, value);
+    Py_END_ALLOW_THREADS
+    result = PyBool_FromLong(ok);
+done:
+    PyBuffer_Release(&bits);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"scan", scan, METH_VARARGS, "Positions and values of a >= thr_hi and of a <= thr_lo in [begin, end)."},
+    {"gather", gather, METH_VARARGS, "out[i] = a[pos[i]]; whether all are finite."},
+    {"sum_stats", sum_stats, METH_VARARGS, "float64 sum and min/max magnitude bits of float32 values."},
+    {"golomb_encode", golomb_encode, METH_VARARGS, "Golomb-Rice code ascending int64 positions."},
+    {"golomb_decode", golomb_decode, METH_VARARGS, "Decode positions; False on an invalid stream."},
+    {"golomb_scatter", golomb_scatter, METH_VARARGS, "Decode and scatter a value; False on an invalid stream."},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_sbc", "C kernels for SBC's CPU paths.", -1, methods, NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__sbc(void) {
+    for (int v = 0; v < 256; v++) {
+        int n = 0;
+        while (n < 8 && (v & (0x80 >> n))) n++;
+        LEADING_ONES[v] = (uint8_t)n;
+    }
+    return PyModule_Create(&module);
+}

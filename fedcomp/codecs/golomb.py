@@ -47,7 +47,11 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from fedcomp import _native
 from fedcomp.errors import PayloadError
+
+#: The C kernels (:mod:`fedcomp._native`), or None: then the CPU paths run in NumPy.
+_KERNEL = _native.load("sbc")
 
 #: Largest Golomb-Rice parameter (remainder width) the format allows.
 MAX_B = 62
@@ -183,7 +187,11 @@ def encode_positions(idx: torch.Tensor, b: int) -> bytes:
     if not 0 <= b <= MAX_B:
         raise ValueError(f"golomb b must be in [0, {MAX_B}], got {b}")
     if idx.device.type == "cpu":
-        return _encode_positions_np(idx.reshape(-1).numpy().astype(np.int64, copy=False), b)
+        arr = idx.reshape(-1).numpy().astype(np.int64, copy=False)
+        kernel = _KERNEL
+        if kernel is not None:
+            return bytes(kernel.golomb_encode(np.ascontiguousarray(arr), b))
+        return _encode_positions_np(arr, b)
     return _encode_positions_torch(idx, b)
 
 
@@ -228,6 +236,39 @@ def decode_positions(
     """
     device = torch.device(device)
     nnz, b, numel = int(nnz), int(b), int(numel)
+    _check_arguments(bits, nnz, b, numel, name)
+    if nnz == 0:
+        return torch.zeros(0, dtype=torch.int64, device=device)
+    if device.type == "cpu":
+        kernel = _KERNEL
+        if kernel is not None:
+            out = np.empty(nnz, dtype=np.int64)
+            if kernel.golomb_decode(bits, nnz, b, numel, out):
+                return torch.from_numpy(out)
+            # an invalid stream: the NumPy path raises the PayloadError that names what is wrong
+        return torch.from_numpy(_decode_positions_np(bits, nnz, b, numel, name))
+    return _decode_positions_torch(bits, nnz, b, numel, name, device)
+
+
+def decode_into(bits: bytes, nnz: int, b: int, numel: int, name: str, out: np.ndarray, value: float) -> None:
+    """Set ``out[i] = value`` at the ``nnz`` positions decoded from ``bits`` (``out`` a float32
+    NumPy array of ``numel`` elements): the CPU decoder's scatter, fused with decoding in the C
+    kernel. Raises the :class:`PayloadError` of :func:`decode_positions` on a bad stream (``out``
+    may then be partly written)."""
+    nnz, b, numel = int(nnz), int(b), int(numel)
+    _check_arguments(bits, nnz, b, numel, name)
+    if out.dtype != np.float32 or out.shape != (numel,):
+        raise ValueError(f"decode_into: out must be float32 of shape ({numel},), got {out.dtype} {out.shape}")
+    if nnz == 0:
+        return
+    kernel = _KERNEL
+    if kernel is not None and kernel.golomb_scatter(bits, nnz, b, numel, out, value):
+        return
+    out[_decode_positions_np(bits, nnz, b, numel, name)] = value
+
+
+def _check_arguments(bits: bytes, nnz: int, b: int, numel: int, name: str) -> None:
+    """The checks of :func:`decode_positions` that need no decoding (raise :class:`PayloadError`)."""
     if not 0 <= numel < 1 << 62:
         raise PayloadError(name, f"numel {numel} is out of range")
     if nnz < 0:
@@ -240,7 +281,7 @@ def decode_positions(
     if nnz == 0:
         if nbytes:
             raise PayloadError(name, f"{nbytes} position bytes for nnz 0")
-        return torch.zeros(0, dtype=torch.int64, device=device)
+        return
     rem_len = nnz * b
     if nbytes * 8 < rem_len + nnz:
         raise PayloadError(
@@ -252,9 +293,6 @@ def decode_positions(
         raise PayloadError(
             name, f"position bits are {nbytes} bytes, more than the {max_bytes} that {numel} elements can need"
         )
-    if device.type == "cpu":
-        return torch.from_numpy(_decode_positions_np(bits, nnz, b, numel, name))
-    return _decode_positions_torch(bits, nnz, b, numel, name, device)
 
 
 def _decode_positions_torch(bits: bytes, nnz: int, b: int, numel: int, name: str, device: torch.device) -> torch.Tensor:

@@ -31,12 +31,16 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from fedcomp import _native
 from fedcomp.codecs.base import Codec, TensorSpec, check_wire_dtype, expect_payload
-from fedcomp.codecs.golomb import decode_positions, encode_positions, golomb_b
+from fedcomp.codecs.golomb import decode_into, decode_positions, encode_positions, golomb_b
 from fedcomp.errors import ConfigError, PayloadError
 from fedcomp.wire.payloads import EncodedTensor, Payload, SBCPayload
 
 MODES = ("exact", "fast")
+
+#: The C kernels (:mod:`fedcomp._native`), or None: then the CPU paths run in NumPy.
+_KERNEL = _native.load("sbc")
 
 #: Elements per chunk for the CPU threshold pass (the chunk and its mask stay in cache).
 _CPU_CHUNK = 1 << 16
@@ -148,9 +152,15 @@ class SBC(Codec):
         n, s = flat.numel(), self.sample_size
         where = _sample_positions(n, s, str(flat.device))
         on_cpu = flat.device.type == "cpu"
-        sample = flat.numpy()[where.numpy()] if on_cpu else flat.index_select(0, where).cpu().numpy()
-        if not np.isfinite(sample).all():
-            return None  # a NaN or infinity: exact mode reports it
+        kernel = _KERNEL
+        if on_cpu and kernel is not None:
+            sample = np.empty(s, dtype=np.float32)
+            if not kernel.gather(flat.numpy(), where.numpy(), sample):
+                return None  # a NaN or infinity: exact mode reports it
+        else:
+            sample = flat.numpy()[where.numpy()] if on_cpu else flat.index_select(0, where).cpu().numpy()
+            if not np.isfinite(sample).all():
+                return None
         r = max(1, round(self.p * s))
         thr_lo, thr_hi = _order_stats(sample, r)
         found: tuple[Positions, np.ndarray, Positions, np.ndarray] | None
@@ -168,16 +178,18 @@ class SBC(Codec):
     # --- decoding -----------------------------------------------------------------------------
 
     def _decode(self, payload: Payload, spec: TensorSpec, device: torch.device) -> torch.Tensor:
-        idx, mean32 = self.positions(payload, spec, device)
         numel = spec.numel
         if device.type == "cpu":
             # NumPy's zeros come from calloc: a large output is fresh zero pages that cost nothing
             # until touched (torch.zeros writes every page), and reading them later stays cheap.
             # The scatter is NumPy's too (torch's CPU index_fill_ is many-fold slower on a busy
-            # machine); mean32 is a float32 value, stored exactly.
+            # machine), or the C kernel's, fused with decoding; mean32 is a float32 value, stored
+            # exactly.
+            nnz, b, bits, mean32 = self._checked(payload, spec)
             arr = np.zeros(numel, dtype=np.float32)
-            arr[idx.numpy()] = mean32
+            decode_into(bits, nnz, b, numel, spec.name, arr, mean32)
             return torch.from_numpy(arr)
+        idx, mean32 = self.positions(payload, spec, device)
         out = torch.zeros(numel, dtype=torch.float32, device=device)
         if idx.numel():
             out.index_fill_(0, idx, mean32)
@@ -187,6 +199,12 @@ class SBC(Codec):
         """The decoder without its dense output: the kept positions (ascending, on ``device``) and
         the one float32 value they share, after every payload check of :meth:`decode` but the
         envelope's (a server summing replies scatter-adds these instead of materialising)."""
+        nnz, b, bits, mean32 = self._checked(payload, spec)
+        return decode_positions(bits, nnz, b, spec.numel, spec.name, device), mean32
+
+    def _checked(self, payload: Payload, spec: TensorSpec) -> tuple[int, int, bytes, float]:
+        """``(nnz, golomb_b, bits, mean32)`` of an SBC payload after the checks that need no
+        decoding (types, ``nnz``, a finite float32 mean); raise :class:`PayloadError`."""
         name = spec.name
         expect_payload(payload, SBCPayload, name)
         assert isinstance(payload, SBCPayload)
@@ -208,7 +226,7 @@ class SBC(Codec):
             mean32 = math.inf
         if not math.isfinite(mean32):
             raise PayloadError(name, f"mean {mean!r} is not a finite float32")
-        return decode_positions(bits, nnz, b, numel, name, device), float(mean32)
+        return nnz, b, bits, float(mean32)
 
 
 # --- selection ------------------------------------------------------------------------------
@@ -372,11 +390,15 @@ def _threshold_select_cpu(
     ``torch.get_num_threads()`` threads; the parts are joined in order, so the result does not
     depend on the thread count.
     """
-    parts = split_run(lambda begin, end: _scan_values(a, begin, end, thr_hi, thr_lo, limit), a.shape[0], _CPU_CHUNK)
+    scan = _scan_values if _KERNEL is None else _scan_values_native
+    parts = split_run(lambda begin, end: scan(a, begin, end, thr_hi, thr_lo, limit), a.shape[0], _CPU_CHUNK)
     scanned = [part for part in parts if part is not None]
     if len(scanned) < len(parts):
         return None
-    hi, hi_vals, lo, lo_vals = (np.concatenate([part[i] for part in scanned]) for i in range(4))
+    if len(scanned) == 1:
+        hi, hi_vals, lo, lo_vals = scanned[0]
+    else:
+        hi, hi_vals, lo, lo_vals = (np.concatenate([part[i] for part in scanned]) for i in range(4))
     if hi.size + lo.size > limit:
         return None
     return hi, hi_vals, lo, lo_vals
@@ -415,6 +437,21 @@ def _scan_values(
                     found += start
                 out[i].append(found)
     return tuple(np.concatenate(x) if len(x) > 1 else x[0] for x in out)  # type: ignore[return-value]
+
+
+def _scan_values_native(
+    a: np.ndarray, begin: int, end: int, thr_hi: np.float32, thr_lo: np.float32, limit: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    """:func:`_scan_values` in one pass of the C kernel (the same positions and values)."""
+    assert _KERNEL is not None
+    cap = max(0, min(limit, end - begin))  # the most one side can hold
+    hi, lo = np.empty(cap, dtype=np.int64), np.empty(cap, dtype=np.int64)
+    hi_vals, lo_vals = np.empty(cap, dtype=np.float32), np.empty(cap, dtype=np.float32)
+    found = _KERNEL.scan(a, begin, end, thr_hi, thr_lo, limit, hi, hi_vals, lo, lo_vals)
+    if found is None:
+        return None
+    nhi, nlo = found
+    return hi[:nhi], hi_vals[:nhi], lo[:nlo], lo_vals[:nlo]
 
 
 _POOL: tuple[int, ThreadPoolExecutor] | None = None
@@ -490,14 +527,23 @@ def _exact_sum(vals: np.ndarray) -> int | None:
     count = vals.shape[0]
     if count == 0:
         return 0
-    raw = vals.view(np.int32)
-    magnitude = raw & 0x7FFFFFFF  # the bits of |v|: ordered like |v|
-    lo, hi = max(int(magnitude.min()) >> 23, 1), int(magnitude.max()) >> 23
+    kernel = _KERNEL
+    total: float | None = None
+    if kernel is not None and vals.dtype == np.float32 and vals.flags.c_contiguous:
+        # one pass: the float64 sum in order, and the least and greatest bits of |v|
+        total, mag_lo, mag_hi = kernel.sum_stats(vals)
+        lo, hi = max(mag_lo >> 23, 1), mag_hi >> 23
+    else:
+        magnitude = vals.view(np.int32) & 0x7FFFFFFF  # the bits of |v|: ordered like |v|
+        lo, hi = max(int(magnitude.min()) >> 23, 1), int(magnitude.max()) >> 23
     if hi == 0xFF:
         return None
     if hi - lo + 24 + count.bit_length() <= 53:
-        num, den = float(vals.sum(dtype=np.float64)).as_integer_ratio()
+        if total is None:
+            total = float(vals.sum(dtype=np.float64))
+        num, den = total.as_integer_ratio()
         return num * ((1 << 149) // den)  # den is a power of two, at most 2**149
+    raw = vals.view(np.int32)
     e = (raw >> 23) & 0xFF
     m = ((raw & 0x7FFFFF) | ((e > 0).astype(np.int32) << 23)).astype(np.int64)
     m = np.where(raw < 0, -m, m)

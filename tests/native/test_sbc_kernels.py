@@ -1,0 +1,338 @@
+"""SBC's C kernels (fedcomp/_native/sbc.c) against the NumPy paths they replace: the same positions,
+values, sums, bytes and errors, on sizes around block, chunk and thread-split boundaries, ties,
+zeros, one-sided tensors, over-limit scans, every Golomb parameter and hostile bitstreams."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import fedcomp.codecs.golomb as golomb
+import fedcomp.codecs.sbc as sbc
+from fedcomp import _native
+from fedcomp.codecs import get_codec
+from fedcomp.codecs.dense import DenseFP32
+from fedcomp.errors import PayloadError
+from fedcomp.methods.update import UpdateEncoder, decode_update, specs_of
+from fedcomp.wire import serde
+from tests.codecs import reference_sbc as ref
+
+KERNEL = _native.load("sbc")
+needs_kernel = pytest.mark.skipif(KERNEL is None, reason="fedcomp._native._sbc is not built or FEDCOMP_NATIVE=0")
+
+#: Sizes around the scan's 16-element blocks and the NumPy path's 65536-element chunks.
+SIZES = [0, 1, 2, 15, 16, 17, 31, 32, 33, 1000, 65535, 65536, 65537, 131_073]
+
+
+def test_the_kernel_is_built_and_in_use():
+    """CI notices a build that silently failed: the optional extension must be there."""
+    if not _native.enabled():
+        pytest.skip("FEDCOMP_NATIVE=0: the kernels are switched off on purpose")
+    assert os.environ.get("FEDCOMP_NATIVE", "1").strip() != "0"
+    assert KERNEL is not None, "fedcomp._native._sbc failed to build or import"
+    assert sbc._KERNEL is KERNEL and golomb._KERNEL is KERNEL
+    assert _native.status()["sbc"]
+
+
+def values(kind: str, n: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_t(3, n)
+    if kind == "levels":  # few distinct values: ties at the thresholds
+        x = np.round(x * 2) / 2
+    elif kind == "zeros":
+        x = np.where(rng.random(n) < 0.01, x, 0.0)
+    elif kind == "negative":
+        x = -np.abs(x) - 0.5
+    elif kind == "tiny":  # subnormals and signed zeros
+        x = x * 1e-40
+        x[::7] = -0.0
+    return x.astype(np.float32)
+
+
+def thresholds(a: np.ndarray, rng: np.random.Generator) -> list[tuple[np.float32, np.float32]]:
+    """Threshold pairs: quantiles, exact values of ``a`` (ties), crossed (lo > hi: an entry on both
+    sides), and thresholds that select everything or nothing."""
+    out = [(np.float32(0.0), np.float32(0.0)), (np.float32(np.inf), np.float32(-np.inf))]
+    out.append((np.float32(-np.inf), np.float32(np.inf)))
+    if a.size:
+        for q in (0.9, 0.99):
+            out.append((np.float32(np.quantile(a, q)), np.float32(np.quantile(a, 1 - q))))
+        pick = a[rng.integers(0, a.size, 2)]
+        out.append((pick.max(), pick.min()))
+        out.append((pick.min(), pick.max()))
+    return out
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["student", "levels", "zeros", "negative", "tiny"])
+@pytest.mark.parametrize("n", SIZES)
+def test_scan_equals_numpy(kind, n):
+    a = values(kind, n, seed=n + 1)
+    rng = np.random.default_rng(n)
+    for thr_hi, thr_lo in thresholds(a, rng):
+        want = sbc._scan_values(a, 0, n, thr_hi, thr_lo, limit=2 * n + 1)
+        assert want is not None
+        count = want[0].size + want[2].size
+        for begin, end in ((0, n), (n // 3, n), (n // 2 - 1 if n > 2 else 0, n // 2 + 17 if n > 40 else n)):
+            begin, end = max(0, begin), min(n, end)
+            for limit in sorted({0, 1, count - 1, count, count + 1, 2 * n + 5}):
+                if limit < 0:
+                    continue
+                got = sbc._scan_values_native(a, begin, end, thr_hi, thr_lo, limit)
+                exp = sbc._scan_values(a, begin, end, thr_hi, thr_lo, limit)
+                assert (got is None) == (exp is None), (begin, end, limit)
+                if got is not None and exp is not None:
+                    for g, e in zip(got, exp, strict=True):
+                        assert g.dtype == e.dtype and g.tobytes() == e.tobytes()
+
+
+@needs_kernel
+def test_scan_with_nans_selects_none_of_them():
+    a = values("student", 5000, seed=9)
+    a[::3] = np.nan
+    got = sbc._scan_values_native(a, 0, a.size, np.float32(1.0), np.float32(-1.0), 10**6)
+    exp = sbc._scan_values(a, 0, a.size, np.float32(1.0), np.float32(-1.0), 10**6)
+    assert got is not None and exp is not None
+    assert all(g.tobytes() == e.tobytes() for g, e in zip(got, exp, strict=True))
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["student", "levels", "zeros"])
+def test_threaded_threshold_select_equals_numpy(kind, monkeypatch):
+    """Several threads' parts, joined in order, over limit or not: as the NumPy path."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    monkeypatch.setattr(sbc, "_PARALLEL_MIN", 1000)
+    monkeypatch.setattr(sbc, "_CPU_CHUNK", 512)
+    a = values(kind, 100_003, seed=5)
+    for thr_hi, thr_lo in thresholds(a, np.random.default_rng(1)):
+        for limit in (10, 2000, 10**6):
+            got = sbc._threshold_select_cpu(a, thr_hi, thr_lo, limit)
+            monkeypatch.setattr(sbc, "_KERNEL", None)
+            exp = sbc._threshold_select_cpu(a, thr_hi, thr_lo, limit)
+            monkeypatch.setattr(sbc, "_KERNEL", KERNEL)
+            assert (got is None) == (exp is None)
+            if got is not None and exp is not None:
+                assert all(g.tobytes() == e.tobytes() for g, e in zip(got, exp, strict=True))
+
+
+@needs_kernel
+def test_kernel_argument_checks_raise_value_error():
+    assert KERNEL is not None
+    a = np.zeros(100, dtype=np.float32)
+    small = np.empty(3, dtype=np.int64)
+    ok_pos, ok_val = np.empty(100, dtype=np.int64), np.empty(100, dtype=np.float32)
+    with pytest.raises(ValueError):
+        KERNEL.scan(a, 0, 101, 1.0, -1.0, 100, ok_pos, ok_val, ok_pos, ok_val)
+    with pytest.raises(ValueError):
+        KERNEL.scan(a, 50, 10, 1.0, -1.0, 100, ok_pos, ok_val, ok_pos, ok_val)
+    with pytest.raises(ValueError):
+        KERNEL.scan(a, 0, 100, 1.0, -1.0, 100, small, ok_val, ok_pos, ok_val)
+    with pytest.raises(ValueError):
+        KERNEL.gather(a, np.array([0, 100], dtype=np.int64), np.empty(2, dtype=np.float32))
+    with pytest.raises(ValueError):
+        KERNEL.gather(a, np.array([0, -1], dtype=np.int64), np.empty(2, dtype=np.float32))
+    with pytest.raises(ValueError):
+        KERNEL.gather(a, np.array([0, 1], dtype=np.int64), np.empty(1, dtype=np.float32))
+    with pytest.raises(ValueError):
+        KERNEL.golomb_encode(np.array([3, 3], dtype=np.int64), 2)
+    with pytest.raises(ValueError):
+        KERNEL.golomb_encode(np.array([-1], dtype=np.int64), 2)
+    with pytest.raises(ValueError):
+        KERNEL.golomb_encode(np.array([1], dtype=np.int64), 63)
+    with pytest.raises(ValueError):
+        KERNEL.golomb_decode(b"\x00", 2, 0, 10, np.empty(1, dtype=np.int64))
+    with pytest.raises(ValueError):
+        KERNEL.golomb_scatter(b"\x00", 1, 0, 10, np.empty(9, dtype=np.float32), 1.0)
+    with pytest.raises(ValueError):
+        KERNEL.golomb_decode(b"\x00", 11, 0, 10, np.empty(11, dtype=np.int64))
+    with pytest.raises(TypeError):  # read-only output
+        KERNEL.golomb_decode(b"\x00", 1, 0, 10, np.zeros(1, dtype=np.int64).tobytes())
+
+
+@needs_kernel
+def test_gather_equals_fancy_indexing():
+    assert KERNEL is not None
+    a = values("student", 200_000, seed=2)
+    where = sbc._sample_positions(a.size, 25_600, "cpu").numpy()
+    out = np.empty(where.size, dtype=np.float32)
+    assert KERNEL.gather(a, where, out)
+    assert out.tobytes() == a[where].tobytes()
+    for bad in (np.nan, np.inf, -np.inf):
+        b = a.copy()
+        b[where[-1]] = bad
+        assert not KERNEL.gather(b, where, out)
+        b[where[-1]] = 0.0
+        b[where[-1] + 1] = bad  # not sampled: not seen
+        assert KERNEL.gather(b, where, out)
+
+
+def exact_sum_inputs() -> list[np.ndarray]:
+    rng = np.random.default_rng(7)
+    out = [np.zeros(0, dtype=np.float32), np.array([-0.0], dtype=np.float32)]
+    for kind in ("student", "levels", "zeros", "negative", "tiny"):
+        out.append(values(kind, 3001, seed=len(out)))
+    out.append((rng.standard_normal(500) * 2.0 ** rng.integers(-140, 120, 500)).astype(np.float32))  # slow path
+    out.append(np.array([3e38, 3e38, -1e-45], dtype=np.float32))
+    for bad in (np.inf, -np.inf, np.nan):
+        out.append(np.array([1.0, bad, 2.0], dtype=np.float32))
+    return out
+
+
+@needs_kernel
+@pytest.mark.parametrize("i", range(len(exact_sum_inputs())))
+def test_exact_sum_equals_numpy(i, monkeypatch):
+    vals = exact_sum_inputs()[i]
+    got = sbc._exact_sum(vals)
+    monkeypatch.setattr(sbc, "_KERNEL", None)
+    assert got == sbc._exact_sum(vals)
+
+
+# --- Golomb-Rice -------------------------------------------------------------------------------
+
+
+def random_positions(rng: np.random.Generator, b: int) -> tuple[np.ndarray, int]:
+    """Ascending unique positions whose gaps suit ``b`` (the unary section stays short)."""
+    nnz = int(rng.integers(1, 400))
+    gaps = rng.integers(1, 1 + min(2 ** min(b + 2, 40), 2**40), nnz)
+    if rng.random() < 0.2:
+        gaps[rng.integers(0, nnz)] += int(rng.integers(0, 5000))  # one long gap: a long unary run
+    idx = np.cumsum(gaps) - 1
+    numel = int(idx[-1]) + 1 + int(rng.integers(0, 3))
+    return idx.astype(np.int64), numel
+
+
+@needs_kernel
+@pytest.mark.parametrize("b", range(golomb.MAX_B + 1))
+def test_golomb_encode_and_decode_equal_numpy(b, monkeypatch):
+    rng = np.random.default_rng(b)
+    for trial in range(12):
+        idx, numel = random_positions(rng, b)
+        if trial == 0:
+            idx = idx[:1]
+        bits = golomb.encode_positions(torch.from_numpy(idx), b)
+        assert bits == golomb._encode_positions_np(idx, b)
+        if trial < 2 and idx.size < 40 and b <= 12:
+            assert bits == ref.encode_positions(idx.tolist(), b)
+        got = golomb.decode_positions(bits, idx.size, b, numel, "t")
+        assert got.numpy().tobytes() == idx.tobytes()
+        if numel <= 1 << 22:  # the scatter's output is dense
+            out = np.zeros(numel, dtype=np.float32)
+            golomb.decode_into(bits, idx.size, b, numel, "t", out, 2.5)
+            want = np.zeros(numel, dtype=np.float32)
+            want[idx] = 2.5
+            assert out.tobytes() == want.tobytes()
+    assert golomb.encode_positions(torch.zeros(0, dtype=torch.int64), b) == b""
+
+
+def outcome(fn: Callable[..., Any], *args: Any) -> tuple[str, Any]:
+    try:
+        return "ok", fn(*args)
+    except PayloadError as e:
+        return "error", str(e)
+
+
+def decode_both(bits: bytes, nnz: int, b: int, numel: int) -> tuple[Any, Any, np.ndarray]:
+    """The outcomes of :func:`golomb.decode_positions` and of :func:`golomb.decode_into`, and the
+    latter's output (empty for a large ``numel``)."""
+    positions = outcome(lambda *a: golomb.decode_positions(*a).tolist(), bits, nnz, b, numel, "w")
+    out = np.zeros(numel if numel <= 1 << 20 else 0, dtype=np.float32)
+    scattered = outcome(golomb.decode_into, bits, nnz, b, numel, "w", out, -1.5) if out.size else None
+    return positions, scattered, out
+
+
+def hostile_streams(seed: int) -> list[tuple[bytes, int, int, int]]:
+    """``(bits, nnz, b, numel)``: valid streams cut short, extended, with bits flipped, claiming
+    other counts, sizes and parameters, and random bytes."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(40):
+        b = int(rng.integers(0, 14)) if rng.random() < 0.8 else int(rng.integers(14, 63))
+        idx, numel = random_positions(rng, b)
+        bits = golomb._encode_positions_np(idx, b)
+        nnz = idx.size
+        out += [
+            (bits[:-1], nnz, b, numel),
+            (bits + b"\x00", nnz, b, numel),
+            (bits + b"\x80", nnz, b, numel),
+            (bits, nnz + 1, b, numel),
+            (bits, max(1, nnz - 1), b, numel),
+            (bits, nnz, b, max(nnz, numel - 1)),
+            (bits, nnz, b, max(nnz, int(idx[-1]))),
+            (bits, nnz, (b + 1) % 63, numel),
+            (bits, nnz, max(0, b - 1), numel),
+        ]
+        flipped = bytearray(bits)
+        for _ in range(3):
+            at = int(rng.integers(0, len(bits)))
+            flipped[at] ^= 1 << int(rng.integers(0, 8))
+        out.append((bytes(flipped), nnz, b, numel))
+        out.append((bytes(flipped[: len(flipped) // 2]), nnz, b, numel))
+    for _ in range(60):
+        numel = int(rng.integers(1, 3000))
+        nnz = int(rng.integers(1, min(numel, 50) + 1))
+        raw = rng.integers(0, 256, int(rng.integers(0, 60)), dtype=np.uint8).tobytes()
+        out.append((raw, nnz, int(rng.integers(0, 63)), numel))
+        out.append((b"\xff" * len(raw), nnz, int(rng.integers(0, 4)), numel))
+    # overflowing quotients and cumulative sums (the NumPy decoder's own overflow cases)
+    out.append((b"\x00" * 7 + b"\xfe", 1, 62, (1 << 62) - 1))
+    out.append((b"\xff" * 8 + b"\x00", 2, 62, (1 << 62) - 1))
+    out.append((bytes([0xFF] * 15 + [0xFE]), 1, 0, 100))
+    return out
+
+
+@needs_kernel
+@pytest.mark.parametrize("seed", range(4))
+def test_golomb_decoders_accept_and_reject_alike(seed, monkeypatch):
+    """Positions, scatter and the PayloadError message: the kernel's as the NumPy path's."""
+    for bits, nnz, b, numel in hostile_streams(seed):
+        with_kernel = decode_both(bits, nnz, b, numel)
+        monkeypatch.setattr(golomb, "_KERNEL", None)
+        without = decode_both(bits, nnz, b, numel)
+        monkeypatch.setattr(golomb, "_KERNEL", KERNEL)
+        assert with_kernel[:2] == without[:2], (bits, nnz, b, numel)
+        if with_kernel[0][0] == "ok":
+            assert with_kernel[2].tobytes() == without[2].tobytes()
+
+
+# --- the whole update ----------------------------------------------------------------------------
+
+
+def resnet_like_update(seed: int) -> dict[str, torch.Tensor]:
+    """A few tensors of the shapes that matter: large (threaded scan), mid-size, at the fast
+    mode's sample size, below it (exact mode), and small (dense)."""
+    rng = np.random.default_rng(seed)
+    shapes = {"big": (1_100_000,), "conv": (64, 64, 3, 3), "at": (25_601,), "below": (20_000,), "bias": (64,)}
+    out = {}
+    for name, shape in shapes.items():
+        x = rng.standard_t(3, shape) if seed % 2 else rng.standard_normal(shape)
+        out[name] = torch.from_numpy(x.astype(np.float32))
+    out["ties"] = torch.from_numpy((np.round(rng.standard_normal(300_000) * 2) / 2).astype(np.float32))
+    zeros = np.where(rng.random(70_000) < 0.003, rng.standard_normal(70_000), 0.0)
+    out["zeros"] = torch.from_numpy(zeros.astype(np.float32))
+    return out
+
+
+@needs_kernel
+@pytest.mark.parametrize("mode", ["fast", "exact"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_whole_update_bytes_equal_with_the_kernel_on_and_off(mode, seed, monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    update = resnet_like_update(seed)
+    codec = get_codec({"id": "sbc", "p": 0.01, "mode": mode})
+
+    def roundtrip() -> tuple[bytes, dict[str, torch.Tensor]]:
+        data = serde.update_to_bytes(UpdateEncoder(codec, error_feedback=False).encode(update))
+        return data, decode_update(serde.update_from_bytes(data), specs_of(update), [codec, DenseFP32()])
+
+    data_k, dec_k = roundtrip()
+    monkeypatch.setattr(sbc, "_KERNEL", None)
+    monkeypatch.setattr(golomb, "_KERNEL", None)
+    data_n, dec_n = roundtrip()
+    assert data_k == data_n
+    assert dec_k.keys() == dec_n.keys()
+    assert all(torch.equal(dec_k[k], dec_n[k]) for k in dec_k)
