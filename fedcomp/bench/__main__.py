@@ -21,6 +21,10 @@ older reference, whose time swings with the allocator's state) and, for dense-fp
 travel between machines better than seconds. ``target_ratio`` is the ratio issue #13 sets for
 that codec (CPU or GPU), read against the column ``target_vs`` names; it is printed for reading,
 and the command exits 0 whatever the ratio (BENCHMARKS.md records which targets are met).
+Each row also records which C kernels (``fedcomp._native``) ran: ``FEDCOMP_NATIVE=0`` times the
+NumPy paths instead. The op is timed as a sender or receiver runs it round after round: the
+previous output is released before the next is made (a large output then reuses its memory:
+``fedcomp.wire.fast_writer``).
 ``encode`` is tensors -> wire bytes (protobuf serialized), ``decode`` is wire bytes -> tensors on
 the device; tensors below 1000 elements go dense, as in 3LC.
 """
@@ -38,6 +42,7 @@ from typing import NamedTuple, TypeVar
 
 import torch
 
+import fedcomp._native as native
 from fedcomp.bench import int_at_least, write_rows
 from fedcomp.codecs import Codec, get_codec
 from fedcomp.codecs.base import TensorSpec
@@ -262,6 +267,7 @@ def bench_codecs(
                         "target_vs": None if tgt is None else "half_ratio" if fp16 else "copy_ratio",
                         "bytes": len(data),
                         "bits_per_value": 8 * len(data) / numel,
+                        "kernels": native.status(),
                     }
                 )
                 _print_row(rows[-1])
@@ -344,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device is available")
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}", file=sys.stderr)
+    kernels = ", ".join(f"{k} {'on' if v else 'off'}" for k, v in native.status().items())
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}; C kernels: {kernels}", file=sys.stderr)
     print(
         f"{'codec':<11}{'settings':<18}{'scope':<11}{'op':<7}{'dev':<6}{'median':>12}{'copy_':>12}{'x copy':>7}{'best x':>7}"
         f"{'clone':>12}{'x clone':>7}{'x half':>8}{'bytes':>14}{'bits/val':>8}  target"
