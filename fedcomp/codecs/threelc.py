@@ -35,7 +35,26 @@ the data must be exactly ``ceil(n / 5)`` bytes (without zero runs; bytes above 2
 rejected) or expand to exactly that many (with zero runs; the expanded length is computed from
 the compressed bytes first). Anything else is a :class:`PayloadError` naming the tensor.
 
-On CPU the hot paths run in NumPy and quantize without dividing: correctly rounded division is
+What runs where: on CPU, the C kernels of ``fedcomp/_native/threelc.c`` when they are built and
+not switched off (``fedcomp._native.load("threelc")``, ``FEDCOMP_NATIVE=0``), else NumPy; on
+other devices (CUDA), vectorized torch. All three give the same bytes, reconstruction and
+decoded values, bit for bit (tested against each other and the plain-Python reference).
+
+With the kernels, encoding a tensor is one C call (:meth:`ThreeLC._payload_native`): one read
+finds ``max|T|`` (as magnitude bits, with the non-finite check) and, chunk by chunk, the
+positions at or above ``0.49 * s * running max`` (a superset of the values that become +-1);
+``m`` and the threshold are those of :func:`scale_for` and :func:`round_threshold`; a sparse
+tensor (the usual model delta) is then packed and zero-run coded from those positions alone,
+straight into a buffer of ``ceil(n / 5)`` bytes (a zero-run stream is never longer), and a
+denser one by a second, fused quantize + pack + zero-run pass in blocks of 64 groups. The
+reconstruction, when asked for, is written only where ``q != 0`` into fresh zeros. Tensors of
+``_PARALLEL_VALUES`` values or more are split into ranges on the CPU threads
+(:func:`_encode_split`; the zero runs at the ranges' ends are joined). Decoding checks the
+expanded length first, then one C pass expands the runs, unpacks and scales into fresh zeros,
+writing only the groups other than 121; on any inconsistency the NumPy decoder runs instead and
+raises its :class:`PayloadError`. A subnormal ``m`` without a threshold takes the NumPy path.
+
+Without the kernels, the CPU hot paths run in NumPy and quantize without dividing: correctly rounded division is
 monotone, so ``round(x / m) == 1`` exactly when ``x >= t`` for one float32 threshold ``t``
 (:func:`round_threshold`, found next to ``m / 2``), and -1 exactly when ``x <= -t``; two
 compares per value then give the same bytes and reconstruction as the division, bit for bit
@@ -859,7 +878,7 @@ class ThreeLC(Codec):
         n = a.shape[0]
         g = groups(n)
         buf = bytearray(g)
-        rec = np.zeros(n, dtype=np.float32) if want_recon else None
+        rec = np.zeros(n, dtype=np.float32) if want_recon else None  # calloc: untouched pages stay free
         if n >= _PARALLEL_VALUES and torch.get_num_threads() > 1:
             code, m, data = _encode_split(kernel, a, self.s, buf, rec, self.zero_run)
         else:
