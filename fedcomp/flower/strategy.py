@@ -40,7 +40,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
@@ -719,8 +718,8 @@ class _WeightedSum:
                 acc = self._sum(name, self.base[name].shape)
                 if isinstance(term, tuple):
                     idx, value = term
-                    if idx.numel():  # NumPy's add.at with a scalar: no array of the values is built
-                        np.add.at(acc.view(-1).numpy(), idx.numpy(), weight * value)
+                    if idx.numel():  # the decoder's positions are strictly ascending, so unique:
+                        acc.view(-1).numpy()[idx.numpy()] += weight * value  # a fancy add, not add.at
                 else:
                     acc.add_(term.reshape(acc.shape), alpha=weight)
             self.base_weight += weight
