@@ -448,7 +448,8 @@ static PyObject *scan(PyObject *self, PyObject *args) {
     (void)self;
     if (!PyArg_ParseTuple(args, "y*nndw*nn", &a, &begin, &end, &s, &cb, &off, &limit)) return NULL;
     PyObject *result = NULL;
-    if (begin < 0 || end < begin || end > a.len / 4 || off < 0 || limit < 0 || check_len(&cb, off + limit, 8, "scan candidates")) {
+    if (begin < 0 || end < begin || end > a.len / 4 || off < 0 || limit < 0 ||
+        check_len(&cb, off + limit, 8, "scan candidates")) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "scan: range out of bounds");
         goto done;
     }

@@ -40,7 +40,7 @@ not switched off (``fedcomp._native.load("threelc")``, ``FEDCOMP_NATIVE=0``), el
 other devices (CUDA), vectorized torch. All three give the same bytes, reconstruction and
 decoded values, bit for bit (tested against each other and the plain-Python reference).
 
-With the kernels, encoding a tensor is one C call (:meth:`ThreeLC._payload_native`): one read
+With the kernels, encoding a tensor is one C call (:meth:`ThreeLC._payload_native`); one read
 finds ``max|T|`` (as magnitude bits, with the non-finite check) and, chunk by chunk, the
 positions at or above ``0.49 * s * running max`` (a superset of the values that become +-1);
 ``m`` and the threshold are those of :func:`scale_for` and :func:`round_threshold`; a sparse
@@ -54,8 +54,8 @@ expanded length first, then one C pass expands the runs, unpacks and scales into
 writing only the groups other than 121; on any inconsistency the NumPy decoder runs instead and
 raises its :class:`PayloadError`. A subnormal ``m`` without a threshold takes the NumPy path.
 
-Without the kernels, the CPU hot paths run in NumPy and quantize without dividing: correctly rounded division is
-monotone, so ``round(x / m) == 1`` exactly when ``x >= t`` for one float32 threshold ``t``
+Without the kernels, the CPU hot paths run in NumPy and quantize without dividing: correctly
+rounded division is monotone, so ``round(x / m) == 1`` exactly when ``x >= t`` for one float32 threshold ``t``
 (:func:`round_threshold`, found next to ``m / 2``), and -1 exactly when ``x <= -t``; two
 compares per value then give the same bytes and reconstruction as the division, bit for bit
 (tested against the torch path on CPU). Packing accumulates the digits in uint8, and decoding
@@ -65,13 +65,15 @@ group of a chunk beyond its output. The whole CPU path is NumPy, never torch's C
 for ``max|T|`` and, in the same pass, the candidates for +-1 (:func:`_scan_cpu`); a sparse
 tensor is packed from those alone and zero-run coded from its groups that are not 121, a dense
 one takes a second read (the fused quantize + pack). Both passes are split into ranges run on
-the CPU threads (:func:`fedcomp.codecs.sbc.split_run`). Decoding a sparse stream (at most one group in ``_SPARSE_DECODE`` other than 121, the
-usual case for a model delta) skips the expansion: the output is fresh zeros and the five
-values of each listed group are scattered; a denser stream is expanded and unpacked.
+the CPU threads (:func:`fedcomp.codecs.sbc.split_run`). Decoding a sparse stream (at most one
+group in ``_SPARSE_DECODE`` other than 121, the usual case for a model delta) skips the
+expansion: the output is fresh zeros and the five values of each listed group are scattered; a
+denser stream is expanded and unpacked.
 
-On other devices everything is vectorized torch (no Python loop over elements or bytes). The hot paths (quantize + pack + reconstruction on encode, unpack + scale on
-decode) walk the tensor in chunks of groups, handling the five parts of a chunk together as a
-(5, width) float32 buffer that stays in cache; so the input is read twice on encode (max|T|,
+On other devices everything is vectorized torch (no Python loop over elements or bytes). The
+hot paths (quantize + pack + reconstruction on encode, unpack + scale on decode) walk the
+tensor in chunks of groups, handling the five parts of a chunk together as a (5, width) float32
+buffer that stays in cache; so the input is read twice on encode (max|T|,
 then quantize), the float32 reconstruction or output is written once, and no temporary of the
 tensor's size is made. Zero-run encoding works on the positions of the bytes that are not 121
 (few, for sparse updates); decoding on the compressed bytes. The module-level helpers
@@ -870,11 +872,12 @@ class ThreeLC(Codec):
     def _payload_native(
         self, kernel: Any, a: np.ndarray, name: str, want_recon: bool
     ) -> tuple[ThreeLCPayload, torch.Tensor | None] | None:
-        """:meth:`_payload_cpu` by the C kernels: max|a|, then quantize + pack + zero-run code in
-        one pass straight into a buffer of ``ceil(n / 5)`` bytes (the coded stream is never
-        longer), the reconstruction written only where ``q != 0`` into fresh zeros. A large
-        tensor is split into ranges on the CPU threads (:func:`_encode_split`). None for a
-        subnormal scale without a threshold (the NumPy path then divides)."""
+        """:meth:`_payload_cpu` by the C kernels (module docstring): max|a| and the candidates
+        for +-1 in one read, then the packed, zero-run coded bytes straight into a buffer of
+        ``ceil(n / 5)`` bytes (the coded stream is never longer), the reconstruction written
+        only where ``q != 0`` into fresh zeros. A large tensor is split into ranges on the CPU
+        threads (:func:`_encode_split`). None for a subnormal scale without a threshold (the
+        NumPy path then divides)."""
         n = a.shape[0]
         g = groups(n)
         buf = bytearray(g)
