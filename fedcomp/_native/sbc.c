@@ -14,6 +14,8 @@
  *   golomb_encode(idx, b) -> bytes      the two-section Golomb-Rice layout of fedcomp/codecs/golomb.py.
  *   golomb_decode(bits, nnz, b, numel, out) -> bool          positions into int64 `out` (nnz entries).
  *   golomb_scatter(bits, nnz, b, numel, out, value) -> bool  out[pos] = value, float32 `out` (numel).
+ *   fill(out, begin, end, pos, p0, p1, value)  out[begin:end] = 0 but `value` at pos[p0:p1] (ascending,
+ *       within [begin, end)): the decoder's dense output in one write pass, no zeroed allocation.
  *       The decoders return False on any inconsistency the NumPy decoder reports (the caller then
  *       reruns the NumPy path to raise its PayloadError); `out` is then partly written.
  */
@@ -306,10 +308,9 @@ done:
 /* Leading one bits of a byte (8 for 0xFF). */
 static uint8_t LEADING_ONES[256];
 
-/* Decode nnz codewords; positions into pos (if not NULL) and/or value into out[pos] (if not NULL).
- * Returns 1 if the stream is one the NumPy decoder accepts, else 0. Reads only bits[0, nbytes). */
-static int decode_core(const uint8_t *bits, Py_ssize_t nbytes, int64_t nnz, int b, int64_t numel, int64_t *pos,
-                       float *out, float value) {
+/* Decode nnz codewords into pos. Returns 1 if the stream is one the NumPy decoder accepts, else 0.
+ * Reads only bits[0, nbytes). */
+static int decode_core(const uint8_t *bits, Py_ssize_t nbytes, int64_t nnz, int b, int64_t numel, int64_t *pos) {
     uint64_t rem_len = (uint64_t)nnz * (uint64_t)b;
     if ((uint64_t)nbytes * 8 < rem_len + (uint64_t)nnz) return 0;
     uint64_t max_q = (uint64_t)(numel - 1) >> b;
@@ -361,8 +362,7 @@ static int decode_core(const uint8_t *bits, Py_ssize_t nbytes, int64_t nnz, int 
         uint64_t d = (q << b) + (r & mask) + 1; /* <= numel + 2**62 < 2**63 */
         cur = k ? cur + d : d - 1;             /* cur < numel < 2**62 before: no uint64 wrap */
         if (cur >= (uint64_t)numel) return 0;
-        if (pos) pos[k] = (int64_t)cur;
-        if (out) out[cur] = value;
+        pos[k] = (int64_t)cur;
     }
     /* the stream ends with the byte holding the last zero bit; its padding bits are zero */
     uint64_t end = (uint64_t)up * 8 + (uint64_t)uoff;
@@ -389,7 +389,7 @@ static PyObject *golomb_decode(PyObject *self, PyObject *args) {
     if (check_decode_args(nnz, b, numel) || check_len(&out, (Py_ssize_t)nnz, 8, "golomb_decode out")) goto done;
     int ok;
     Py_BEGIN_ALLOW_THREADS
-    ok = decode_core((const uint8_t *)bits.buf, bits.len, nnz, b, numel, (int64_t *)out.buf, NULL, 0.0f);
+    ok = decode_core((const uint8_t *)bits.buf, bits.len, nnz, b, numel, (int64_t *)out.buf);
     Py_END_ALLOW_THREADS
     result = PyBool_FromLong(ok);
 done:
@@ -398,33 +398,54 @@ done:
     return result;
 }
 
-static PyObject *golomb_scatter(PyObject *self, PyObject *args) {
-    Py_buffer bits, out;
-    long long nnz, numel;
-    int b;
+static PyObject *fill(PyObject *self, PyObject *args) {
+    Py_buffer out, pos;
+    Py_ssize_t begin, end, p0, p1;
     float value;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*LiLw*f", &bits, &nnz, &b, &numel, &out, &value)) return NULL;
+    if (!PyArg_ParseTuple(args, "w*nny*nnf", &out, &begin, &end, &pos, &p0, &p1, &value)) return NULL;
     PyObject *result = NULL;
-    if (check_decode_args(nnz, b, numel) || check_len(&out, (Py_ssize_t)numel, 4, "golomb_scatter out")) goto done;
-    int ok;
+    Py_ssize_t n = out.len / 4, m = pos.len / 8;
+    if (begin < 0 || end < begin || end > n || p0 < 0 || p1 < p0 || p1 > m) {
+        PyErr_SetString(PyExc_ValueError, "fill: range out of bounds");
+        goto done;
+    }
+    float *o = (float *)out.buf;
+    const int64_t *p = (const int64_t *)pos.buf;
+    int bad = 0;
     Py_BEGIN_ALLOW_THREADS
-    ok = decode_core((const uint8_t *)bits.buf, bits.len, nnz, b, numel, NULL, (float *)out.buf, value);
+    Py_ssize_t at = begin; /* everything below `at` is written */
+    for (Py_ssize_t i = p0; i < p1; i++) {
+        int64_t j = p[i];
+        if (j < at || j >= end) { /* not ascending, or outside [begin, end) */
+            bad = 1;
+            break;
+        }
+        memset(o + at, 0, (size_t)(j - at) * 4);
+        o[j] = value;
+        at = (Py_ssize_t)j + 1;
+    }
+    if (!bad) memset(o + at, 0, (size_t)(end - at) * 4);
     Py_END_ALLOW_THREADS
-    result = PyBool_FromLong(ok);
+    if (bad) {
+        PyErr_SetString(PyExc_ValueError, "fill: positions must ascend within [begin, end)");
+        goto done;
+    }
+    Py_INCREF(Py_None);
+    result = Py_None;
 done:
-    PyBuffer_Release(&bits);
     PyBuffer_Release(&out);
+    PyBuffer_Release(&pos);
     return result;
 }
 
 static PyMethodDef methods[] = {
+    {"fill", fill, METH_VARARGS, "out[begin:end] = 0, then value at the ascending positions pos[p0:p1]."},
     {"scan", scan, METH_VARARGS, "Positions and values of a >= thr_hi and of a <= thr_lo in [begin, end)."},
     {"gather", gather, METH_VARARGS, "out[i] = a[pos[i]]; whether all are finite."},
     {"sum_stats", sum_stats, METH_VARARGS, "float64 sum and min/max magnitude bits of float32 values."},
     {"golomb_encode", golomb_encode, METH_VARARGS, "Golomb-Rice code ascending int64 positions."},
     {"golomb_decode", golomb_decode, METH_VARARGS, "Decode positions; False on an invalid stream."},
-    {"golomb_scatter", golomb_scatter, METH_VARARGS, "Decode and scatter a value; False on an invalid stream."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_sbc", "C kernels for SBC's CPU paths.", -1, methods, NULL, NULL, NULL, NULL};

@@ -250,23 +250,6 @@ def decode_positions(
     return _decode_positions_torch(bits, nnz, b, numel, name, device)
 
 
-def decode_into(bits: bytes, nnz: int, b: int, numel: int, name: str, out: np.ndarray, value: float) -> None:
-    """Set ``out[i] = value`` at the ``nnz`` positions decoded from ``bits`` (``out`` a float32
-    NumPy array of ``numel`` elements): the CPU decoder's scatter, fused with decoding in the C
-    kernel. Raises the :class:`PayloadError` of :func:`decode_positions` on a bad stream (``out``
-    may then be partly written)."""
-    nnz, b, numel = int(nnz), int(b), int(numel)
-    _check_arguments(bits, nnz, b, numel, name)
-    if out.dtype != np.float32 or out.shape != (numel,):
-        raise ValueError(f"decode_into: out must be float32 of shape ({numel},), got {out.dtype} {out.shape}")
-    if nnz == 0:
-        return
-    kernel = _KERNEL
-    if kernel is not None and kernel.golomb_scatter(bits, nnz, b, numel, out, value):
-        return
-    out[_decode_positions_np(bits, nnz, b, numel, name)] = value
-
-
 def _check_arguments(bits: bytes, nnz: int, b: int, numel: int, name: str) -> None:
     """The checks of :func:`decode_positions` that need no decoding (raise :class:`PayloadError`)."""
     if not 0 <= numel < 1 << 62:

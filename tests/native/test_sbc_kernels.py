@@ -147,8 +147,6 @@ def test_kernel_argument_checks_raise_value_error():
     with pytest.raises(ValueError):
         KERNEL.golomb_decode(b"\x00", 2, 0, 10, np.empty(1, dtype=np.int64))
     with pytest.raises(ValueError):
-        KERNEL.golomb_scatter(b"\x00", 1, 0, 10, np.empty(9, dtype=np.float32), 1.0)
-    with pytest.raises(ValueError):
         KERNEL.golomb_decode(b"\x00", 11, 0, 10, np.empty(11, dtype=np.int64))
     with pytest.raises(TypeError):  # read-only output
         KERNEL.golomb_decode(b"\x00", 1, 0, 10, np.zeros(1, dtype=np.int64).tobytes())
@@ -220,12 +218,6 @@ def test_golomb_encode_and_decode_equal_numpy(b, monkeypatch):
             assert bits == ref.encode_positions(idx.tolist(), b)
         got = golomb.decode_positions(bits, idx.size, b, numel, "t")
         assert got.numpy().tobytes() == idx.tobytes()
-        if numel <= 1 << 22:  # the scatter's output is dense
-            out = np.zeros(numel, dtype=np.float32)
-            golomb.decode_into(bits, idx.size, b, numel, "t", out, 2.5)
-            want = np.zeros(numel, dtype=np.float32)
-            want[idx] = 2.5
-            assert out.tobytes() == want.tobytes()
     assert golomb.encode_positions(torch.zeros(0, dtype=torch.int64), b) == b""
 
 
@@ -234,15 +226,6 @@ def outcome(fn: Callable[..., Any], *args: Any) -> tuple[str, Any]:
         return "ok", fn(*args)
     except PayloadError as e:
         return "error", str(e)
-
-
-def decode_both(bits: bytes, nnz: int, b: int, numel: int) -> tuple[Any, Any, np.ndarray]:
-    """The outcomes of :func:`golomb.decode_positions` and of :func:`golomb.decode_into`, and the
-    latter's output (empty for a large ``numel``)."""
-    positions = outcome(lambda *a: golomb.decode_positions(*a).tolist(), bits, nnz, b, numel, "w")
-    out = np.zeros(numel if numel <= 1 << 20 else 0, dtype=np.float32)
-    scattered = outcome(golomb.decode_into, bits, nnz, b, numel, "w", out, -1.5) if out.size else None
-    return positions, scattered, out
 
 
 def hostile_streams(seed: int) -> list[tuple[bytes, int, int, int]]:
@@ -288,15 +271,47 @@ def hostile_streams(seed: int) -> list[tuple[bytes, int, int, int]]:
 @needs_kernel
 @pytest.mark.parametrize("seed", range(4))
 def test_golomb_decoders_accept_and_reject_alike(seed, monkeypatch):
-    """Positions, scatter and the PayloadError message: the kernel's as the NumPy path's."""
+    """Positions or the PayloadError message: the kernel's as the NumPy path's."""
     for bits, nnz, b, numel in hostile_streams(seed):
-        with_kernel = decode_both(bits, nnz, b, numel)
+        with_kernel = outcome(lambda *a: golomb.decode_positions(*a).tolist(), bits, nnz, b, numel, "w")
         monkeypatch.setattr(golomb, "_KERNEL", None)
-        without = decode_both(bits, nnz, b, numel)
+        without = outcome(lambda *a: golomb.decode_positions(*a).tolist(), bits, nnz, b, numel, "w")
         monkeypatch.setattr(golomb, "_KERNEL", KERNEL)
-        assert with_kernel[:2] == without[:2], (bits, nnz, b, numel)
-        if with_kernel[0][0] == "ok":
-            assert with_kernel[2].tobytes() == without[2].tobytes()
+        assert with_kernel == without, (bits, nnz, b, numel)
+
+
+@needs_kernel
+@pytest.mark.parametrize("n", [0, 1, 17, 1000, 65536, 65537, 200_003])
+def test_dense_output_equals_numpy(n, monkeypatch):
+    """The decoder's dense output (zeros, the mean at the positions), split among threads."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    monkeypatch.setattr(sbc, "_PARALLEL_MIN", 1000)
+    monkeypatch.setattr(sbc, "_CPU_CHUNK", 512)
+    rng = np.random.default_rng(n)
+    for density in (0.0, 0.001, 0.3, 1.0):
+        idx = np.flatnonzero(rng.random(n) < density).astype(np.int64)
+        for value in (1.25, -3e-41, -0.0):
+            got = sbc._dense_cpu(idx, n, value)
+            monkeypatch.setattr(sbc, "_KERNEL", None)
+            want = sbc._dense_cpu(idx, n, value)
+            monkeypatch.setattr(sbc, "_KERNEL", KERNEL)
+            assert got.dtype == want.dtype == np.float32 and got.tobytes() == want.tobytes()
+
+
+@needs_kernel
+def test_fill_checks_its_positions():
+    assert KERNEL is not None
+    out = np.empty(10, dtype=np.float32)
+    for pos, p0, p1, begin, end in (
+        ([2, 2], 0, 2, 0, 10),  # not strictly ascending
+        ([5, 3], 0, 2, 0, 10),
+        ([10], 0, 1, 0, 10),  # outside [begin, end)
+        ([1], 0, 1, 2, 10),
+        ([1], 0, 2, 0, 10),  # p1 past the positions
+        ([1], 0, 1, 0, 11),  # end past the output
+    ):
+        with pytest.raises(ValueError):
+            KERNEL.fill(out, begin, end, np.array(pos, dtype=np.int64), p0, p1, 1.0)
 
 
 # --- the whole update ----------------------------------------------------------------------------
