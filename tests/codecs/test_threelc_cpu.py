@@ -1,6 +1,7 @@
-"""3LC's NumPy CPU path: zero runs coded and read in NumPy, the sparse decoder that skips the
+"""3LC's CPU paths: zero runs coded and read in NumPy, the sparse decoder that skips the
 expansion, and tensors split among the CPU threads; each against the plain-Python reference or
-the single-threaded / dense path it must equal bit for bit."""
+the single-threaded / dense path it must equal bit for bit. Every test runs twice: with the C
+kernels (fedcomp/_native/threelc.c, when built) and with the NumPy fallback."""
 
 import numpy as np
 import pytest
@@ -17,7 +18,19 @@ from fedcomp.wire.payloads import ThreeLCPayload
 from tests.codecs import reference_threelc as ref
 from tests.codecs.test_threelc import S_VALUES, sparse_tensors
 
-FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FAST = settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
+
+
+@pytest.fixture(autouse=True, params=["kernel", "numpy"])
+def cpu_path(request, monkeypatch):
+    """Every test on both CPU paths: the C kernels (when built) and the NumPy fallback."""
+    if request.param == "kernel" and threelc._KERNEL is None:
+        pytest.skip("fedcomp._native._threelc is not built or FEDCOMP_NATIVE=0")
+    if request.param == "numpy":
+        monkeypatch.setattr(threelc, "_KERNEL", None)
+    return request.param
 
 
 @st.composite
@@ -104,6 +117,7 @@ def test_threads_split_a_tensor_into_the_same_bytes(monkeypatch):
     monkeypatch.setattr(threelc, "_CPU_CHUNK", 64)
     monkeypatch.setattr(threelc, "_SCAN_CHUNK", 128)
     monkeypatch.setattr(threelc, "_PARALLEL_GROUPS", 100)
+    monkeypatch.setattr(threelc, "_PARALLEL_VALUES", 500)  # the kernels' split (_encode_split)
     monkeypatch.setattr(threelc, "_SPARSE_DECODE", 1 << 40)
     monkeypatch.setattr(sbc, "_PARALLEL_MIN", 100)
     assert len(sbc.split_run(lambda b, e: (b, e), groups(n), 64, 100)) == 4

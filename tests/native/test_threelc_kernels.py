@@ -30,7 +30,7 @@ from tests.codecs.test_threelc import S_VALUES, sparse_tensors
 from tests.codecs.test_threelc_cpu import packed_streams
 
 KERNEL = _native.load("threelc")
-pytestmark = pytest.mark.skipif(KERNEL is None, reason="fedcomp._native._threelc is not built or FEDCOMP_NATIVE=0")
+needs_kernel = pytest.mark.skipif(KERNEL is None, reason="fedcomp._native._threelc is not built or FEDCOMP_NATIVE=0")
 
 FAST = settings(
     max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
@@ -90,6 +90,7 @@ def encode_both(monkeypatch, a: np.ndarray, s: float, zero_run: bool, recon: boo
     return out
 
 
+@needs_kernel
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("s", [1.0, 1.9])
 def test_encode_equals_the_numpy_path(monkeypatch, kind, s):
@@ -104,6 +105,7 @@ def test_encode_equals_the_numpy_path(monkeypatch, kind, s):
         assert (k_zr.scale, k_zr.data) == (m, data), (kind, n)
 
 
+@needs_kernel
 @FAST
 @given(x=sparse_tensors(), s=S_VALUES, zero_run=st.booleans(), dense=st.booleans())
 def test_encode_equals_the_reference_on_any_tensor(monkeypatch, x, s, zero_run, dense):
@@ -118,6 +120,7 @@ def test_encode_equals_the_reference_on_any_tensor(monkeypatch, x, s, zero_run, 
     assert k_pay == np_pay and k_rec == np_rec
 
 
+@needs_kernel
 @pytest.mark.parametrize("s", [1.0, 1.9])
 def test_values_at_the_threshold(monkeypatch, s):
     """+-t (the least that rounds to +-1) and the float32 just inside it, in every part."""
@@ -135,6 +138,7 @@ def test_values_at_the_threshold(monkeypatch, s):
             assert (k_pay.scale, k_pay.data) == ref.encode(a.tolist(), s, zero_run)
 
 
+@needs_kernel
 def test_params_equal_scale_for_and_round_threshold():
     """The kernel's m and threshold against the Python ones, normal and subnormal maxima."""
     rng = np.random.default_rng(3)
@@ -156,6 +160,7 @@ def test_params_equal_scale_for_and_round_threshold():
     assert KERNEL.params(0x7F800000, 1.0)[0] == 2 and KERNEL.params(0x7FC00000, 1.0)[0] == 1
 
 
+@needs_kernel
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 def test_non_finite_input_raises_as_the_numpy_path(monkeypatch, bad):
     for n, at in ((1, 0), (7, 6), (5000, 2047), (5000, 2048), (5000, 4999)):
@@ -192,6 +197,7 @@ def counted(fn, calls: list[int]):
     return wrapper
 
 
+@needs_kernel
 @pytest.mark.parametrize("kind", ["t", "sparse", "zeros", "one", "levels"])
 @pytest.mark.parametrize("dense", [False, True])
 def test_ranges_on_threads_give_the_single_threaded_bytes(monkeypatch, kind, dense):
@@ -216,6 +222,7 @@ def test_ranges_on_threads_give_the_single_threaded_bytes(monkeypatch, kind, den
             assert calls, "the split path did not run"
 
 
+@needs_kernel
 def test_split_non_finite_and_maximum_in_any_range(monkeypatch):
     force_threads(monkeypatch)
     a = values("t", 20_000, 4)
@@ -231,6 +238,7 @@ def test_split_non_finite_and_maximum_in_any_range(monkeypatch):
             ThreeLC().encode(torch.from_numpy(b), "w")
 
 
+@needs_kernel
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # 0 * inf, on purpose
 @FAST
 @given(data=packed_streams(), pad=st.integers(0, 4), zero_run=st.booleans())
@@ -272,6 +280,7 @@ def hostile_payloads(numel: int) -> list[tuple[bool, bytes]]:
     ]
 
 
+@needs_kernel
 @pytest.mark.parametrize("numel", [11, 100, 1001])
 def test_hostile_payloads_raise_the_numpy_paths_error(monkeypatch, numel):
     spec = TensorSpec("w", (numel,), torch.float32)
@@ -289,6 +298,7 @@ def test_hostile_payloads_raise_the_numpy_paths_error(monkeypatch, numel):
         assert not KERNEL.decode(data, numel, 1.0, zero_run, out, True)  # the kernel itself says no
 
 
+@needs_kernel
 def test_kernels_check_their_buffers():
     a = np.ones(100, dtype=np.float32)
     with pytest.raises(ValueError):
@@ -324,6 +334,7 @@ def model(seed: int = 0) -> dict[str, torch.Tensor]:
     return out
 
 
+@needs_kernel
 @pytest.mark.parametrize("s", [1.0, 1.9])
 @pytest.mark.parametrize("split", [False, True])
 def test_whole_update_bytes_equal_with_the_kernel_on_and_off(monkeypatch, s, split):
