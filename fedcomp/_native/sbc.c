@@ -9,7 +9,10 @@
  *   scan(a, begin, end, thr_hi, thr_lo, limit, hi_pos, hi_vals, lo_pos, lo_vals) -> (nhi, nlo) | None
  *       positions (int64) and values (float32) in [begin, end) of a >= thr_hi and of a <= thr_lo;
  *       None when more than `limit` are found (each output holds min(limit, end - begin) entries).
- *   gather(a, pos, out) -> bool         out[i] = a[pos[i]]; whether every value gathered is finite.
+ *   sample_thresholds(a, pos, r, scratch) -> (t_lo, t_hi) | None
+ *       the r-th smallest and r-th largest of a[pos] (fast mode's thresholds: gather and two
+ *       selections in one call, `scratch` holding len(pos) floats); None if one is not finite.
+ *   order_stats(a, r, scratch) -> (t_lo, t_hi) | None   the same for all of a (`scratch`: len(a) floats).
  *   sum_stats(vals) -> (sum, lo, hi)    float64 sum (in order) and the min/max of (bits & 0x7fffffff).
  *   golomb_encode(idx, b) -> bytes      the two-section Golomb-Rice layout of fedcomp/codecs/golomb.py.
  *   golomb_decode(bits, nnz, b, numel, out) -> bool          positions into int64 `out` (nnz entries).
@@ -105,9 +108,9 @@ static PyObject *scan(PyObject *self, PyObject *args) {
     if (check_len(&hp, cap, 8, "scan hi_pos") || check_len(&hv, cap, 4, "scan hi_vals") ||
         check_len(&lp, cap, 8, "scan lo_pos") || check_len(&lv, cap, 4, "scan lo_vals"))
         goto done;
-    const float *x = (const float *)a.buf;
-    int64_t *hpos = (int64_t *)hp.buf, *lpos = (int64_t *)lp.buf;
-    float *hval = (float *)hv.buf, *lval = (float *)lv.buf;
+    const float *restrict x = (const float *)a.buf;
+    int64_t *restrict hpos = (int64_t *)hp.buf, *restrict lpos = (int64_t *)lp.buf;
+    float *restrict hval = (float *)hv.buf, *restrict lval = (float *)lv.buf;
     Py_ssize_t nhi = 0, nlo = 0;
     int over = 0;
     Py_BEGIN_ALLOW_THREADS
@@ -163,41 +166,127 @@ done:
     return result;
 }
 
-static PyObject *gather(PyObject *self, PyObject *args) {
-    Py_buffer a, pos, out;
+/* The k-th smallest of v[0, n) (0 <= k < n), permuting v: quickselect with a three-way partition
+ * (runs of equal values cost one pass) and a median-of-three pivot. Any correct selection gives the
+ * same value as NumPy's partition; with a NaN it still ends, within bounds. */
+static float select_kth(float *v, Py_ssize_t n, Py_ssize_t k) {
+    Py_ssize_t lo = 0, hi = n;
+    while (hi - lo > 1) {
+        float a = v[lo], b = v[lo + (hi - lo) / 2], c = v[hi - 1];
+        float p = a < b ? (b < c ? b : (a < c ? c : a)) : (a < c ? a : (b < c ? c : b));
+        Py_ssize_t lt = lo, i = lo, gt = hi;
+        while (i < gt) {
+            float x = v[i];
+            if (x < p) {
+                v[i++] = v[lt];
+                v[lt++] = x;
+            } else if (x > p) {
+                v[i] = v[--gt];
+                v[gt] = x;
+            } else {
+                i++;
+            }
+        }
+        if (k < lt)
+            hi = lt;
+        else if (k >= gt)
+            lo = gt;
+        else
+            return p;
+    }
+    return v[lo];
+}
+
+static PyObject *sample_thresholds(PyObject *self, PyObject *args) {
+    Py_buffer a, pos, scratch;
+    Py_ssize_t r;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*y*w*", &a, &pos, &out)) return NULL;
+    if (!PyArg_ParseTuple(args, "y*y*nw*", &a, &pos, &r, &scratch)) return NULL;
     PyObject *result = NULL;
     Py_ssize_t n = a.len / 4, m = pos.len / 8;
-    if (check_len(&out, m, 4, "gather out")) goto done;
+    if (r < 1 || r > m || check_len(&scratch, m, 4, "sample_thresholds scratch")) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "sample_thresholds: need 1 <= r <= len(pos)");
+        goto done;
+    }
     const float *x = (const float *)a.buf;
     const int64_t *p = (const int64_t *)pos.buf;
-    float *o = (float *)out.buf;
+    float *v = (float *)scratch.buf;
     int bad_index = 0;
     uint32_t nonfinite = 0;
+    float t_lo = 0.0f, t_hi = 0.0f;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < m; i++) {
         int64_t j = p[i];
+#if defined(__GNUC__) || defined(__clang__)
+        /* the positions are spread over the tensor: one cache miss each, overlapped this way */
+        if (i + 16 < m && p[i + 16] >= 0 && p[i + 16] < n) __builtin_prefetch(x + p[i + 16]);
+#endif
         if (j < 0 || j >= n) {
             bad_index = 1;
             break;
         }
-        float v = x[j];
         uint32_t bits;
-        memcpy(&bits, &v, 4);
+        memcpy(&bits, x + j, 4);
         nonfinite |= (uint32_t)((bits & 0x7F800000u) == 0x7F800000u);
-        o[i] = v;
+        v[i] = x[j];
+    }
+    if (!bad_index && !nonfinite) {
+        t_lo = select_kth(v, m, r - 1);
+        t_hi = select_kth(v, m, m - r);
     }
     Py_END_ALLOW_THREADS
     if (bad_index) {
-        PyErr_SetString(PyExc_ValueError, "gather: position out of range");
+        PyErr_SetString(PyExc_ValueError, "sample_thresholds: position out of range");
         goto done;
     }
-    result = PyBool_FromLong(!nonfinite);
+    if (nonfinite) {
+        Py_INCREF(Py_None);
+        result = Py_None;
+    } else {
+        result = Py_BuildValue("dd", (double)t_lo, (double)t_hi);
+    }
 done:
     PyBuffer_Release(&a);
     PyBuffer_Release(&pos);
-    PyBuffer_Release(&out);
+    PyBuffer_Release(&scratch);
+    return result;
+}
+
+static PyObject *order_stats(PyObject *self, PyObject *args) {
+    Py_buffer a, scratch;
+    Py_ssize_t r;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*nw*", &a, &r, &scratch)) return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t m = a.len / 4;
+    if (r < 1 || r > m || check_len(&scratch, m, 4, "order_stats scratch")) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "order_stats: need 1 <= r <= len(a)");
+        goto done;
+    }
+    float *v = (float *)scratch.buf;
+    uint32_t nonfinite = 0;
+    float t_lo = 0.0f, t_hi = 0.0f;
+    Py_BEGIN_ALLOW_THREADS
+    memcpy(v, a.buf, (size_t)m * 4);
+    for (Py_ssize_t i = 0; i < m; i++) {
+        uint32_t bits;
+        memcpy(&bits, v + i, 4);
+        nonfinite |= (uint32_t)((bits & 0x7F800000u) == 0x7F800000u);
+    }
+    if (!nonfinite) {
+        t_lo = select_kth(v, m, r - 1);
+        t_hi = select_kth(v, m, m - r);
+    }
+    Py_END_ALLOW_THREADS
+    if (nonfinite) {
+        Py_INCREF(Py_None);
+        result = Py_None;
+    } else {
+        result = Py_BuildValue("dd", (double)t_lo, (double)t_hi);
+    }
+done:
+    PyBuffer_Release(&a);
+    PyBuffer_Release(&scratch);
     return result;
 }
 
@@ -442,7 +531,8 @@ done:
 static PyMethodDef methods[] = {
     {"fill", fill, METH_VARARGS, "out[begin:end] = 0, then value at the ascending positions pos[p0:p1]."},
     {"scan", scan, METH_VARARGS, "Positions and values of a >= thr_hi and of a <= thr_lo in [begin, end)."},
-    {"gather", gather, METH_VARARGS, "out[i] = a[pos[i]]; whether all are finite."},
+    {"order_stats", order_stats, METH_VARARGS, "The r-th smallest and largest of a (None if any is not finite)."},
+    {"sample_thresholds", sample_thresholds, METH_VARARGS, "The r-th smallest and largest of a[pos] (None if any is not finite)."},
     {"sum_stats", sum_stats, METH_VARARGS, "float64 sum and min/max magnitude bits of float32 values."},
     {"golomb_encode", golomb_encode, METH_VARARGS, "Golomb-Rice code ascending int64 positions."},
     {"golomb_decode", golomb_decode, METH_VARARGS, "Decode positions; False on an invalid stream."},

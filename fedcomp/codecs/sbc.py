@@ -150,17 +150,18 @@ class SBC(Codec):
         n, s = flat.numel(), self.sample_size
         where = _sample_positions(n, s, str(flat.device))
         on_cpu = flat.device.type == "cpu"
+        r = max(1, round(self.p * s))
         kernel = _KERNEL
-        if on_cpu and kernel is not None:
-            sample = np.empty(s, dtype=np.float32)
-            if not kernel.gather(flat.numpy(), where.numpy(), sample):
+        if on_cpu and kernel is not None:  # gather and both order statistics in one call
+            thresholds = kernel.sample_thresholds(flat.numpy(), where.numpy(), r, np.empty(s, dtype=np.float32))
+            if thresholds is None:
                 return None  # a NaN or infinity: exact mode reports it
+            thr_lo, thr_hi = np.float32(thresholds[0]), np.float32(thresholds[1])
         else:
             sample = flat.numpy()[where.numpy()] if on_cpu else flat.index_select(0, where).cpu().numpy()
             if not np.isfinite(sample).all():
                 return None
-        r = max(1, round(self.p * s))
-        thr_lo, thr_hi = _order_stats(sample, r)
+            thr_lo, thr_hi = _order_stats(sample, r)
         found: tuple[Positions, np.ndarray, Positions, np.ndarray] | None
         if flat.device.type == "cpu":
             found = _threshold_select_cpu(flat.numpy(), thr_hi, thr_lo, limit=4 * k)
@@ -321,6 +322,10 @@ def _extreme_positions_cpu(a: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarra
 _ORDER_MIN = 1 << 13
 _ORDER_STEP = 16
 
+#: Up to this many values, :func:`_order_stats` runs the C kernel's quickselect on a copy (above,
+#: the tail prefilter reads less).
+_KERNEL_ORDER_MAX = 1 << 16
+
 
 def _order_stats(a: np.ndarray, r: int) -> tuple[np.float32, np.float32]:
     """``(sorted(a)[r - 1], sorted(a)[n - r])`` exactly: the ``r``-th smallest and ``r``-th
@@ -333,6 +338,11 @@ def _order_stats(a: np.ndarray, r: int) -> tuple[np.float32, np.float32]:
     extreme of those (exact whatever the bounds; otherwise the whole array is partitioned).
     """
     n = a.shape[0]
+    kernel = _KERNEL
+    if kernel is not None and n <= _KERNEL_ORDER_MAX and a.dtype == np.float32 and a.flags.c_contiguous:
+        found = kernel.order_stats(a, r, np.empty(n, dtype=np.float32))  # a copy, two quickselects
+        if found is not None:
+            return np.float32(found[0]), np.float32(found[1])
     if n < _ORDER_MIN or r * _ORDER_STEP > n:
         if 2 * r <= n:  # two single-kth partitions: NumPy's multi-kth partition is several times slower
             lo_part = np.partition(a, r - 1)

@@ -132,12 +132,12 @@ def test_kernel_argument_checks_raise_value_error():
         KERNEL.scan(a, 50, 10, 1.0, -1.0, 100, ok_pos, ok_val, ok_pos, ok_val)
     with pytest.raises(ValueError):
         KERNEL.scan(a, 0, 100, 1.0, -1.0, 100, small, ok_val, ok_pos, ok_val)
+    scratch = np.empty(2, dtype=np.float32)
+    for pos, r in (([0, 100], 1), ([0, -1], 1), ([0, 1], 0), ([0, 1], 3)):
+        with pytest.raises(ValueError):
+            KERNEL.sample_thresholds(a, np.array(pos, dtype=np.int64), r, scratch)
     with pytest.raises(ValueError):
-        KERNEL.gather(a, np.array([0, 100], dtype=np.int64), np.empty(2, dtype=np.float32))
-    with pytest.raises(ValueError):
-        KERNEL.gather(a, np.array([0, -1], dtype=np.int64), np.empty(2, dtype=np.float32))
-    with pytest.raises(ValueError):
-        KERNEL.gather(a, np.array([0, 1], dtype=np.int64), np.empty(1, dtype=np.float32))
+        KERNEL.sample_thresholds(a, np.array([0, 1, 2], dtype=np.int64), 1, scratch)
     with pytest.raises(ValueError):
         KERNEL.golomb_encode(np.array([3, 3], dtype=np.int64), 2)
     with pytest.raises(ValueError):
@@ -153,20 +153,50 @@ def test_kernel_argument_checks_raise_value_error():
 
 
 @needs_kernel
-def test_gather_equals_fancy_indexing():
+@pytest.mark.parametrize("kind", ["student", "levels", "zeros", "negative", "tiny"])
+def test_sample_thresholds_equal_numpy_order_statistics(kind):
+    """Fast mode's thresholds: the r-th smallest and largest sampled values, as _order_stats."""
     assert KERNEL is not None
-    a = values("student", 200_000, seed=2)
-    where = sbc._sample_positions(a.size, 25_600, "cpu").numpy()
-    out = np.empty(where.size, dtype=np.float32)
-    assert KERNEL.gather(a, where, out)
-    assert out.tobytes() == a[where].tobytes()
+    a = values(kind, 200_000, seed=2)
+    for s in (1, 2, 3, 100, 25_600):
+        where = sbc._sample_positions(a.size, s, "cpu").numpy()
+        sample = a[where]
+        for r in sorted({min(s, 2), 1, max(1, s // 100), s // 2 or 1, (s + 1) // 2, s}):
+            got = KERNEL.sample_thresholds(a, where, r, np.empty(s, dtype=np.float32))
+            want = sbc._order_stats(sample, r)
+            assert got == (float(want[0]), float(want[1])), (s, r)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["student", "levels", "zeros", "negative", "tiny"])
+@pytest.mark.parametrize("n", [1, 2, 3, 100, 8191, 8192, 65536, 65537])
+def test_order_stats_equal_numpy(kind, n, monkeypatch):
+    a = values(kind, n, seed=n)
+    for r in sorted({1, min(n, 2), max(1, n // 100), max(1, n // 16), max(1, n // 2), (n + 1) // 2, n}):
+        got = sbc._order_stats(a, r)
+        monkeypatch.setattr(sbc, "_KERNEL", None)
+        want = sbc._order_stats(a, r)
+        monkeypatch.setattr(sbc, "_KERNEL", KERNEL)
+        assert (float(got[0]), float(got[1])) == (float(want[0]), float(want[1])), r
+        assert isinstance(got[0], np.float32) and isinstance(got[1], np.float32)
+    assert (
+        KERNEL is not None
+        and KERNEL.order_stats(np.array([1.0, np.nan], np.float32), 1, np.empty(2, np.float32)) is None
+    )
+
+
+@needs_kernel
+def test_sample_thresholds_report_what_is_not_finite():
+    assert KERNEL is not None
+    a = values("student", 50_000, seed=3)
+    where = sbc._sample_positions(a.size, 1000, "cpu").numpy()
     for bad in (np.nan, np.inf, -np.inf):
         b = a.copy()
         b[where[-1]] = bad
-        assert not KERNEL.gather(b, where, out)
+        assert KERNEL.sample_thresholds(b, where, 10, np.empty(1000, dtype=np.float32)) is None
         b[where[-1]] = 0.0
         b[where[-1] + 1] = bad  # not sampled: not seen
-        assert KERNEL.gather(b, where, out)
+        assert KERNEL.sample_thresholds(b, where, 10, np.empty(1000, dtype=np.float32)) is not None
 
 
 def exact_sum_inputs() -> list[np.ndarray]:
