@@ -114,3 +114,29 @@ def test_stale_residual_rejects_bad_settings(kwargs: dict[str, float], message: 
 def test_stale_residual_age_is_at_least_one():
     with pytest.raises(ValueError, match="age is at least 1"):
         StaleResidual(decay=0.9).apply(torch.ones(2), torch.ones(2), 0)
+
+
+@pytest.mark.parametrize(
+    "config", [{"id": "sbc", "p": 0.05}, {"id": "3lc", "s": 1.0}, {"id": "dense-fp32"}, {"id": "dense-fp16"}]
+)
+def test_cpu_residuals_equal_the_plain_formula_and_leave_inputs_alone(config) -> None:
+    # The CPU path adds and subtracts in NumPy, updating its own accumulator in place: the
+    # residuals must be bit for bit ``acc + r`` then ``acc - recon``, and neither the caller's
+    # tensors nor a residual handed out by state_dict() may change under a later encode.
+    from fedcomp.codecs import get_codec
+
+    codec = get_codec(config)
+    fb = ErrorFeedback(codec)
+    gen = torch.Generator().manual_seed(3)
+    residual: dict[str, torch.Tensor] = {}
+    for _ in range(4):
+        x = torch.randn(40, 130, generator=gen)
+        before = x.clone()
+        held = fb.state_dict()
+        held_copy = {k: v.clone() for k, v in held.items()}
+        _, recon = fb.encode_with_reconstruction(x, "w")
+        acc = x + residual["w"] if "w" in residual else x.clone()
+        residual["w"] = acc - recon
+        assert torch.equal(x, before)
+        assert all(torch.equal(held[k], held_copy[k]) for k in held)
+        assert torch.equal(fb.residual("w"), residual["w"])

@@ -21,6 +21,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from fedcomp.codecs.base import Codec
@@ -91,6 +92,7 @@ class ErrorFeedback:
         """:meth:`encode`, also returning what the receiver will decode (float32)."""
         codec = self.codec if codec is None else codec
         acc = tensor.detach().to(torch.float32)
+        owned = False  # whether acc is a tensor of this call's (else it may be the caller's)
         residual = self._residuals.get(name)
         if residual is not None:
             if residual.shape != acc.shape:
@@ -100,10 +102,19 @@ class ErrorFeedback:
             residual = residual.to(acc.device)
             if self.stale is not None and self.stale.active:
                 residual = self.stale.apply(residual, acc, self.age)
-            acc = acc + residual
+            # A new tensor either way (addition commutes: the same bits); on CPU in NumPy, whose
+            # kernels run on the calling thread (torch's stall on a busy machine).
+            acc = torch.from_numpy(np.add(residual.numpy(), acc.numpy())) if _cpu_f32(residual, acc) else acc + residual
+            owned = True
         enc, recon = codec.encode_with_reconstruction(acc, name)
         recon = recon.to(torch.float32)
-        self._residuals[name] = acc - recon
+        if owned and _cpu_f32(acc, recon) and not _same_storage(acc, recon):
+            # The accumulator is this call's own: it becomes the new residual in place (no
+            # full-size temporary). Not when it is the caller's tensor, nor the reconstruction's
+            # memory (a lossless codec may return its input).
+            self._residuals[name] = torch.from_numpy(np.subtract(acc.numpy(), recon.numpy(), out=acc.numpy()))
+        else:
+            self._residuals[name] = acc - recon
         return enc, recon
 
     def residual(self, name: str) -> torch.Tensor | None:
@@ -122,3 +133,19 @@ class ErrorFeedback:
             t = value.detach().to(torch.float32)
             loaded[name] = t.to(device) if device is not None else t
         self._residuals = loaded
+
+
+def _cpu_f32(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether NumPy may take ``a`` and ``b``: contiguous float32 CPU tensors of one shape, no
+    autograd."""
+    return (
+        all(
+            t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() and not t.requires_grad
+            for t in (a, b)
+        )
+        and a.shape == b.shape
+    )
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
