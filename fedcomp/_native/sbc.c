@@ -11,7 +11,7 @@
  *       None when more than `limit` are found (each output holds min(limit, end - begin) entries).
  *   sample_thresholds(a, pos, r, scratch) -> (t_lo, t_hi) | None
  *       the r-th smallest and r-th largest of a[pos] (fast mode's thresholds: gather and two
- *       selections in one call, `scratch` holding len(pos) floats); None if one is not finite.
+ *       selections in one call, `scratch` holding 2 len(pos) floats); None if one is not finite.
  *   order_stats(a, r, scratch) -> (t_lo, t_hi) | None   the same for all of a (`scratch`: len(a) floats).
  *   sum_stats(vals) -> (sum, lo, hi)    float64 sum (in order) and the min/max of (bits & 0x7fffffff).
  *   golomb_encode(idx, b) -> bytes      the two-section Golomb-Rice layout of fedcomp/codecs/golomb.py.
@@ -197,6 +197,47 @@ static float select_kth(float *v, Py_ssize_t n, Py_ssize_t k) {
     return v[lo];
 }
 
+/* A key per finite float that orders like its value (-0.0 just below +0.0). */
+static inline uint32_t order_key(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, 4);
+    return (bits & 0x80000000u) ? ~bits : bits | 0x80000000u;
+}
+
+#define KEY_SHIFT 21 /* 2048 buckets: the sign, the exponent and two mantissa bits */
+
+/* The r-th smallest and r-th largest of v[0, m) (1 <= r <= m), v unchanged: a histogram of the
+ * keys' top bits finds each one's bucket, then a quickselect runs on that bucket's values only,
+ * copied into w (m floats). Two branch-free passes over v where a quickselect on all of it takes
+ * several passes of unpredictable branches. */
+static void order_pair(const float *v, Py_ssize_t m, Py_ssize_t r, float *w, float *t_lo, float *t_hi) {
+    Py_ssize_t hist[1 << (32 - KEY_SHIFT)];
+    memset(hist, 0, sizeof hist);
+    for (Py_ssize_t i = 0; i < m; i++) hist[order_key(v[i]) >> KEY_SHIFT]++;
+    Py_ssize_t ranks[2] = {r - 1, m - r}, bucket[2] = {0, 0}, below[2] = {0, 0};
+    for (int s = 0; s < 2; s++) {
+        Py_ssize_t acc = 0, bkt = 0;
+        while (acc + hist[bkt] <= ranks[s]) acc += hist[bkt++];
+        bucket[s] = bkt;
+        below[s] = acc;
+    }
+    /* the low bucket's values from the front of w, the high bucket's from the back */
+    Py_ssize_t nlo = 0, nhi = 0;
+    int same = bucket[0] == bucket[1];
+    for (Py_ssize_t i = 0; i < m; i++) {
+        uint32_t bkt = order_key(v[i]) >> KEY_SHIFT;
+        if (bkt == (uint32_t)bucket[0])
+            w[nlo++] = v[i];
+        else if (!same && bkt == (uint32_t)bucket[1])
+            w[m - 1 - nhi++] = v[i];
+    }
+    *t_lo = select_kth(w, nlo, ranks[0] - below[0]);
+    if (same)
+        *t_hi = select_kth(w, nlo, ranks[1] - below[1]);
+    else
+        *t_hi = select_kth(w + m - nhi, nhi, ranks[1] - below[1]);
+}
+
 static PyObject *sample_thresholds(PyObject *self, PyObject *args) {
     Py_buffer a, pos, scratch;
     Py_ssize_t r;
@@ -204,7 +245,7 @@ static PyObject *sample_thresholds(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "y*y*nw*", &a, &pos, &r, &scratch)) return NULL;
     PyObject *result = NULL;
     Py_ssize_t n = a.len / 4, m = pos.len / 8;
-    if (r < 1 || r > m || check_len(&scratch, m, 4, "sample_thresholds scratch")) {
+    if (r < 1 || r > m || check_len(&scratch, 2 * m, 4, "sample_thresholds scratch")) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "sample_thresholds: need 1 <= r <= len(pos)");
         goto done;
     }
@@ -219,21 +260,19 @@ static PyObject *sample_thresholds(PyObject *self, PyObject *args) {
         int64_t j = p[i];
 #if defined(__GNUC__) || defined(__clang__)
         /* the positions are spread over the tensor: one cache miss each, overlapped this way */
-        if (i + 16 < m && p[i + 16] >= 0 && p[i + 16] < n) __builtin_prefetch(x + p[i + 16]);
+        if (i + 64 < m && p[i + 64] >= 0 && p[i + 64] < n) __builtin_prefetch(x + p[i + 64]);
 #endif
         if (j < 0 || j >= n) {
             bad_index = 1;
             break;
         }
+        float value = x[j];
         uint32_t bits;
-        memcpy(&bits, x + j, 4);
+        memcpy(&bits, &value, 4);
         nonfinite |= (uint32_t)((bits & 0x7F800000u) == 0x7F800000u);
-        v[i] = x[j];
+        v[i] = value;
     }
-    if (!bad_index && !nonfinite) {
-        t_lo = select_kth(v, m, r - 1);
-        t_hi = select_kth(v, m, m - r);
-    }
+    if (!bad_index && !nonfinite) order_pair(v, m, r, v + m, &t_lo, &t_hi);
     Py_END_ALLOW_THREADS
     if (bad_index) {
         PyErr_SetString(PyExc_ValueError, "sample_thresholds: position out of range");
@@ -266,17 +305,14 @@ static PyObject *order_stats(PyObject *self, PyObject *args) {
     float *v = (float *)scratch.buf;
     uint32_t nonfinite = 0;
     float t_lo = 0.0f, t_hi = 0.0f;
+    const float *x = (const float *)a.buf;
     Py_BEGIN_ALLOW_THREADS
-    memcpy(v, a.buf, (size_t)m * 4);
     for (Py_ssize_t i = 0; i < m; i++) {
         uint32_t bits;
-        memcpy(&bits, v + i, 4);
+        memcpy(&bits, x + i, 4);
         nonfinite |= (uint32_t)((bits & 0x7F800000u) == 0x7F800000u);
     }
-    if (!nonfinite) {
-        t_lo = select_kth(v, m, r - 1);
-        t_hi = select_kth(v, m, m - r);
-    }
+    if (!nonfinite) order_pair(x, m, r, v, &t_lo, &t_hi);
     Py_END_ALLOW_THREADS
     if (nonfinite) {
         Py_INCREF(Py_None);

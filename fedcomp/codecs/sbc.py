@@ -153,7 +153,7 @@ class SBC(Codec):
         r = max(1, round(self.p * s))
         kernel = _KERNEL
         if on_cpu and kernel is not None:  # gather and both order statistics in one call
-            thresholds = kernel.sample_thresholds(flat.numpy(), where.numpy(), r, np.empty(s, dtype=np.float32))
+            thresholds = kernel.sample_thresholds(flat.numpy(), where.numpy(), r, np.empty(2 * s, dtype=np.float32))
             if thresholds is None:
                 return None  # a NaN or infinity: exact mode reports it
             thr_lo, thr_hi = np.float32(thresholds[0]), np.float32(thresholds[1])
@@ -340,7 +340,7 @@ def _order_stats(a: np.ndarray, r: int) -> tuple[np.float32, np.float32]:
     n = a.shape[0]
     kernel = _KERNEL
     if kernel is not None and n <= _KERNEL_ORDER_MAX and a.dtype == np.float32 and a.flags.c_contiguous:
-        found = kernel.order_stats(a, r, np.empty(n, dtype=np.float32))  # a copy, two quickselects
+        found = kernel.order_stats(a, r, np.empty(n, dtype=np.float32))
         if found is not None:
             return np.float32(found[0]), np.float32(found[1])
     if n < _ORDER_MIN or r * _ORDER_STEP > n:

@@ -132,12 +132,12 @@ def test_kernel_argument_checks_raise_value_error():
         KERNEL.scan(a, 50, 10, 1.0, -1.0, 100, ok_pos, ok_val, ok_pos, ok_val)
     with pytest.raises(ValueError):
         KERNEL.scan(a, 0, 100, 1.0, -1.0, 100, small, ok_val, ok_pos, ok_val)
-    scratch = np.empty(2, dtype=np.float32)
+    scratch = np.empty(4, dtype=np.float32)
     for pos, r in (([0, 100], 1), ([0, -1], 1), ([0, 1], 0), ([0, 1], 3)):
         with pytest.raises(ValueError):
             KERNEL.sample_thresholds(a, np.array(pos, dtype=np.int64), r, scratch)
     with pytest.raises(ValueError):
-        KERNEL.sample_thresholds(a, np.array([0, 1, 2], dtype=np.int64), 1, scratch)
+        KERNEL.sample_thresholds(a, np.array([0, 1, 2], dtype=np.int64), 1, scratch)  # 2 * 3 floats needed
     with pytest.raises(ValueError):
         KERNEL.golomb_encode(np.array([3, 3], dtype=np.int64), 2)
     with pytest.raises(ValueError):
@@ -162,7 +162,7 @@ def test_sample_thresholds_equal_numpy_order_statistics(kind):
         where = sbc._sample_positions(a.size, s, "cpu").numpy()
         sample = a[where]
         for r in sorted({min(s, 2), 1, max(1, s // 100), s // 2 or 1, (s + 1) // 2, s}):
-            got = KERNEL.sample_thresholds(a, where, r, np.empty(s, dtype=np.float32))
+            got = KERNEL.sample_thresholds(a, where, r, np.empty(2 * s, dtype=np.float32))
             want = sbc._order_stats(sample, r)
             assert got == (float(want[0]), float(want[1])), (s, r)
 
@@ -193,10 +193,10 @@ def test_sample_thresholds_report_what_is_not_finite():
     for bad in (np.nan, np.inf, -np.inf):
         b = a.copy()
         b[where[-1]] = bad
-        assert KERNEL.sample_thresholds(b, where, 10, np.empty(1000, dtype=np.float32)) is None
+        assert KERNEL.sample_thresholds(b, where, 10, np.empty(2000, dtype=np.float32)) is None
         b[where[-1]] = 0.0
         b[where[-1] + 1] = bad  # not sampled: not seen
-        assert KERNEL.sample_thresholds(b, where, 10, np.empty(1000, dtype=np.float32)) is not None
+        assert KERNEL.sample_thresholds(b, where, 10, np.empty(2000, dtype=np.float32)) is not None
 
 
 def exact_sum_inputs() -> list[np.ndarray]:
