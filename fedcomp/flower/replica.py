@@ -116,13 +116,14 @@ class ServerReplica:
         delta: dict[str, torch.Tensor] = {}
         for k, e in self.grid.items():
             h = math.ldexp(1.0, e)
-            goal = torch.round(target[k].detach().to(torch.float32) / h)
+            w, r = target[k].detach().to(torch.float32), self.tensors[k]
+            if w.device.type == "cpu" and r.device.type == "cpu" and w.is_contiguous() and r.is_contiguous():
+                delta[k] = _lattice_step_cpu(w, r, h, k, e)  # the lines below, in NumPy
+                continue
+            goal = torch.round(w / h)
             if not bool(torch.isfinite(goal).all()) or (goal.numel() and float(goal.abs().max()) >= K_LIMIT):
-                raise ConfigError(
-                    f"lattice-step: tensor {k!r} does not fit its grid 2**{e} (|W / h| >= 2**24 or not finite); "
-                    "a larger lattice-step gives a coarser grid"
-                )
-            delta[k] = (goal - torch.round(self.tensors[k] / h)) * h
+                raise _off_grid(k, e)
+            delta[k] = (goal - torch.round(r / h)) * h
         codecs = {k: codec.with_exponent(e) for k, e in self.grid.items()}
         enc = UpdateEncoder(codec, min_numel=0, error_feedback=False)
         data = update_to_bytes(enc.encode(delta, base_model_version=self.version, codecs=codecs))
@@ -245,6 +246,29 @@ def grid_exponents(target: Mapping[str, torch.Tensor], base: Mapping[str, torch.
             e = max(e, math.frexp(biggest)[1] - 22)
         out[k] = min(E_MAX, max(E_MIN, e))
     return out
+
+
+def _off_grid(name: str, e: int) -> ConfigError:
+    return ConfigError(
+        f"lattice-step: tensor {name!r} does not fit its grid 2**{e} (|W / h| >= 2**24 or not finite); "
+        "a larger lattice-step gives a coarser grid"
+    )
+
+
+def _lattice_step_cpu(w: torch.Tensor, r: torch.Tensor, h: float, name: str, e: int) -> torch.Tensor:
+    """``(round(w / h) - round(r / h)) * h`` in float32 after checking ``|round(w / h)| < 2**24``
+    (and finite): the device-generic lines of :meth:`ServerReplica._advance_lattice` in NumPy, in
+    place in one new array and one temporary."""
+    h32 = np.float32(h)
+    goal = np.divide(w.numpy(), h32)
+    np.rint(goal, out=goal)
+    if goal.size and not (float(goal.max()) < K_LIMIT and -float(goal.min()) < K_LIMIT):  # NaN fails both
+        raise _off_grid(name, e)
+    here = np.divide(r.numpy(), h32)
+    np.rint(here, out=here)
+    goal -= here
+    goal *= h32
+    return torch.from_numpy(goal).reshape(w.shape)
 
 
 def apply_lattice(

@@ -238,3 +238,23 @@ def test_cpu_merge_equals_the_device_generic_lines(e: int) -> None:
     nan[5] = math.nan
     with pytest.raises(PayloadError, match="leaves the grid"):
         _merge_cpu(nan, d.clone(), h, "w", e)
+
+
+@pytest.mark.parametrize("e", [-12, -4, 2])
+def test_cpu_lattice_step_equals_the_device_generic_lines(e: int) -> None:
+    from fedcomp.errors import ConfigError
+    from fedcomp.flower.replica import _lattice_step_cpu
+
+    gen = torch.Generator().manual_seed(e + 7)
+    h = math.ldexp(1.0, e)
+    w = torch.randn(20, 151, generator=gen) * 300 * h
+    w.view(-1)[::4] = (torch.round(w.view(-1)[::4] / h) + 0.5) * h  # exact half steps: ties to even
+    r = torch.round(torch.randn(20, 151, generator=gen) * 300) * h
+    want = (torch.round(w / h) - torch.round(r / h)) * h
+    got = _lattice_step_cpu(w, r, h, "w", e)
+    assert got.shape == w.shape and torch.equal(got, want)
+    for bad in (2.0**24 * h, math.inf, math.nan):
+        off = w.clone()
+        off[3, 4] = bad
+        with pytest.raises(ConfigError, match="does not fit its grid"):
+            _lattice_step_cpu(off, r, h, "w", e)
