@@ -15,12 +15,13 @@
  *   order_stats(a, r, scratch) -> (t_lo, t_hi) | None   the same for all of a (`scratch`: len(a) floats).
  *   sum_stats(vals) -> (sum, lo, hi)    float64 sum (in order) and the min/max of (bits & 0x7fffffff).
  *   golomb_encode(idx, b) -> bytes      the two-section Golomb-Rice layout of fedcomp/codecs/golomb.py.
- *   golomb_decode(bits, nnz, b, numel, out) -> bool          positions into int64 `out` (nnz entries).
- *   golomb_scatter(bits, nnz, b, numel, out, value) -> bool  out[pos] = value, float32 `out` (numel).
+ *   golomb_decode(bits, nnz, b, numel, out) -> bool   positions into int64 `out` (nnz entries);
+ *       False on any inconsistency the NumPy decoder reports (the caller then reruns the NumPy path
+ *       to raise its PayloadError; `out` is then partly written).
  *   fill(out, begin, end, pos, p0, p1, value)  out[begin:end] = 0 but `value` at pos[p0:p1] (ascending,
  *       within [begin, end)): the decoder's dense output in one write pass, no zeroed allocation.
- *       The decoders return False on any inconsistency the NumPy decoder reports (the caller then
- *       reruns the NumPy path to raise its PayloadError); `out` is then partly written.
+ *   scan_variant([name]) -> str         the scan in use, "base" (SSE2 or plain C) or "avx2" (chosen at
+ *       import where the CPU has it: same results, tested both ways); a name switches (tests).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -33,34 +34,13 @@
 #include <emmintrin.h>
 #define HAVE_SSE2 1
 #endif
-
-/* Elements per block tested at once: bit j of *mh (*ml) says x[j] >= hi (x[j] <= lo). */
-#define SCAN_BLOCK 16
-
-static inline void block_masks(const float *x, float hi, float lo, unsigned *mh, unsigned *ml) {
-#ifdef HAVE_SSE2
-    __m128 vh = _mm_set1_ps(hi), vl = _mm_set1_ps(lo);
-    unsigned h = 0, l = 0;
-    for (int j = 0; j < SCAN_BLOCK; j += 4) {
-        __m128 v = _mm_loadu_ps(x + j);
-        h |= (unsigned)_mm_movemask_ps(_mm_cmpge_ps(v, vh)) << j;
-        l |= (unsigned)_mm_movemask_ps(_mm_cmple_ps(v, vl)) << j;
-    }
-    *mh = h;
-    *ml = l;
-#else
-    unsigned h = 0, l = 0;
-    for (int j = 0; j < SCAN_BLOCK; j++) {
-        h |= (unsigned)(x[j] >= hi) << j;
-        l |= (unsigned)(x[j] <= lo) << j;
-    }
-    *mh = h;
-    *ml = l;
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#include <immintrin.h>
+#define HAVE_AVX2_DISPATCH 1 /* an AVX2 variant, chosen at import on CPUs that have it */
 #endif
-}
 
 /* Index of the lowest set bit of a non-zero mask. */
-static inline int lowest_bit(unsigned m) {
+static inline int lowest_bit(uint32_t m) {
 #if defined(__GNUC__) || defined(__clang__)
     return __builtin_ctz(m);
 #else
@@ -73,7 +53,7 @@ static inline int lowest_bit(unsigned m) {
 #endif
 }
 
-static int popcount(unsigned m) {
+static inline int popcount(uint32_t m) {
 #if defined(__GNUC__) || defined(__clang__)
     return __builtin_popcount(m);
 #else
@@ -82,6 +62,84 @@ static int popcount(unsigned m) {
     return n;
 #endif
 }
+
+/* Where one scan writes: positions and values of each side, and how many so far. */
+typedef struct {
+    int64_t *restrict hpos, *restrict lpos;
+    float *restrict hval, *restrict lval;
+    Py_ssize_t nhi, nlo;
+} scan_out;
+
+/* Blocks of BLOCK elements: MASKS sets bit j of mh (ml) when x[i + j] >= hi (<= lo); most blocks
+ * select nothing and cost only the compares. Returns 1 when more than `limit` are found. */
+#define SCAN_BODY(BLOCK, MASKS)                                                          \
+    Py_ssize_t i = begin;                                                                \
+    for (; i + (BLOCK) <= end; i += (BLOCK)) {                                           \
+        uint32_t mh = 0, ml = 0;                                                         \
+        MASKS                                                                            \
+        if (!(mh | ml)) continue;                                                        \
+        if (o->nhi + o->nlo + popcount(mh) + popcount(ml) > limit) return 1;             \
+        for (; mh; mh &= mh - 1) {                                                       \
+            Py_ssize_t j = i + lowest_bit(mh);                                           \
+            o->hpos[o->nhi] = j;                                                         \
+            o->hval[o->nhi++] = x[j];                                                    \
+        }                                                                                \
+        for (; ml; ml &= ml - 1) {                                                       \
+            Py_ssize_t j = i + lowest_bit(ml);                                           \
+            o->lpos[o->nlo] = j;                                                         \
+            o->lval[o->nlo++] = x[j];                                                    \
+        }                                                                                \
+    }                                                                                    \
+    for (; i < end; i++) { /* the tail of fewer than BLOCK */                           \
+        float v = x[i];                                                                  \
+        int h = v >= hi, l = v <= lo;                                                    \
+        if (o->nhi + o->nlo + h + l > limit) return 1;                                   \
+        if (h) {                                                                         \
+            o->hpos[o->nhi] = i;                                                         \
+            o->hval[o->nhi++] = v;                                                       \
+        }                                                                                \
+        if (l) {                                                                         \
+            o->lpos[o->nlo] = i;                                                         \
+            o->lval[o->nlo++] = v;                                                       \
+        }                                                                                \
+    }                                                                                    \
+    return 0;
+
+typedef int (*scan_fn)(const float *restrict x, Py_ssize_t begin, Py_ssize_t end, float hi, float lo,
+                       Py_ssize_t limit, scan_out *o);
+
+static int scan_base(const float *restrict x, Py_ssize_t begin, Py_ssize_t end, float hi, float lo,
+                     Py_ssize_t limit, scan_out *o) {
+#ifdef HAVE_SSE2
+    const __m128 vh = _mm_set1_ps(hi), vl = _mm_set1_ps(lo);
+    SCAN_BODY(16, for (int q = 0; q < 16; q += 4) {
+        __m128 v = _mm_loadu_ps(x + i + q);
+        mh |= (uint32_t)_mm_movemask_ps(_mm_cmpge_ps(v, vh)) << q;
+        ml |= (uint32_t)_mm_movemask_ps(_mm_cmple_ps(v, vl)) << q;
+    })
+#else
+    SCAN_BODY(16, for (int q = 0; q < 16; q++) {
+        mh |= (uint32_t)(x[i + q] >= hi) << q;
+        ml |= (uint32_t)(x[i + q] <= lo) << q;
+    })
+#endif
+}
+
+#ifdef HAVE_AVX2_DISPATCH
+/* The same with 8-wide compares (measured about 25 % faster than the SSE2 blocks). */
+__attribute__((target("avx2"))) static int scan_avx2(const float *restrict x, Py_ssize_t begin, Py_ssize_t end,
+                                                     float hi, float lo, Py_ssize_t limit, scan_out *o) {
+    const __m256 vh = _mm256_set1_ps(hi), vl = _mm256_set1_ps(lo);
+    SCAN_BODY(32, for (int q = 0; q < 32; q += 8) {
+        __m256 v = _mm256_loadu_ps(x + i + q);
+        mh |= (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(v, vh, _CMP_GE_OQ)) << q;
+        ml |= (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(v, vl, _CMP_LE_OQ)) << q;
+    })
+}
+#endif
+
+/* The variant this CPU runs (set at import). */
+static scan_fn scan_range = scan_base;
 
 static int check_len(Py_buffer *buf, Py_ssize_t items, Py_ssize_t itemsize, const char *what) {
     if (buf->len < items * itemsize) {
@@ -108,54 +166,17 @@ static PyObject *scan(PyObject *self, PyObject *args) {
     if (check_len(&hp, cap, 8, "scan hi_pos") || check_len(&hv, cap, 4, "scan hi_vals") ||
         check_len(&lp, cap, 8, "scan lo_pos") || check_len(&lv, cap, 4, "scan lo_vals"))
         goto done;
-    const float *restrict x = (const float *)a.buf;
-    int64_t *restrict hpos = (int64_t *)hp.buf, *restrict lpos = (int64_t *)lp.buf;
-    float *restrict hval = (float *)hv.buf, *restrict lval = (float *)lv.buf;
-    Py_ssize_t nhi = 0, nlo = 0;
-    int over = 0;
+    /* distinct arrays of the caller's (restrict: else every store forces reloads) */
+    scan_out o = {(int64_t *)hp.buf, (int64_t *)lp.buf, (float *)hv.buf, (float *)lv.buf, 0, 0};
+    int over;
     Py_BEGIN_ALLOW_THREADS
-    Py_ssize_t i = begin;
-    for (; i + SCAN_BLOCK <= end; i += SCAN_BLOCK) {
-        unsigned mh, ml;
-        block_masks(x + i, hi, lo, &mh, &ml);
-        if (!(mh | ml)) continue;
-        if (nhi + nlo + popcount(mh) + popcount(ml) > limit) {
-            over = 1;
-            break;
-        }
-        for (; mh; mh &= mh - 1) {
-            Py_ssize_t j = i + lowest_bit(mh);
-            hpos[nhi] = j;
-            hval[nhi++] = x[j];
-        }
-        for (; ml; ml &= ml - 1) {
-            Py_ssize_t j = i + lowest_bit(ml);
-            lpos[nlo] = j;
-            lval[nlo++] = x[j];
-        }
-    }
-    for (; i < end && !over; i++) { /* the tail of fewer than SCAN_BLOCK */
-        float v = x[i];
-        int h = v >= hi, l = v <= lo;
-        if (nhi + nlo + h + l > limit) {
-            over = 1;
-            break;
-        }
-        if (h) {
-            hpos[nhi] = i;
-            hval[nhi++] = v;
-        }
-        if (l) {
-            lpos[nlo] = i;
-            lval[nlo++] = v;
-        }
-    }
+    over = scan_range((const float *)a.buf, begin, end, hi, lo, limit, &o);
     Py_END_ALLOW_THREADS
     if (over) {
         Py_INCREF(Py_None);
         result = Py_None;
     } else {
-        result = Py_BuildValue("nn", nhi, nlo);
+        result = Py_BuildValue("nn", o.nhi, o.nlo);
     }
 done:
     PyBuffer_Release(&a);
@@ -564,9 +585,35 @@ done:
     return result;
 }
 
+/* For tests: the scan variant in use ("base" or "avx2"); with a name, switch to it first. */
+static PyObject *scan_variant(PyObject *self, PyObject *args) {
+    const char *name = NULL;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "|z", &name)) return NULL;
+    if (name != NULL) {
+        if (strcmp(name, "base") == 0) {
+            scan_range = scan_base;
+        }
+#ifdef HAVE_AVX2_DISPATCH
+        else if (strcmp(name, "avx2") == 0 && __builtin_cpu_supports("avx2")) {
+            scan_range = scan_avx2;
+        }
+#endif
+        else {
+            PyErr_Format(PyExc_ValueError, "scan_variant: %s is not available here", name);
+            return NULL;
+        }
+    }
+#ifdef HAVE_AVX2_DISPATCH
+    if (scan_range == scan_avx2) return PyUnicode_FromString("avx2");
+#endif
+    return PyUnicode_FromString("base");
+}
+
 static PyMethodDef methods[] = {
     {"fill", fill, METH_VARARGS, "out[begin:end] = 0, then value at the ascending positions pos[p0:p1]."},
     {"scan", scan, METH_VARARGS, "Positions and values of a >= thr_hi and of a <= thr_lo in [begin, end)."},
+    {"scan_variant", scan_variant, METH_VARARGS, "The scan variant in use; switch with a name (tests)."},
     {"order_stats", order_stats, METH_VARARGS, "The r-th smallest and largest of a (None if any is not finite)."},
     {"sample_thresholds", sample_thresholds, METH_VARARGS, "The r-th smallest and largest of a[pos] (None if any is not finite)."},
     {"sum_stats", sum_stats, METH_VARARGS, "float64 sum and min/max magnitude bits of float32 values."},
@@ -577,6 +624,10 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_sbc", "C kernels for SBC's CPU paths.", -1, methods, NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__sbc(void) {
+#ifdef HAVE_AVX2_DISPATCH
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2")) scan_range = scan_avx2;
+#endif
     for (int v = 0; v < 256; v++) {
         int n = 0;
         while (n < 8 && (v & (0x80 >> n))) n++;

@@ -26,7 +26,7 @@ KERNEL = _native.load("sbc")
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="fedcomp._native._sbc is not built or FEDCOMP_NATIVE=0")
 
 #: Sizes around the scan's 16-element blocks and the NumPy path's 65536-element chunks.
-SIZES = [0, 1, 2, 15, 16, 17, 31, 32, 33, 1000, 65535, 65536, 65537, 131_073]
+SIZES = [0, 1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 1000, 65535, 65536, 65537, 131_073]
 
 
 def test_the_kernel_is_built_and_in_use():
@@ -68,10 +68,36 @@ def thresholds(a: np.ndarray, rng: np.random.Generator) -> list[tuple[np.float32
     return out
 
 
+def scan_variants() -> list[str]:
+    """The scan variants this CPU can run (the kernel picks the fastest at import)."""
+    if KERNEL is None:
+        return ["base"]
+    current = KERNEL.scan_variant()
+    found = []
+    for name in ("base", "avx2"):
+        try:
+            KERNEL.scan_variant(name)
+            found.append(name)
+        except ValueError:
+            pass
+    KERNEL.scan_variant(current)
+    return found
+
+
+@pytest.fixture(params=scan_variants())
+def variant(request):
+    """Run the test with each scan variant, then restore the one chosen at import."""
+    assert KERNEL is not None
+    current = KERNEL.scan_variant()
+    KERNEL.scan_variant(request.param)
+    yield request.param
+    KERNEL.scan_variant(current)
+
+
 @needs_kernel
 @pytest.mark.parametrize("kind", ["student", "levels", "zeros", "negative", "tiny"])
 @pytest.mark.parametrize("n", SIZES)
-def test_scan_equals_numpy(kind, n):
+def test_scan_equals_numpy(kind, n, variant):
     a = values(kind, n, seed=n + 1)
     rng = np.random.default_rng(n)
     for thr_hi, thr_lo in thresholds(a, rng):
@@ -92,7 +118,7 @@ def test_scan_equals_numpy(kind, n):
 
 
 @needs_kernel
-def test_scan_with_nans_selects_none_of_them():
+def test_scan_with_nans_selects_none_of_them(variant):
     a = values("student", 5000, seed=9)
     a[::3] = np.nan
     got = sbc._scan_values_native(a, 0, a.size, np.float32(1.0), np.float32(-1.0), 10**6)
@@ -103,7 +129,7 @@ def test_scan_with_nans_selects_none_of_them():
 
 @needs_kernel
 @pytest.mark.parametrize("kind", ["student", "levels", "zeros"])
-def test_threaded_threshold_select_equals_numpy(kind, monkeypatch):
+def test_threaded_threshold_select_equals_numpy(kind, monkeypatch, variant):
     """Several threads' parts, joined in order, over limit or not: as the NumPy path."""
     monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
     monkeypatch.setattr(sbc, "_PARALLEL_MIN", 1000)
