@@ -251,10 +251,25 @@ Positions = np.ndarray | torch.Tensor
 def _exact_select(flat: torch.Tensor, k: int, name: str) -> tuple[torch.Tensor, float]:
     if flat.device.type == "cpu":
         a = flat.numpy()
-        if not all_finite(a):
-            raise ValueError(f"tensor {name!r}: SBC cannot encode NaN or infinite values")
-        hi_np, lo_np = _extreme_positions_cpu(a, k)
-        chosen = _choose(flat, hi_np, a[hi_np], lo_np, a[lo_np])
+        n = a.shape[0]
+        kernel = _KERNEL
+        if kernel is not None and 1 < n <= _KERNEL_ORDER_MAX and a.dtype == np.float32 and a.flags.c_contiguous:
+            # A small tensor in three kernel calls: both thresholds (and the finiteness check),
+            # then a scan at them for the candidates, of which the rule below keeps k per side.
+            found = kernel.order_stats(a, k, np.empty(n, dtype=np.float32))
+            if found is None:
+                raise ValueError(f"tensor {name!r}: SBC cannot encode NaN or infinite values")
+            t_lo, t_hi = np.float32(found[0]), np.float32(found[1])
+            sel = _scan_values_native(a, 0, n, t_hi, t_lo, 2 * n)
+            assert sel is not None  # 2 n is more than both sides can hold
+            cand_hi, hi_vals, cand_lo, lo_vals = sel
+            keep_hi, keep_lo = _keep_extremes(hi_vals, t_hi, k, True), _keep_extremes(lo_vals, t_lo, k, False)
+            chosen = _choose(flat, cand_hi[keep_hi], hi_vals[keep_hi], cand_lo[keep_lo], lo_vals[keep_lo])
+        else:
+            if not all_finite(a):
+                raise ValueError(f"tensor {name!r}: SBC cannot encode NaN or infinite values")
+            hi_np, lo_np = _extreme_positions_cpu(a, k)
+            chosen = _choose(flat, hi_np, a[hi_np], lo_np, a[lo_np])
     else:
         if not bool(torch.isfinite(flat).all()):
             raise ValueError(f"tensor {name!r}: SBC cannot encode NaN or infinite values")
@@ -363,10 +378,15 @@ def _take_extremes(pos: np.ndarray, vals: np.ndarray, t: np.float32, k: int, lar
     """Of candidates ``pos`` (ascending) holding ``vals``: every one beyond ``t`` and the first
     of those equal to ``t``, ``k`` in all, ascending (the whole-array rule of
     :func:`_extreme_positions_cpu` on the candidates)."""
+    return pos[_keep_extremes(vals, t, k, largest)]
+
+
+def _keep_extremes(vals: np.ndarray, t: np.float32, k: int, largest: bool) -> np.ndarray:
+    """The mask of :func:`_take_extremes` over the candidates' values."""
     keep = vals > t if largest else vals < t
     at = np.flatnonzero(vals == t)[: k - int(np.count_nonzero(keep))]
     keep[at] = True
-    return pos[keep]
+    return keep
 
 
 def _tail_bounds(a: np.ndarray, r: int) -> tuple[np.float32, np.float32]:

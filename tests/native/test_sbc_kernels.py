@@ -225,6 +225,25 @@ def test_sample_thresholds_report_what_is_not_finite():
         assert KERNEL.sample_thresholds(b, where, 10, np.empty(2000, dtype=np.float32)) is not None
 
 
+@needs_kernel
+@pytest.mark.parametrize("kind", ["student", "levels", "zeros", "negative", "tiny"])
+@pytest.mark.parametrize("n", [2, 3, 17, 1000, 8192, 25_601, 65536])
+def test_exact_select_of_small_tensors_equals_numpy(kind, n, monkeypatch):
+    """Exact mode's kernel path for small tensors (order statistics, then a scan at them): the
+    positions and mean of the NumPy path, ties to the lowest index included."""
+    flat = torch.from_numpy(values(kind, n, seed=n + 7))
+    for k in sorted({1, max(1, round(0.01 * n)), max(1, n // 3), n // 2 or 1}):
+        got_idx, got_mean = sbc._exact_select(flat, k, "t")
+        monkeypatch.setattr(sbc, "_KERNEL", None)
+        want_idx, want_mean = sbc._exact_select(flat, k, "t")
+        monkeypatch.setattr(sbc, "_KERNEL", KERNEL)
+        assert got_idx.tolist() == want_idx.tolist() and got_mean == want_mean, k
+    bad = flat.clone()
+    bad[n // 2] = float("nan")
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        sbc._exact_select(bad, 1, "t")
+
+
 def exact_sum_inputs() -> list[np.ndarray]:
     rng = np.random.default_rng(7)
     out = [np.zeros(0, dtype=np.float32), np.array([-0.0], dtype=np.float32)]
