@@ -1,10 +1,12 @@
 """Golomb-Rice coding of sorted positions (SBC, Sattler et al. 2018, Algorithm 3).
 
-Every step is a whole-array operation (no Python loop per position), so encoding and decoding
-cost a handful of passes over ``nnz`` positions and over the bitstream. Positions on CPU are
-coded in NumPy (``packbits``/``unpackbits`` and ``flatnonzero``: several times faster there
-than the torch ops), positions on any other device in torch; both paths give the same bytes,
-positions and errors (tested on CPU).
+Positions on CPU are coded by the C kernel ``fedcomp._native._sbc`` where it is built (one pass
+over the positions or the bitstream, GIL released); without it (or with ``FEDCOMP_NATIVE=0``) in
+NumPy, every step a whole-array operation (``packbits``/``unpackbits`` and ``flatnonzero``:
+several times faster there than the torch ops). Positions on any other device are coded in
+torch. All paths give the same bytes, positions and errors (tested on CPU): the kernel's decoder
+only says whether a stream is valid, and on an invalid one the NumPy decoder runs to raise its
+:class:`~fedcomp.errors.PayloadError`.
 
 The code
 --------

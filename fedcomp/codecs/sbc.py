@@ -11,11 +11,22 @@ Determinism: the bytes depend on the values only, never on the device, the threa
 reduction order. Ties at the selection boundary go to the lowest indices; the means are exact
 (float64 sums where that is provably exact, else integer sums per float32 exponent), rounded
 once to the nearest float32 (ties to even); the two sides are compared exactly. CPU and CUDA
-give identical bytes. On CPU the selection runs in NumPy (its compare and nonzero are several
-times faster than torch's there); on other devices it runs in torch; both select the same
-positions, and the selected values come back to the host for the means either way. The CPU
-decoder scatters in NumPy too: torch's CPU kernels run OpenMP regions that slow down many-fold
-when the machine is busy, NumPy's run on the calling thread or on :func:`split_run`'s.
+give identical bytes.
+
+What runs where:
+
+- **CPU with the C kernels** (``fedcomp._native._sbc``, built by ``setup.py``; see
+  :mod:`fedcomp._native`): fast mode's sample gather and both sample thresholds in one call,
+  the threshold scan in one pass per part of :func:`split_run` (SSE2, or AVX2 where the CPU has
+  it), exact mode's order statistics for tensors of up to ``_KERNEL_ORDER_MAX`` values, the
+  float64 sums of the means, Golomb coding and decoding (:mod:`fedcomp.codecs.golomb`) and the
+  decoder's dense output (zeros and the mean written in one pass). All release the GIL.
+- **CPU without them** (not built, or ``FEDCOMP_NATIVE=0``): the same steps in NumPy (its
+  compare and nonzero are several times faster than torch's on CPU; torch's CPU kernels run
+  OpenMP regions that slow down many-fold when the machine is busy, NumPy's run on the calling
+  thread or on :func:`split_run`'s). Both CPU paths give the same bytes, tested.
+- **Other devices** (CUDA): the selection in torch; the selected values come back to the host
+  for the means, as on CPU.
 """
 
 from __future__ import annotations
