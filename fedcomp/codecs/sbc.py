@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 import os
 import struct
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
@@ -164,7 +165,7 @@ class SBC(Codec):
         r = max(1, round(self.p * s))
         kernel = _KERNEL
         if on_cpu and kernel is not None:  # gather and both order statistics in one call
-            thresholds = kernel.sample_thresholds(flat.numpy(), where.numpy(), r, np.empty(2 * s, dtype=np.float32))
+            thresholds = kernel.sample_thresholds(flat.numpy(), where.numpy(), r, _scratch("f32", 2 * s, np.float32))
             if thresholds is None:
                 return None  # a NaN or infinity: exact mode reports it
             thr_lo, thr_hi = np.float32(thresholds[0]), np.float32(thresholds[1])
@@ -267,7 +268,7 @@ def _exact_select(flat: torch.Tensor, k: int, name: str) -> tuple[torch.Tensor, 
         if kernel is not None and 1 < n <= _KERNEL_ORDER_MAX and a.dtype == np.float32 and a.flags.c_contiguous:
             # A small tensor in three kernel calls: both thresholds (and the finiteness check),
             # then a scan at them for the candidates, of which the rule below keeps k per side.
-            found = kernel.order_stats(a, k, np.empty(n, dtype=np.float32))
+            found = kernel.order_stats(a, k, _scratch("f32", n, np.float32))
             if found is None:
                 raise ValueError(f"tensor {name!r}: SBC cannot encode NaN or infinite values")
             t_lo, t_hi = np.float32(found[0]), np.float32(found[1])
@@ -366,7 +367,7 @@ def _order_stats(a: np.ndarray, r: int) -> tuple[np.float32, np.float32]:
     n = a.shape[0]
     kernel = _KERNEL
     if kernel is not None and n <= _KERNEL_ORDER_MAX and a.dtype == np.float32 and a.flags.c_contiguous:
-        found = kernel.order_stats(a, r, np.empty(n, dtype=np.float32))
+        found = kernel.order_stats(a, r, _scratch("f32", n, np.float32))
         if found is not None:
             return np.float32(found[0]), np.float32(found[1])
     if n < _ORDER_MIN or r * _ORDER_STEP > n:
@@ -495,13 +496,35 @@ def _scan_values_native(
     """:func:`_scan_values` in one pass of the C kernel (the same positions and values)."""
     assert _KERNEL is not None
     cap = max(0, min(limit, end - begin))  # the most one side can hold
-    hi, lo = np.empty(cap, dtype=np.int64), np.empty(cap, dtype=np.int64)
-    hi_vals, lo_vals = np.empty(cap, dtype=np.float32), np.empty(cap, dtype=np.float32)
+    hi, lo = _scratch("hi", cap, np.int64), _scratch("lo", cap, np.int64)
+    hi_vals, lo_vals = _scratch("hi_vals", cap, np.float32), _scratch("lo_vals", cap, np.float32)
     found = _KERNEL.scan(a, begin, end, thr_hi, thr_lo, limit, hi, hi_vals, lo, lo_vals)
     if found is None:
         return None
-    nhi, nlo = found
-    return hi[:nhi], hi_vals[:nhi], lo[:nlo], lo_vals[:nlo]
+    nhi, nlo = found  # copied out of the thread's buffers, which the next scan reuses
+    return hi[:nhi].copy(), hi_vals[:nhi].copy(), lo[:nlo].copy(), lo_vals[:nlo].copy()
+
+
+#: Per-thread work buffers of the kernels (see :func:`_scratch`).
+_SCRATCH = threading.local()
+
+#: Largest work buffer kept for reuse, in elements (larger ones are allocated per call).
+_SCRATCH_MAX = 1 << 20
+
+
+def _scratch(key: str, size: int, dtype: type) -> np.ndarray:
+    """An uninitialised work buffer of ``size`` elements, reused by later calls on the same thread.
+
+    A fresh large NumPy array is fresh pages from the kernel, each costing a page fault when
+    first written: for the kernels' buffers (a few hundred KB per tensor) that costs more than
+    the kernel itself. The caller must not keep the buffer (or a view of it) past its next call."""
+    if size > _SCRATCH_MAX:
+        return np.empty(size, dtype=dtype)
+    buf: np.ndarray | None = getattr(_SCRATCH, key, None)
+    if buf is None or buf.shape[0] < size:
+        buf = np.empty(max(size, 1 << 12), dtype=dtype)
+        setattr(_SCRATCH, key, buf)
+    return buf[:size]
 
 
 _POOL: tuple[int, ThreadPoolExecutor] | None = None
