@@ -34,6 +34,7 @@ from array import array
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
+import torch
 from google.protobuf.descriptor import FieldDescriptor as _FieldDescriptor
 from google.protobuf.message import DecodeError as _PbDecodeError
 
@@ -608,7 +609,8 @@ def update_from_bytes_deferred(
     raises the same :class:`PayloadError` on a mismatch.
 
     For a receiver that decodes the update at once (:func:`fedcomp.methods.update.decode_update_bytes`):
-    the CRC of a large update overlaps the decode instead of preceding it. Safe because the CRC
+    the CRC of a large update overlaps the decode instead of preceding it, where torch decodes on
+    one thread (else it is checked at once, as by :func:`update_from_bytes`). Safe because the CRC
     guards against corruption, not against a hostile sender (who can always send a valid one):
     the parse and the decoders check everything else and bound every allocation by the model's
     shapes either way. Call ``verify()`` before using anything decoded."""
@@ -616,7 +618,9 @@ def update_from_bytes_deferred(
         raise PayloadError("", f"an update is bytes, not {type(data).__name__}")
     view = memoryview(data)
     end = len(view) - _CRC_LEN
-    if end < _DEFER_CRC_MIN or view[end] != _CRC_TAG:
+    # Deferred only beside single-threaded torch decoding (the reference app's torch-threads = 1):
+    # beside torch's own two threads the CRC thread slows the casts as much as it saves.
+    if end < _DEFER_CRC_MIN or view[end] != _CRC_TAG or torch.get_num_threads() != 1:
         update = update_from_bytes(data, expected, max_tensors=max_tensors)
         return update, lambda: None
     sent = int.from_bytes(view[end + 1 :], "little")

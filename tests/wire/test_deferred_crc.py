@@ -14,6 +14,15 @@ from fedcomp.methods.update import UpdateEncoder, decode_update, decode_update_b
 from fedcomp.wire import serde
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The CRC is deferred beside single-threaded torch only (the reference app's setting)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _update(codec, seed: int = 0) -> tuple[dict[str, torch.Tensor], bytes]:
     gen = torch.Generator().manual_seed(seed)
     tensors = {"a": torch.randn(600, 1000, generator=gen), "b": torch.randn(10, generator=gen),
@@ -76,3 +85,16 @@ def test_small_updates_are_checked_first_and_not_bytes_are_refused():
         serde.update_from_bytes_deferred(_flip(data, len(data) - 1))  # checked at once, not deferred
     with pytest.raises(PayloadError, match="an update is bytes"):
         serde.update_from_bytes_deferred("nope")  # type: ignore[arg-type]
+
+
+def test_the_crc_of_a_large_update_is_checked_by_verify():
+    # Deferred for real: the parse of a payload-corrupted update succeeds, verify() raises.
+    _, data = _update(DenseFP16())
+    bad = _flip(data, len(data) // 2)
+    update, verify = serde.update_from_bytes_deferred(bad)
+    assert len(update.tensors) == 3
+    with pytest.raises(PayloadError, match="checksum mismatch"):
+        verify()
+    torch.set_num_threads(2)  # beside multi-threaded torch: checked at once
+    with pytest.raises(PayloadError, match="checksum mismatch"):
+        serde.update_from_bytes_deferred(bad)

@@ -236,6 +236,23 @@ def test_trailing_crc_of_a_large_update_equals_protobufs(accelerated, monkeypatc
         monkeypatch.setattr(fast_writer, "FAST_CRC32", None)
     elif fast_writer.FAST_CRC32 is None:
         pytest.skip("neither isal nor zlib-ng is installed")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the trailing CRC runs beside single-threaded casts only
+    try:
+        _trailing_crc_cases(monkeypatch)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _trailing_crc_cases(monkeypatch) -> None:
+    made: list[int] = []
+    real = fast_writer._TrailingCRC
+
+    def counted(mem):
+        made.append(len(mem))
+        return real(mem)
+
+    monkeypatch.setattr(fast_writer, "_TrailingCRC", counted)
     for step in (fast_writer._CRC_STEP, 1 << 16, 3):
         monkeypatch.setattr(fast_writer, "_CRC_STEP", step)
         u = _large_update(1)
@@ -243,6 +260,7 @@ def test_trailing_crc_of_a_large_update_equals_protobufs(accelerated, monkeypatc
         assert len(data) >= fast_writer._CRC_PIPELINE
         assert data == serde.update_to_bytes_protobuf(u)
         assert int.from_bytes(data[-4:], "little") == zlib.crc32(data[:-5])
+    assert len(made) == 3  # the trailing CRC did run
 
 
 def _address(data: bytes) -> int:
