@@ -221,7 +221,8 @@ def test_codecs_benchmark_exits_0_and_prints_no_alarm() -> None:
     proc = _bench("codecs", "--values", "student-t", "--repeat", "1", timeout=600)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
-    assert len(lines) == 1 + 24  # header + 6 codecs x 2 scopes x (encode, decode)
+    assert len(lines) == 1 + 30  # header + 6 codecs x (update: encode, decode, decode-new; per-tensor: encode, decode)
+    assert sum(" decode-new " in line for line in lines) == 6
     assert "MISSED" not in proc.stdout.upper()
     assert sum(line.rstrip().endswith(("<= 3x copy", "<= 4x copy")) for line in lines) == 8
     assert sum(line.rstrip().endswith("<= 1.5x half") for line in lines) == 4

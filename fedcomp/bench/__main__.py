@@ -26,7 +26,10 @@ NumPy paths instead. The op is timed as a sender or receiver runs it round after
 previous output is released before the next is made (a large output then reuses its memory:
 ``fedcomp.wire.fast_writer``).
 ``encode`` is tensors -> wire bytes (protobuf serialized), ``decode`` is wire bytes -> tensors on
-the device; tensors below 1000 elements go dense, as in 3LC.
+the device; tensors below 1000 elements go dense, as in 3LC. In the ``update`` scope ``decode``
+writes into buffers the receiver keeps from round to round (``decode_update_bytes(..., out=)``:
+warm memory, as ``copy_`` writes; the row the targets are read on) and ``decode-new`` into new
+tensors (each call's first-touch page faults of about 100 MB included; no target).
 """
 
 from __future__ import annotations
@@ -191,8 +194,14 @@ def _encode(enc: UpdateEncoder, update: dict[str, torch.Tensor]) -> bytes:
     return serde.update_to_bytes(enc.encode(update))
 
 
-def _decode(data: bytes, specs: list[TensorSpec], codecs: list[Codec], device: torch.device) -> dict[str, torch.Tensor]:
-    return decode_update_bytes(data, specs, codecs, device)[1]
+def _decode(
+    data: bytes,
+    specs: list[TensorSpec],
+    codecs: list[Codec],
+    device: torch.device,
+    out: dict[str, torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
+    return decode_update_bytes(data, specs, codecs, device, out=out)[1]
 
 
 def _encode_per_tensor(enc: UpdateEncoder, update: dict[str, torch.Tensor]) -> bytes:
@@ -226,6 +235,7 @@ def bench_codecs(
     numel = sum(t.numel() for t in update.values())
     specs = specs_of(update)
     base = _Baselines(list(update.values()))
+    buffers = {s.name: torch.empty(s.shape, dtype=s.dtype, device=device) for s in specs}  # a receiver's own
 
     rows = []
     for cfg, target in CASES:
@@ -243,9 +253,17 @@ def bench_codecs(
             data = enc_times.out
             assert isinstance(data, bytes)
             decode = functools.partial(decoder, data, specs, [codec, enc.small_codec], device)
-            dec_times = _paired(decode, refs, device, repeat)
-            for op, (med, ref_med, ref_ratio, _, best, ref_best) in (("encode", enc_times), ("decode", dec_times)):
-                tgt = None if target is None else target[0 if device.type == "cpu" else 1]
+            timed = [("encode", enc_times)]
+            if scope == "update":  # into the receiver's buffers (as copy_ writes), and into new tensors
+                into = functools.partial(_decode, data, specs, [codec, enc.small_codec], device, buffers)
+                timed += [
+                    ("decode", _paired(into, refs, device, repeat)),
+                    ("decode-new", _paired(decode, refs, device, repeat)),
+                ]
+            else:
+                timed.append(("decode", _paired(decode, refs, device, repeat)))
+            for op, (med, ref_med, ref_ratio, _, best, ref_best) in timed:
+                tgt = None if target is None or op == "decode-new" else target[0 if device.type == "cpu" else 1]
                 rows.append(
                     {
                         "codec": codec.codec_id,
@@ -292,7 +310,7 @@ def _print_row(r: dict) -> None:
     copy_cols += "" if best is None else f"{best:7.2f}x"
     half = r.get("half_ratio")
     print(
-        f"{r['codec']:<11}{label:<18}{r.get('scope', 'update'):<11}{r['op']:<7}{r['device']:<6}"
+        f"{r['codec']:<11}{label:<18}{r.get('scope', 'update'):<11}{r['op']:<11}{r['device']:<6}"
         f"{r['median_s'] * 1e3:9.1f} ms{copy_cols}"
         f"{r['clone_median_s'] * 1e3:9.1f} ms{r['ratio']:7.2f}x"
         f"{'' if half is None else f'{half:6.2f}x':>8} {r['bytes']:>11,d} B"
@@ -353,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     kernels = ", ".join(f"{k} {'on' if v else 'off'}" for k, v in native.status().items())
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}; C kernels: {kernels}", file=sys.stderr)
     print(
-        f"{'codec':<11}{'settings':<18}{'scope':<11}{'op':<7}{'dev':<6}{'median':>12}{'copy_':>12}{'x copy':>7}{'best x':>7}"
+        f"{'codec':<11}{'settings':<18}{'scope':<11}{'op':<11}{'dev':<6}{'median':>12}{'copy_':>12}{'x copy':>7}{'best x':>7}"
         f"{'clone':>12}{'x clone':>7}{'x half':>8}{'bytes':>14}{'bits/val':>8}  target"
     )
     scopes = SCOPES if args.scope == "both" else (args.scope,)

@@ -83,6 +83,26 @@ class Codec(ABC):
         flat = self._decode(enc.payload, spec, dev)
         return flat.reshape(spec.shape).to(spec.dtype)
 
+    def decode_into(self, enc: EncodedTensor, spec: TensorSpec, out: torch.Tensor) -> torch.Tensor:
+        """:meth:`decode` into ``out``, a contiguous tensor of ``spec``'s shape and dtype (on any
+        device), and return it: a receiver that keeps its buffers round after round writes into
+        warm memory instead of fresh pages (for a large model, first-touch page faults cost as
+        much as the decoding). Same checks and errors as :meth:`decode`; after an error, ``out``
+        holds unspecified values. ``ValueError`` when ``out`` does not fit ``spec``."""
+        if tuple(out.shape) != tuple(spec.shape) or out.dtype != spec.dtype or not out.is_contiguous():
+            raise ValueError(
+                f"decode_into {spec.name!r}: out is {out.dtype} {list(out.shape)}"
+                f"{'' if out.is_contiguous() else ' (not contiguous)'}, expected {spec.dtype} {list(spec.shape)}"
+            )
+        self.check_envelope(enc, spec)
+        self._decode_into(enc.payload, spec, out.view(-1))
+        return out
+
+    def _decode_into(self, payload: Payload, spec: TensorSpec, out: torch.Tensor) -> None:
+        """Decode into the flat ``out`` (checked by :meth:`decode_into`). Default: decode, then
+        copy; codecs whose CPU decoder can write in place override it."""
+        out.copy_(self._decode(payload, spec, out.device))
+
     def check_envelope(self, enc: EncodedTensor, spec: TensorSpec) -> None:
         """Raise :class:`PayloadError` unless ``enc`` claims to be this codec's encoding of the
         tensor ``spec`` describes (name, codec id and version, shape, dtype)."""

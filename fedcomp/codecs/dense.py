@@ -77,6 +77,13 @@ class _DenseCodec(Codec):
             out.view(-1).copy_(_readonly_view(payload.data, TORCH_DTYPES[payload.encoding]))
         return out
 
+    def _decode_into(self, payload: Payload, spec: TensorSpec, out: torch.Tensor) -> None:
+        if out.device.type != "cpu":
+            return super()._decode_into(payload, spec, out)
+        checked = self._checked(payload, spec)
+        if out.numel():
+            out.copy_(_readonly_view(checked.data, TORCH_DTYPES[checked.encoding]))
+
     def _checked(self, payload: Payload, spec: TensorSpec) -> DensePayload:
         """``payload`` if it is this codec's dense payload for ``spec``, else :class:`PayloadError`."""
         expect_payload(payload, DensePayload, spec.name)

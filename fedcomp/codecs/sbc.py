@@ -198,6 +198,17 @@ class SBC(Codec):
             out.index_fill_(0, idx, mean32)
         return out
 
+    def _decode_into(self, payload: Payload, spec: TensorSpec, out: torch.Tensor) -> None:
+        if out.device.type != "cpu" or out.dtype != torch.float32:
+            return super()._decode_into(payload, spec, out)
+        idx, mean32 = self.positions(payload, spec, out.device)
+        a = out.numpy()
+        if _KERNEL is None:
+            a[:] = 0.0
+            a[idx.numpy()] = mean32
+        else:  # zeros and the mean in one pass over the warm buffer
+            _KERNEL.fill(a, 0, a.shape[0], np.ascontiguousarray(idx.numpy(), dtype=np.int64), 0, idx.numel(), mean32)
+
     def positions(self, payload: Payload, spec: TensorSpec, device: torch.device) -> tuple[torch.Tensor, float]:
         """The decoder without its dense output: the kept positions (ascending, on ``device``) and
         the one float32 value they share, after every payload check of :meth:`decode` but the

@@ -935,6 +935,29 @@ class ThreeLC(Codec):
             packed = raw
         return _unpack_scale(packed, numel, float(scale), device)
 
+    def _decode_into(self, payload: Payload, spec: TensorSpec, out: torch.Tensor) -> None:
+        # The C decoder writes every value (zero groups too) into the warm buffer when the
+        # payload passes its checks; anything else goes the checked way (:meth:`_decode`).
+        if (
+            _KERNEL is not None
+            and out.device.type == "cpu"
+            and out.dtype == torch.float32
+            and isinstance(payload, ThreeLCPayload)
+            and type(payload.numel) is int
+            and payload.numel == spec.numel > 0
+            and isinstance(payload.scale, float | int)
+            and not isinstance(payload.scale, bool)
+            and math.isfinite(payload.scale)
+            and payload.scale >= 0
+            and isinstance(payload.data, bytes | bytearray)
+            and type(payload.zero_run) is bool
+        ):
+            data, g = payload.data, groups(spec.numel)
+            fits = len(data) == g if not payload.zero_run else len(data) <= g and _KERNEL.expanded_length(data) == g
+            if fits and _KERNEL.decode(data, spec.numel, float(payload.scale), payload.zero_run, out.numpy(), False):
+                return
+        super()._decode_into(payload, spec, out)
+
     @staticmethod
     def _decode_cpu(raw: np.ndarray, zero_run: bool, numel: int, name: str, scale: float) -> np.ndarray:
         """:meth:`_decode` on CPU (lengths checked), all in NumPy. A sparse update (few groups

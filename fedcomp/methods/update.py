@@ -110,8 +110,13 @@ def decode_update(
     codecs: Iterable[Codec],
     device: torch.device | str | None = None,
     per_tensor: Mapping[str, Codec] | None = None,
+    out: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Decode an untrusted update into exactly the tensors ``specs`` describes.
+
+    ``out``: buffers to decode into, by tensor name (each of its spec's shape and dtype,
+    contiguous; :meth:`Codec.decode_into`), e.g. a receiver's own tensors kept from round to
+    round; the result then holds those tensors. Tensors it does not name are decoded fresh.
 
     ``codecs`` are the codecs the receiver accepts (matched by ``codec_id``); a tensor named in
     ``per_tensor`` is decoded by that codec instead (e.g. ``TopK(ranges=...)``, which also checks
@@ -122,15 +127,16 @@ def decode_update(
     accepted = {c.codec_id: c for c in codecs}
     if len(update.tensors) != len(specs):
         raise PayloadError("", f"update has {len(update.tensors)} tensors, expected {len(specs)}")
-    out: dict[str, torch.Tensor] = {}
+    decoded: dict[str, torch.Tensor] = {}
     for spec, enc in zip(specs, update.tensors, strict=True):
         if enc.name != spec.name:
             raise PayloadError(spec.name, f"found tensor {enc.name!r} in its place")
         codec = (per_tensor or {}).get(spec.name) or accepted.get(enc.codec_id)
         if codec is None:
             raise PayloadError(spec.name, f"codec {enc.codec_id!r} is not accepted here ({sorted(accepted)})")
-        out[spec.name] = codec.decode(enc, spec, device)
-    return out
+        buffer = None if out is None else out.get(spec.name)
+        decoded[spec.name] = codec.decode(enc, spec, device) if buffer is None else codec.decode_into(enc, spec, buffer)
+    return decoded
 
 
 def decode_update_bytes(
@@ -139,6 +145,7 @@ def decode_update_bytes(
     codecs: Iterable[Codec],
     device: torch.device | str | None = None,
     per_tensor: Mapping[str, Codec] | None = None,
+    out: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[EncodedUpdate, dict[str, torch.Tensor]]:
     """Parse and decode untrusted update bytes: ``update_from_bytes(data, expected=specs)``, then
     :func:`decode_update`, with the CRC-32 of a large update computed on a worker thread while the
@@ -148,9 +155,9 @@ def decode_update_bytes(
     whatever else the corruption broke."""
     update, verify = update_from_bytes_deferred(data, expected=specs)
     try:
-        out = decode_update(update, specs, codecs, device, per_tensor)
+        tensors = decode_update(update, specs, codecs, device, per_tensor, out)
     except PayloadError:
         verify()
         raise
     verify()
-    return update, out
+    return update, tensors
