@@ -259,6 +259,12 @@ static void order_pair(const float *v, Py_ssize_t m, Py_ssize_t r, float *w, flo
         *t_hi = select_kth(w + m - nhi, nhi, ranks[1] - below[1]);
 }
 
+/* (t_lo, t_hi) as Python floats, or None when a value was not finite (exact mode reports it). */
+static PyObject *thresholds_or_none(int nonfinite, float t_lo, float t_hi) {
+    if (nonfinite) Py_RETURN_NONE;
+    return Py_BuildValue("dd", (double)t_lo, (double)t_hi);
+}
+
 static PyObject *sample_thresholds(PyObject *self, PyObject *args) {
     Py_buffer a, pos, scratch;
     Py_ssize_t r;
@@ -299,12 +305,7 @@ static PyObject *sample_thresholds(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "sample_thresholds: position out of range");
         goto done;
     }
-    if (nonfinite) {
-        Py_INCREF(Py_None);
-        result = Py_None;
-    } else {
-        result = Py_BuildValue("dd", (double)t_lo, (double)t_hi);
-    }
+    result = thresholds_or_none(nonfinite, t_lo, t_hi);
 done:
     PyBuffer_Release(&a);
     PyBuffer_Release(&pos);
@@ -335,12 +336,7 @@ static PyObject *order_stats(PyObject *self, PyObject *args) {
     }
     if (!nonfinite) order_pair(x, m, r, v, &t_lo, &t_hi);
     Py_END_ALLOW_THREADS
-    if (nonfinite) {
-        Py_INCREF(Py_None);
-        result = Py_None;
-    } else {
-        result = Py_BuildValue("dd", (double)t_lo, (double)t_hi);
-    }
+    result = thresholds_or_none(nonfinite, t_lo, t_hi);
 done:
     PyBuffer_Release(&a);
     PyBuffer_Release(&scratch);
