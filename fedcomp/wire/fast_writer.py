@@ -281,16 +281,30 @@ def _new_bytes(n: int) -> tuple[bytes | bytearray, np.ndarray]:
     return out, view
 
 
-#: Whether :func:`_new_bytes` keeps its last large output for reuse (:func:`set_output_reuse`).
-#: Only where reference counts are exact: CPython with its GIL (a free-threaded build defers
-#: counts, so "nobody else holds it" cannot be read off them).
-_REUSE_OUTPUT = _BYTES_API is not None and bool(getattr(sys, "_is_gil_enabled", lambda: True)())
-#: The last large output :func:`_new_bytes` made, kept for reuse once every other holder is gone.
-_SPARE: bytes | None = None
-_SPARE_LOCK = threading.Lock()
 #: Offset of a bytes object's cached hash (``ob_shash``) before its data (``ob_sval``): CPython
 #: 3.11 to 3.13 lay a ``PyBytesObject`` out as the variable-size header, the hash, then the data.
 _HASH_OFFSET = ctypes.sizeof(ctypes.c_ssize_t)
+
+
+def _hash_slot_found() -> bool:
+    """Whether the word before a bytes object's data holds its cached hash on this interpreter
+    (checked on a sample, so a layout that moved the hash turns output reuse off, never corrupts)."""
+    if _BYTES_API is None:
+        return False
+    sample = bytes(range(256)) * 64
+    h = hash(sample)
+    data: int = _BYTES_API[1](sample)  # type: ignore[operator]
+    return ctypes.c_ssize_t.from_address(data - _HASH_OFFSET).value == h
+
+
+#: Whether :func:`_new_bytes` keeps its last large output for reuse (:func:`set_output_reuse`).
+#: Only where reference counts are exact, CPython with its GIL (a free-threaded build defers
+#: counts, so "nobody else holds it" cannot be read off them), and where the cached hash is where
+#: this module resets it.
+_REUSE_OUTPUT = bool(getattr(sys, "_is_gil_enabled", lambda: True)()) and _hash_slot_found()
+#: The last large output :func:`_new_bytes` made, kept for reuse once every other holder is gone.
+_SPARE: bytes | None = None
+_SPARE_LOCK = threading.Lock()
 
 
 def set_output_reuse(enabled: bool) -> None:
@@ -299,7 +313,7 @@ def set_output_reuse(enabled: bool) -> None:
     between calls, e.g. one dense update of the model's size per process."""
     global _REUSE_OUTPUT, _SPARE
     with _SPARE_LOCK:
-        _REUSE_OUTPUT = bool(enabled) and _BYTES_API is not None
+        _REUSE_OUTPUT = bool(enabled) and _hash_slot_found()
         _SPARE = None
 
 

@@ -353,3 +353,18 @@ def test_outputs_written_from_two_threads_at_once_are_each_right(reuse):
         t.join(timeout=120)
     assert not any(t.is_alive() for t in threads)
     assert wrong == []
+
+
+def test_reuse_stays_off_where_the_hash_is_not_where_expected(monkeypatch):
+    # A CPython whose bytes layout moved the cached hash: the sample check fails, reuse stays off.
+    monkeypatch.setattr(fast_writer, "_HASH_OFFSET", 2 * fast_writer._HASH_OFFSET)
+    assert not fast_writer._hash_slot_found()
+    fast_writer.set_output_reuse(True)
+    try:
+        assert not fast_writer._REUSE_OUTPUT
+        data = serde.update_to_bytes(_large_update(1))
+        assert fast_writer._SPARE is None and data == serde.update_to_bytes_protobuf(_large_update(1))
+    finally:
+        monkeypatch.undo()
+        fast_writer.set_output_reuse(True)
+    assert (fast_writer._BYTES_API is not None) == fast_writer._REUSE_OUTPUT
