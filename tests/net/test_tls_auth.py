@@ -289,7 +289,12 @@ def test_unregistered_keyless_and_insecure_clients_are_refused(tls_auth_deployme
         in (logs["unregistered"])
     )
     assert "[code: 2001] SuperNode authentication is enabled. All SuperNodes must be registered" in logs["keyless"]
-    assert "Server disconnected without sending a response" in logs["insecure"]
+    # A plaintext client against the TLS port: gRPC reports the server hanging up on it, or, when
+    # the attempt is cut short first (seen once on a loaded CI machine), only its failed attempts.
+    assert any(
+        text in logs["insecure"]
+        for text in ("Server disconnected without sending a response", "Connection attempt failed")
+    ), logs["insecure"][-2000:]
     assert "CERTIFICATE_VERIFY_FAILED" in logs["other-ca"]  # it does not trust this SuperLink either
     for text in logs.values():
         assert "Failed to initialize the connection to the SuperLink" in text
