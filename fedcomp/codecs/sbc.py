@@ -202,12 +202,7 @@ class SBC(Codec):
         if out.device.type != "cpu" or out.dtype != torch.float32:
             return super()._decode_into(payload, spec, out)
         idx, mean32 = self.positions(payload, spec, out.device)
-        a = out.numpy()
-        if _KERNEL is None:
-            a[:] = 0.0
-            a[idx.numpy()] = mean32
-        else:  # zeros and the mean in one pass over the warm buffer
-            _KERNEL.fill(a, 0, a.shape[0], np.ascontiguousarray(idx.numpy(), dtype=np.int64), 0, idx.numel(), mean32)
+        _fill_cpu(out.numpy(), idx.numpy(), mean32)  # the warm buffer written once
 
     def positions(self, payload: Payload, spec: TensorSpec, device: torch.device) -> tuple[torch.Tensor, float]:
         """The decoder without its dense output: the kept positions (ascending, on ``device``) and
@@ -252,14 +247,23 @@ def _dense_cpu(idx: np.ndarray, numel: int, value: float) -> np.ndarray:
     pass, on the calling thread (measured on the whole update: splitting it among threads is
     slower, their page faults contend). ``value`` is a float32 value, stored exactly either way.
     """
-    kernel = _KERNEL
-    if kernel is None:
+    if _KERNEL is None:
         arr = np.zeros(numel, dtype=np.float32)
         arr[idx] = value
         return arr
     arr = np.empty(numel, dtype=np.float32)
-    kernel.fill(arr, 0, numel, np.ascontiguousarray(idx, dtype=np.int64), 0, idx.shape[0], value)
+    _fill_cpu(arr, idx, value)
     return arr
+
+
+def _fill_cpu(arr: np.ndarray, idx: np.ndarray, value: float) -> None:
+    """Overwrite float32 ``arr`` with zeros but ``value`` at the ascending positions ``idx``
+    (one pass with the C kernel; NumPy's zero fill and scatter without it)."""
+    if _KERNEL is None:
+        arr[:] = 0.0
+        arr[idx] = value
+    else:
+        _KERNEL.fill(arr, 0, arr.shape[0], np.ascontiguousarray(idx, dtype=np.int64), 0, idx.shape[0], value)
 
 
 # --- selection ------------------------------------------------------------------------------
