@@ -35,7 +35,7 @@ import math
 import os
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from typing import Any, TypeVar
@@ -118,6 +118,7 @@ class SBC(Codec):
 
     codec_id = "sbc"
     version = 1
+    tensor_parallel = True  # per-thread scratch (_scratch); the kernels release the GIL
 
     def __init__(self, p: float = 0.01, mode: str = "fast", sample_size: int | None = None) -> None:
         self.p, self.mode, self.sample_size = check_selection_params(p, mode, sample_size, p_max=0.5)
@@ -555,13 +556,70 @@ def split_run(fn: Callable[[int, int], T], n: int, align: int, parallel_min: int
     for its heavy work (NumPy ufuncs do) and write only its own part. Joined in order, so a
     result that depends only on the parts' concatenation does not depend on the thread count."""
     per = _PARALLEL_MIN if parallel_min is None else parallel_min
-    workers = min(torch.get_num_threads(), n // max(1, per), _MAX_WORKERS)
+    workers = 1 if _in_lane() else min(torch.get_num_threads(), n // max(1, per), _MAX_WORKERS)
     if workers <= 1:
         return [fn(0, n)]
     bounds = [(n * i // workers) // align * align for i in range(workers)] + [n]
     pool = _pool()
     futures = [pool.submit(fn, bounds[i], bounds[i + 1]) for i in range(1, workers)]
     return [fn(bounds[0], bounds[1])] + [f.result() for f in futures]
+
+
+#: Marks the threads running :func:`run_jobs`' lanes: there every thread already has a job.
+_LANE = threading.local()
+
+
+def _in_lane() -> bool:
+    return getattr(_LANE, "busy", False)
+
+
+def run_jobs(jobs: Sequence[Callable[[], T]], costs: Sequence[int], local: Sequence[bool] = ()) -> list[T]:
+    """``[job() for job in jobs]``, with up to ``torch.get_num_threads()`` jobs running at once.
+
+    For many independent tensors (a whole update): one lane per thread, the first on the calling
+    thread, each taking the next job of largest ``cost`` when it is done; inside a job
+    :func:`split_run` runs serially (every thread already has a job). The jobs must release the
+    GIL for their heavy work and touch nothing another job touches. A job marked in ``local``
+    runs on the calling thread before the lanes start (one that holds the GIL throughout, e.g.
+    a small dense tensor, gains nothing in a lane and would slow the others). With one thread,
+    or fewer than two lane jobs, a plain loop. Otherwise every job runs even when one raises;
+    then the exception of the earliest job in ``jobs`` is raised, as a loop would."""
+    in_lanes = [i for i in range(len(jobs)) if not (i < len(local) and local[i])]
+    workers = 1 if _in_lane() else min(torch.get_num_threads(), len(in_lanes), _MAX_WORKERS)
+    if workers <= 1:
+        return [job() for job in jobs]
+    results: dict[int, T] = {}
+    errors: dict[int, Exception] = {}
+    for i in sorted(set(range(len(jobs))) - set(in_lanes)):
+        try:
+            results[i] = jobs[i]()
+        except Exception as e:  # re-raised below, in job order
+            errors[i] = e
+    pending = iter(sorted(in_lanes, key=lambda i: -costs[i]))
+    take = threading.Lock()
+
+    def lane() -> None:
+        _LANE.busy = True
+        try:
+            while True:
+                with take:
+                    i = next(pending, None)
+                if i is None:
+                    return
+                try:
+                    results[i] = jobs[i]()
+                except Exception as e:  # re-raised below, in job order
+                    errors[i] = e
+        finally:
+            _LANE.busy = False
+
+    futures = [_pool().submit(lane) for _ in range(workers - 1)]
+    lane()
+    for f in futures:
+        f.result()
+    if errors:
+        raise errors[min(errors)]
+    return [results[i] for i in range(len(jobs))]
 
 
 def _pool() -> ThreadPoolExecutor:

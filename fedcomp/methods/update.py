@@ -7,19 +7,24 @@ Tensors with fewer than ``min_numel`` elements (biases, batch-norm parameters) g
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import functools
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
 from fedcomp.codecs.base import Codec, TensorSpec
 from fedcomp.codecs.dense import DenseFP32
+from fedcomp.codecs.sbc import run_jobs
 from fedcomp.errors import PayloadError
 from fedcomp.methods.feedback import ErrorFeedback
-from fedcomp.wire.payloads import EncodedUpdate
+from fedcomp.wire.payloads import EncodedTensor, EncodedUpdate
 from fedcomp.wire.serde import update_from_bytes_deferred
 
 #: Default size below which a tensor is sent dense.
 DEFAULT_MIN_NUMEL = 1000
+
+#: A tensor's fixed cost in :func:`run_jobs`' scheduling, in elements' worth (Python per tensor).
+_JOB_OVERHEAD = 50_000
 
 
 def specs_of(tensors: Mapping[str, torch.Tensor]) -> list[TensorSpec]:
@@ -33,6 +38,11 @@ class UpdateEncoder:
     With ``error_feedback`` the large tensors go through an :class:`ErrorFeedback` whose residuals
     persist across calls (``state_dict``/``load_state_dict``). Small tensors use ``small_codec``
     (lossless fp32 by default, so they need no residual).
+
+    On CPU, the tensors of a ``tensor_parallel`` codec (SBC) are encoded several at once on
+    ``torch.get_num_threads()`` threads (:func:`fedcomp.codecs.sbc.run_jobs`), the others on the
+    calling thread; the bytes, reconstructions and residuals are those of a loop (tested). With
+    one torch thread (the reference app's setting) it is a loop.
     """
 
     def __init__(
@@ -77,24 +87,35 @@ class UpdateEncoder:
         unknown = set(codecs) - set(tensors)
         if unknown:
             raise ValueError(f"codecs: no tensor named {sorted(unknown)!r} in the update")
-        out = []
-        sent: dict[str, torch.Tensor] = {}
+        fb = self.feedback
+        jobs: list[Callable[[], tuple[EncodedTensor, torch.Tensor | None]]] = []
+        chosen: list[Codec] = []
         for name, t in tensors.items():
             override = codecs.get(name)
             small = override is None and t.numel() < self.min_numel
             codec = override if override is not None else self.small_codec if small else self._codec
-            fb = self.feedback
+            chosen.append(codec)
             if fb is not None and (not small or fb.residual(name) is not None):
-                enc, recon = fb.encode_with_reconstruction(t, name, codec)
+                jobs.append(functools.partial(fb.encode_with_reconstruction, t, name, codec))
             elif keep_sent:
-                enc, recon = codec.encode_with_reconstruction(t, name)
+                jobs.append(functools.partial(codec.encode_with_reconstruction, t, name))
             else:
-                enc, recon = codec.encode(t, name), None
-            out.append(enc)
-            if keep_sent and recon is not None:
-                sent[name] = recon.to(torch.float32)
-        self.sent = sent if keep_sent else None
-        return EncodedUpdate(base_model_version=base_model_version, tensors=tuple(out))
+                jobs.append(functools.partial(_without_reconstruction, codec, t, name))
+        if any(c.tensor_parallel for c in chosen) and all(t.device.type == "cpu" for t in tensors.values()):
+            # Tensors at once on the CPU threads; each tensor's bytes are those of a loop.
+            costs = [t.numel() + _JOB_OVERHEAD for t in tensors.values()]
+            done = run_jobs(jobs, costs, [not c.tensor_parallel for c in chosen])
+        else:
+            done = [job() for job in jobs]
+        if keep_sent:
+            self.sent = {
+                name: recon.to(torch.float32)
+                for name, (_, recon) in zip(tensors, done, strict=True)
+                if recon is not None
+            }
+        else:
+            self.sent = None
+        return EncodedUpdate(base_model_version=base_model_version, tensors=tuple(enc for enc, _ in done))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.feedback.state_dict() if self.feedback is not None else {}
@@ -102,6 +123,10 @@ class UpdateEncoder:
     def load_state_dict(self, state: Mapping[str, torch.Tensor], device: torch.device | str | None = None) -> None:
         if self.feedback is not None:
             self.feedback.load_state_dict(state, device)
+
+
+def _without_reconstruction(codec: Codec, t: torch.Tensor, name: str) -> tuple[EncodedTensor, None]:
+    return codec.encode(t, name), None
 
 
 def decode_update(
@@ -123,20 +148,40 @@ def decode_update(
     that a DEFT client kept to its allocation). Raises
     :class:`PayloadError` when a tensor is missing, repeated, unexpected, or uses a codec not
     accepted, or when any payload is malformed. Nothing is allocated beyond the specs' sizes.
+    On CPU the tensors of ``tensor_parallel`` codecs are decoded several at once (as
+    :class:`UpdateEncoder` encodes them); every tensor is then decoded even when one fails, and
+    the error raised is the first failing tensor's in order, as a loop's.
     """
     accepted = {c.codec_id: c for c in codecs}
     if len(update.tensors) != len(specs):
         raise PayloadError("", f"update has {len(update.tensors)} tensors, expected {len(specs)}")
-    decoded: dict[str, torch.Tensor] = {}
+    jobs, costs, local = [], [], []
     for spec, enc in zip(specs, update.tensors, strict=True):
-        if enc.name != spec.name:
-            raise PayloadError(spec.name, f"found tensor {enc.name!r} in its place")
-        codec = (per_tensor or {}).get(spec.name) or accepted.get(enc.codec_id)
-        if codec is None:
-            raise PayloadError(spec.name, f"codec {enc.codec_id!r} is not accepted here ({sorted(accepted)})")
         buffer = None if out is None else out.get(spec.name)
-        decoded[spec.name] = codec.decode(enc, spec, device) if buffer is None else codec.decode_into(enc, spec, buffer)
-    return decoded
+        jobs.append(functools.partial(_decode_one, enc, spec, accepted, per_tensor, device, buffer))
+        costs.append(spec.numel + _JOB_OVERHEAD)
+        codec = (per_tensor or {}).get(spec.name) or accepted.get(enc.codec_id)
+        local.append(codec is None or not codec.tensor_parallel)  # (an unknown codec: its job raises)
+    on_cpu = device is None or torch.device(device).type == "cpu"
+    # Tensors at once on the CPU threads where a codec gains from it; errors as a loop raises them.
+    done = run_jobs(jobs, costs, local) if on_cpu and not all(local) else [job() for job in jobs]
+    return {spec.name: t for spec, t in zip(specs, done, strict=True)}
+
+
+def _decode_one(
+    enc: EncodedTensor,
+    spec: TensorSpec,
+    accepted: Mapping[str, Codec],
+    per_tensor: Mapping[str, Codec] | None,
+    device: torch.device | str | None,
+    buffer: torch.Tensor | None,
+) -> torch.Tensor:
+    if enc.name != spec.name:
+        raise PayloadError(spec.name, f"found tensor {enc.name!r} in its place")
+    codec = (per_tensor or {}).get(spec.name) or accepted.get(enc.codec_id)
+    if codec is None:
+        raise PayloadError(spec.name, f"codec {enc.codec_id!r} is not accepted here ({sorted(accepted)})")
+    return codec.decode(enc, spec, device) if buffer is None else codec.decode_into(enc, spec, buffer)
 
 
 def decode_update_bytes(

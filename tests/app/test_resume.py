@@ -152,15 +152,15 @@ def _final_digest(data: dict[str, Any]) -> str:
 
 
 @pytest.mark.flower
-@pytest.mark.slow  # real SuperLink + 3 SuperNodes, three runs of 4 rounds: ~1-4 min on 2 cores
+@pytest.mark.slow  # real SuperLink + 2 SuperNodes, three runs of 3 rounds: ~1-3 min on 2 cores
 def test_a_serverapp_killed_after_round_2_resumes_to_the_same_model(tmp_path: Path) -> None:
     results = tmp_path / "results"
-    base = {"dataset": "digits", "seed": 3, "num-server-rounds": 4, "results-dir": str(results), "local-iters": 5}
+    base = {"dataset": "digits", "seed": 3, "num-server-rounds": 3, "results-dir": str(results), "local-iters": 5}
     killed: list[int] = []
-    with LocalDeployment(REPO, node_specs(3), tmp_path / "work") as dep:
+    with LocalDeployment(REPO, node_specs(2), tmp_path / "work") as dep:
         dep.start(timeout_s=90)
         full = dep.run({**base, "run-name": "full"}, timeout_s=300)
-        assert full["status"] == "completed" and [r["round"] for r in full["rounds"]] == list(range(5))
+        assert full["status"] == "completed" and [r["round"] for r in full["rounds"]] == list(range(4))
 
         def kill_after_round_2(entry: dict[str, Any]) -> None:
             if entry["round"] != 2 or killed:
@@ -186,10 +186,10 @@ def test_a_serverapp_killed_after_round_2_resumes_to_the_same_model(tmp_path: Pa
             time.sleep(0.2)
         assert killed[0] not in _serverapp_pids(dep.token)
         ckpt = load_checkpoint(results / "crash")
-        assert 2 <= ckpt.round < 4  # killed after round 2 was recorded, before the run ended
+        assert ckpt.round == 2  # killed after round 2 was recorded, before the run ended
         resumed = dep.run({**base, "run-name": "crash", "resume": True}, timeout_s=300)
     assert resumed["status"] == "completed"
-    assert [r["round"] for r in resumed["rounds"]] == list(range(5))  # appended to the same results
+    assert [r["round"] for r in resumed["rounds"]] == list(range(4))  # appended to the same results
     # Every round's model, before and after the crash, is the uninterrupted run's.
     assert [r["model_digest"] for r in resumed["rounds"]] == [r["model_digest"] for r in full["rounds"]]
     assert _final_digest(resumed) == _final_digest(full)
