@@ -48,9 +48,10 @@ class Codec(ABC):
 
     codec_id: ClassVar[str]
     version: ClassVar[int] = 1
-    #: Whether :class:`~fedcomp.methods.update.UpdateEncoder` may encode several CPU tensors at
-    #: once on threads (:func:`fedcomp.codecs.sbc.run_jobs`): the codec keeps no state between
-    #: calls that two threads would share, and releases the GIL for its heavy work.
+    #: Whether :class:`~fedcomp.methods.update.UpdateEncoder` and
+    #: :func:`~fedcomp.methods.update.decode_update` encode and decode several CPU tensors of this
+    #: codec at once on threads (:func:`fedcomp.codecs.sbc.run_jobs`): the codec keeps no state
+    #: that two threads would share, and releases the GIL for its heavy work (else no gain).
     tensor_parallel: ClassVar[bool] = False
 
     # --- the contract -------------------------------------------------------------------------
