@@ -712,8 +712,7 @@ def zero_run_decode(data: torch.Tensor, expected_len: int, name: str = "") -> to
 def _run_bytes(length: int) -> bytes:
     """The zero-run coding of ``length`` consecutive 121 bytes (module docstring, step 3)."""
     full, r = divmod(length, MAX_RUN)
-    last = b"" if r == 0 else bytes([ZERO_GROUP if r == 1 else RUN_BASE + r - 2])
-    return b"\xff" * full + last
+    return b"\xff" * full + (bytes([_LAST_PIECE_NP[r]]) if r else b"")
 
 
 def _encode_split(

@@ -260,15 +260,23 @@ def _lattice_step_cpu(w: torch.Tensor, r: torch.Tensor, h: float, name: str, e: 
     (and finite): the device-generic lines of :meth:`ServerReplica._advance_lattice` in NumPy, in
     place in one new array and one temporary."""
     h32 = np.float32(h)
-    goal = np.divide(w.numpy(), h32)
-    np.rint(goal, out=goal)
-    if goal.size and not (float(goal.max()) < K_LIMIT and -float(goal.min()) < K_LIMIT):  # NaN fails both
+    goal = _grid_index(w.numpy(), h32)
+    if not _within_grid(goal):
         raise _off_grid(name, e)
-    here = np.divide(r.numpy(), h32)
-    np.rint(here, out=here)
-    goal -= here
+    goal -= _grid_index(r.numpy(), h32)
     goal *= h32
     return torch.from_numpy(goal).reshape(w.shape)
+
+
+def _grid_index(x: np.ndarray, h32: np.float32) -> np.ndarray:
+    """``round(x / h)`` in a new float32 array (``rint``: ties to even, as ``torch.round``)."""
+    q = np.divide(x, h32)
+    return np.rint(q, out=q)
+
+
+def _within_grid(k: np.ndarray) -> bool:
+    """Whether every ``|k| < 2**24`` (a NaN fails both comparisons)."""
+    return not k.size or (float(k.max()) < K_LIMIT and -float(k.min()) < K_LIMIT)
 
 
 def apply_lattice(
@@ -311,12 +319,11 @@ def _merge_cpu(current: torch.Tensor, d: torch.Tensor, h: float, name: str, e: i
     :func:`apply_lattice` compute it, in NumPy in place: one new array, no temporaries (``d`` is
     the freshly decoded delta, consumed; ``current`` is left as it was)."""
     h32 = np.float32(h)
-    q = np.divide(current.detach().numpy(), h32)
-    np.rint(q, out=q)
+    q = _grid_index(current.detach().numpy(), h32)
     step = np.ascontiguousarray(d.detach().numpy())
     step = np.divide(step, h32, out=step) if step.flags.writeable else step / h32
     q += step
-    if q.size and not (float(q.max()) < K_LIMIT and -float(q.min()) < K_LIMIT):  # NaN fails both
+    if not _within_grid(q):
         raise PayloadError(name, f"the replica leaves the grid 2**{e} (|K| >= 2**24)")
     q *= h32
     return torch.from_numpy(q)

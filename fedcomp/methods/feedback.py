@@ -92,8 +92,7 @@ class ErrorFeedback:
         """:meth:`encode`, also returning what the receiver will decode (float32)."""
         codec = self.codec if codec is None else codec
         acc = tensor.detach().to(torch.float32)
-        owned = False  # whether acc is a tensor of this call's (else it may be the caller's)
-        residual = self._residuals.get(name)
+        residual = self._residuals.get(name)  # when added, acc is this call's own new tensor
         if residual is not None:
             if residual.shape != acc.shape:
                 raise ValueError(
@@ -105,10 +104,9 @@ class ErrorFeedback:
             # A new tensor either way (addition commutes: the same bits); on CPU in NumPy, whose
             # kernels run on the calling thread (torch's stall on a busy machine).
             acc = torch.from_numpy(np.add(residual.numpy(), acc.numpy())) if _cpu_f32(residual, acc) else acc + residual
-            owned = True
         enc, recon = codec.encode_with_reconstruction(acc, name)
         recon = recon.to(torch.float32)
-        if owned and _cpu_f32(acc, recon) and not _same_storage(acc, recon):
+        if residual is not None and _cpu_f32(acc, recon) and not _same_storage(acc, recon):
             # The accumulator is this call's own: it becomes the new residual in place (no
             # full-size temporary). Not when it is the caller's tensor, nor the reconstruction's
             # memory (a lossless codec may return its input).
