@@ -368,3 +368,48 @@ def test_reuse_stays_off_where_the_hash_is_not_where_expected(monkeypatch):
         monkeypatch.undo()
         fast_writer.set_output_reuse(True)
     assert (fast_writer._BYTES_API is not None) == fast_writer._REUSE_OUTPUT
+
+
+def test_sbc_scalars_by_hand_are_protobufs():
+    """An SBC payload's mean / golomb_b / nnz written by hand (serde._sbc_scalars) are protobuf's
+    bytes, and the hand path is taken for what the encoder makes; where protobuf has a say (zeros,
+    NaN, a mean that is not a float32, integers out of range or not ints) it is left to protobuf."""
+    import math
+
+    from fedcomp.wire.payloads import SBCPayload
+
+    taken = 0
+    means = [
+        0.25,
+        -0.25,
+        1.401298464324817e-45,
+        -1.401298464324817e-45,
+        3.4028234663852886e38,
+        -math.inf,
+        math.inf,
+        1.1754943508222875e-38,
+    ]
+    for mean in means:
+        for b in (0, 1, 5, 62, 2**32 - 1):
+            for nnz in (0, 1, 127, 128, 2**63, 2**64 - 1):
+                p = SBCPayload(mean=mean, golomb_b=b, nnz=nnz, bits=b"\x01\x02")
+                fast = serde._sbc_scalars(p)
+                assert fast is not None, p
+                taken += 1
+                _same(_tensor(p, name="s", shape=(3,)))
+    assert taken == len(means) * 5 * 6
+    for odd in [
+        SBCPayload(0.0, 3, 5, b"\x01"),
+        SBCPayload(-0.0, 3, 5, b"\x01"),
+        SBCPayload(math.nan, 3, 5, b"\x01"),
+        SBCPayload(0.1, 3, 5, b"\x01"),  # not a float32: protobuf rounds it
+        SBCPayload(1e39, 3, 5, b"\x01"),
+    ]:
+        assert serde._sbc_scalars(odd) is None, odd
+        _same(_tensor(odd, name="s", shape=(3,)))
+    for bad in [SBCPayload(0.5, -1, 5, b""), SBCPayload(0.5, 2**32, 5, b""), SBCPayload(0.5, 3, 2**64, b"")]:
+        assert serde._sbc_scalars(bad) is None, bad  # protobuf refuses these: so does the writer
+        with pytest.raises((ValueError, TypeError)):
+            serde.update_to_bytes(EncodedUpdate(0, (_tensor(bad, name="s", shape=(3,)),)))
+    enc = get_codec({"id": "sbc", "p": 0.01}).encode(torch.randn(10_000, generator=torch.Generator().manual_seed(1)))
+    assert isinstance(enc.payload, SBCPayload) and serde._sbc_scalars(enc.payload) is not None
