@@ -156,11 +156,12 @@ def decode_update(
     if len(update.tensors) != len(specs):
         raise PayloadError("", f"update has {len(update.tensors)} tensors, expected {len(specs)}")
     jobs, costs, local = [], [], []
+    names = sorted(accepted)
     for spec, enc in zip(specs, update.tensors, strict=True):
         buffer = None if out is None else out.get(spec.name)
-        jobs.append(functools.partial(_decode_one, enc, spec, accepted, per_tensor, device, buffer))
-        costs.append(spec.numel + _JOB_OVERHEAD)
         codec = (per_tensor or {}).get(spec.name) or accepted.get(enc.codec_id)
+        jobs.append(functools.partial(_decode_one, enc, spec, codec, names, device, buffer))
+        costs.append(spec.numel + _JOB_OVERHEAD)
         local.append(codec is None or not codec.tensor_parallel)  # (an unknown codec: its job raises)
     on_cpu = device is None or torch.device(device).type == "cpu"
     # Tensors at once on the CPU threads where a codec gains from it; errors as a loop raises them.
@@ -171,16 +172,16 @@ def decode_update(
 def _decode_one(
     enc: EncodedTensor,
     spec: TensorSpec,
-    accepted: Mapping[str, Codec],
-    per_tensor: Mapping[str, Codec] | None,
+    codec: Codec | None,
+    accepted: list[str],
     device: torch.device | str | None,
     buffer: torch.Tensor | None,
 ) -> torch.Tensor:
+    """One tensor of :func:`decode_update` with ``codec`` (None: not one the receiver accepts)."""
     if enc.name != spec.name:
         raise PayloadError(spec.name, f"found tensor {enc.name!r} in its place")
-    codec = (per_tensor or {}).get(spec.name) or accepted.get(enc.codec_id)
     if codec is None:
-        raise PayloadError(spec.name, f"codec {enc.codec_id!r} is not accepted here ({sorted(accepted)})")
+        raise PayloadError(spec.name, f"codec {enc.codec_id!r} is not accepted here ({accepted})")
     return codec.decode(enc, spec, device) if buffer is None else codec.decode_into(enc, spec, buffer)
 
 

@@ -325,11 +325,13 @@ def _sbc_scalars(p: SBCPayload) -> list[tuple[int, bytes]] | None:
     field's range): then :func:`_payload_scalars` asks protobuf. The SBC encoder's payloads take
     this path (about 80 us a tensor less); tests compare it with protobuf's bytes."""
     mean, b, nnz = p.mean, p.golomb_b, p.nnz
-    if type(b) is not int or type(nnz) is not int or not (0 <= b < 1 << 32 and 0 <= nnz < 1 << 64):
+    if type(mean) is not float or type(b) is not int or type(nnz) is not int:
+        return None
+    if not (0 <= b < 1 << 32 and 0 <= nnz < 1 << 64):
         return None
     try:
         raw = _F32.pack(mean)
-    except (struct.error, TypeError, OverflowError):
+    except OverflowError:  # beyond float32's range
         return None
     if _F32.unpack(raw)[0] != mean or not mean:  # not exactly a float32, NaN, or a zero (+0.0 or -0.0)
         return None
