@@ -584,17 +584,22 @@ def run_jobs(jobs: Sequence[Callable[[], T]], costs: Sequence[int], local: Seque
     a small dense tensor, gains nothing in a lane and would slow the others). With one thread,
     or fewer than two lane jobs, a plain loop. Otherwise every job runs even when one raises;
     then the exception of the earliest job in ``jobs`` is raised, as a loop would."""
-    in_lanes = [i for i in range(len(jobs)) if not (i < len(local) and local[i])]
+    here = [i < len(local) and local[i] for i in range(len(jobs))]
+    in_lanes = [i for i, h in enumerate(here) if not h]
     workers = 1 if _in_lane() else min(torch.get_num_threads(), len(in_lanes), _MAX_WORKERS)
     if workers <= 1:
         return [job() for job in jobs]
     results: dict[int, T] = {}
     errors: dict[int, Exception] = {}
-    for i in sorted(set(range(len(jobs))) - set(in_lanes)):
+
+    def run(i: int) -> None:
         try:
             results[i] = jobs[i]()
         except Exception as e:  # re-raised below, in job order
             errors[i] = e
+
+    for i in (i for i, h in enumerate(here) if h):
+        run(i)
     pending = iter(sorted(in_lanes, key=lambda i: -costs[i]))
     take = threading.Lock()
 
@@ -606,10 +611,7 @@ def run_jobs(jobs: Sequence[Callable[[], T]], costs: Sequence[int], local: Seque
                     i = next(pending, None)
                 if i is None:
                     return
-                try:
-                    results[i] = jobs[i]()
-                except Exception as e:  # re-raised below, in job order
-                    errors[i] = e
+                run(i)
         finally:
             _LANE.busy = False
 

@@ -316,7 +316,10 @@ def _payload_scalars(t: EncodedTensor, number: int) -> list[tuple[int, bytes]]:
     return [(f[0], bytes(view[f[2] : f[4]])) for f in _walk(view, 0, len(view), _PAYLOAD_FIELDS, "payload")]
 
 
-_SBC_MEAN_KEY = fast_writer.key(1, 5)  # float: wire type 5, four little-endian bytes
+#: ``SBCPayload``'s scalar keys: ``mean`` a float (wire type 5, four little-endian bytes),
+#: ``golomb_b`` and ``nnz`` varints.
+_SBC_MEAN_KEY, _SBC_B_KEY, _SBC_NNZ_KEY = fast_writer.key(1, 5), fast_writer.key(2, 0), fast_writer.key(3, 0)
+_F32 = struct.Struct("<f")
 
 
 def _sbc_scalars(p: SBCPayload) -> list[tuple[int, bytes]] | None:
@@ -337,13 +340,10 @@ def _sbc_scalars(p: SBCPayload) -> list[tuple[int, bytes]] | None:
         return None
     out = [(1, _SBC_MEAN_KEY + raw)]
     if b:
-        out.append((2, fast_writer.key(2, 0) + fast_writer.varint(b)))
+        out.append((2, _SBC_B_KEY + fast_writer.varint(b)))
     if nnz:
-        out.append((3, fast_writer.key(3, 0) + fast_writer.varint(nnz)))
+        out.append((3, _SBC_NNZ_KEY + fast_writer.varint(nnz)))
     return out
-
-
-_F32 = struct.Struct("<f")
 
 
 def _tensor_parts(t: EncodedTensor) -> tuple[list[fast_writer.Part], int]:
