@@ -68,6 +68,7 @@ typedef struct {
     int64_t *restrict hpos, *restrict lpos;
     float *restrict hval, *restrict lval;
     Py_ssize_t nhi, nlo;
+    Py_ssize_t cap; /* entries each side's buffers hold */
 } scan_out;
 
 /* Blocks of BLOCK elements: MASKS sets bit j of mh (ml) when x[i + j] >= hi (<= lo); most blocks
@@ -126,15 +127,62 @@ static int scan_base(const float *restrict x, Py_ssize_t begin, Py_ssize_t end, 
 }
 
 #ifdef HAVE_AVX2_DISPATCH
-/* The same with 8-wide compares (measured about 25 % faster than the SSE2 blocks). */
+/* Append the positions base + j of the set bits j of m (and x[base + j]) to pos and val at *n, in
+ * order. The first is written without a branch on m (past the count it is scratch that the next
+ * append overwrites; the caller keeps 32 spare), the rest by a loop that SBC's densities seldom
+ * enter. */
+static inline void append_bits(uint32_t m, Py_ssize_t base, const float *restrict x, int64_t *restrict pos,
+                               float *restrict val, Py_ssize_t *n) {
+    Py_ssize_t k = *n;
+    int c = popcount(m);
+    int j = lowest_bit(m | 0x80000000u); /* 31 when m is 0: a scratch entry, in range */
+    pos[k] = base + j;
+    val[k] = x[base + j];
+    for (int u = 1; (m &= m - 1) != 0; u++) {
+        j = lowest_bit(m);
+        pos[k + u] = base + j;
+        val[k + u] = x[base + j];
+    }
+    *n = k + c;
+}
+
+/* One block of 32 for scan_avx2: the two masks, then both appends; with SKIP a block that selects
+ * nothing skips them (a branch worth taking only where such blocks are the rule). */
+#define AVX2_BLOCKS(SKIP)                                                                            \
+    for (; i + 32 <= end && nhi + 32 <= cap && nlo + 32 <= cap; i += 32) {                           \
+        uint32_t mh = 0, ml = 0;                                                                     \
+        for (int q = 0; q < 32; q += 8) {                                                            \
+            __m256 v = _mm256_loadu_ps(x + i + q);                                                   \
+            mh |= (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(v, vh, _CMP_GE_OQ)) << q;               \
+            ml |= (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(v, vl, _CMP_LE_OQ)) << q;               \
+        }                                                                                            \
+        if ((SKIP) && !(mh | ml)) continue;                                                          \
+        append_bits(mh, i, x, hpos, hval, &nhi);                                                     \
+        append_bits(ml, i, x, lpos, lval, &nlo);                                                     \
+        if (nhi + nlo > limit) return 1;                                                             \
+    }
+
+/* The same with 8-wide compares and, unless selections are rare, no branch on whether a block
+ * selects anything: at p = 1 % about half the blocks do, so that branch (and the per-hit loops of
+ * SCAN_BODY) mispredicted about once a block. Measured on 2**25 student-t values out of cache:
+ * 0.29 against 0.46 ns an element at p = 1 %; at p = 0.1 % the skipping loop, 0.24 ns. Near the
+ * end of the output buffers the rest of the range goes to scan_base, which appends to the same
+ * outputs. */
 __attribute__((target("avx2"))) static int scan_avx2(const float *restrict x, Py_ssize_t begin, Py_ssize_t end,
                                                      float hi, float lo, Py_ssize_t limit, scan_out *o) {
     const __m256 vh = _mm256_set1_ps(hi), vl = _mm256_set1_ps(lo);
-    SCAN_BODY(32, for (int q = 0; q < 32; q += 8) {
-        __m256 v = _mm256_loadu_ps(x + i + q);
-        mh |= (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(v, vh, _CMP_GE_OQ)) << q;
-        ml |= (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(v, vl, _CMP_LE_OQ)) << q;
-    })
+    int64_t *restrict hpos = o->hpos, *restrict lpos = o->lpos;
+    float *restrict hval = o->hval, *restrict lval = o->lval;
+    Py_ssize_t nhi = o->nhi, nlo = o->nlo, cap = o->cap, i = begin;
+    /* fast mode's limit is 4 k = 4 p n: below p = 1/256 (under 1/4 of a selection a block) skip */
+    if (limit < (end - begin) / 64) {
+        AVX2_BLOCKS(1)
+    } else {
+        AVX2_BLOCKS(0)
+    }
+    o->nhi = nhi;
+    o->nlo = nlo;
+    return scan_base(x, i, end, hi, lo, limit, o);
 }
 #endif
 
@@ -167,7 +215,7 @@ static PyObject *scan(PyObject *self, PyObject *args) {
         check_len(&lp, cap, 8, "scan lo_pos") || check_len(&lv, cap, 4, "scan lo_vals"))
         goto done;
     /* distinct arrays of the caller's (restrict: else every store forces reloads) */
-    scan_out o = {(int64_t *)hp.buf, (int64_t *)lp.buf, (float *)hv.buf, (float *)lv.buf, 0, 0};
+    scan_out o = {(int64_t *)hp.buf, (int64_t *)lp.buf, (float *)hv.buf, (float *)lv.buf, 0, 0, cap};
     int over;
     Py_BEGIN_ALLOW_THREADS
     over = scan_range((const float *)a.buf, begin, end, hi, lo, limit, &o);

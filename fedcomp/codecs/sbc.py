@@ -580,8 +580,8 @@ def run_jobs(jobs: Sequence[Callable[[], T]], costs: Sequence[int], local: Seque
     thread, each taking the next job of largest ``cost`` when it is done; inside a job
     :func:`split_run` runs serially (every thread already has a job). The jobs must release the
     GIL for their heavy work and touch nothing another job touches. A job marked in ``local``
-    runs on the calling thread before the lanes start (one that holds the GIL throughout, e.g.
-    a small dense tensor, gains nothing in a lane and would slow the others). With one thread,
+    runs on the calling thread while the other lanes start, before it joins them (one that holds
+    the GIL throughout, e.g. a small dense tensor, gains nothing in a lane). With one thread,
     or fewer than two lane jobs, a plain loop. Otherwise every job runs even when one raises;
     then the exception of the earliest job in ``jobs`` is raised, as a loop would."""
     here = [i < len(local) and local[i] for i in range(len(jobs))]
@@ -598,8 +598,6 @@ def run_jobs(jobs: Sequence[Callable[[], T]], costs: Sequence[int], local: Seque
         except Exception as e:  # re-raised below, in job order
             errors[i] = e
 
-    for i in (i for i, h in enumerate(here) if h):
-        run(i)
     pending = iter(sorted(in_lanes, key=lambda i: -costs[i]))
     take = threading.Lock()
 
@@ -616,6 +614,8 @@ def run_jobs(jobs: Sequence[Callable[[], T]], costs: Sequence[int], local: Seque
             _LANE.busy = False
 
     futures = [_pool().submit(lane) for _ in range(workers - 1)]
+    for i in (i for i, h in enumerate(here) if h):  # while the other lanes start on the largest
+        run(i)
     lane()
     for f in futures:
         f.result()

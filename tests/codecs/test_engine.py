@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+import fedcomp.methods.update as update_module
 from fedcomp.codecs import SBC, Codec, DenseFP16, DenseFP32, TensorSpec, ThreeLC
 from fedcomp.codecs.sbc import _sample_positions
 from fedcomp.methods.update import UpdateEncoder, decode_update, specs_of
@@ -176,8 +177,17 @@ def test_decoding_a_small_model_allocates_about_its_own_size(codec: Codec, facto
 # --- tensors at once on the CPU threads (sbc.run_jobs) -----------------------------------------
 
 
+@pytest.fixture(params=[0, 3000], ids=["all-in-lanes", "small-ones-here"])
+def lane_min(request, monkeypatch) -> int:
+    """The size from which a ``tensor_parallel`` codec's tensors go to the lanes: 0 puts every
+    one there; 3000 keeps the smaller ones on the calling thread meanwhile, as the default (64k)
+    does with a real model's (the tensors here are small)."""
+    monkeypatch.setattr(update_module, "_LANE_MIN", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("codec", [SBC(0.01, "fast", sample_size=SAMPLE), SBC(0.02, "exact"), DenseFP16()], ids=repr)
-def test_tensors_encoded_at_once_give_the_bytes_and_residuals_of_one_thread(codec: Codec) -> None:
+def test_tensors_encoded_at_once_give_the_bytes_and_residuals_of_one_thread(codec: Codec, lane_min: int) -> None:
     """Three rounds with error feedback and ``keep_sent``, on 1 thread and on 4: the same bytes,
     the same reconstructions and the same residuals, bit for bit (the threaded encoder only
     changes which thread encodes which tensor)."""
@@ -242,7 +252,7 @@ def test_run_jobs_runs_jobs_at_once_in_order_and_raises_the_earliest_error() -> 
         torch.set_num_threads(before)
 
 
-def test_tensors_decoded_at_once_give_a_loops_values_and_first_error() -> None:
+def test_tensors_decoded_at_once_give_a_loops_values_and_first_error(lane_min: int) -> None:
     """Decoding on 1 thread and on 4 (tensors at once): the same values bit for bit, into new
     tensors and into kept buffers; and for an update broken in two tensors, the same error: the
     first broken tensor's, as a loop raises it."""
