@@ -614,8 +614,12 @@ def run_jobs(jobs: Sequence[Callable[[], T]], costs: Sequence[int], local: Seque
             _LANE.busy = False
 
     futures = [_pool().submit(lane) for _ in range(workers - 1)]
-    for i in (i for i, h in enumerate(here) if h):  # while the other lanes start on the largest
-        run(i)
+    _LANE.busy = True  # (split_run stays serial in these too: the other lanes have the threads)
+    try:
+        for i in (i for i, h in enumerate(here) if h):  # while the other lanes start on the largest
+            run(i)
+    finally:
+        _LANE.busy = False
     lane()
     for f in futures:
         f.result()

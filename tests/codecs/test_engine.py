@@ -246,6 +246,14 @@ def test_run_jobs_runs_jobs_at_once_in_order_and_raises_the_earliest_error() -> 
         here = threading.get_ident()
         threads = sbc.run_jobs([lambda: threading.get_ident()] * 4, [1, 1, 1, 1], [True, False, True, False])
         assert threads[0] == threads[2] == here  # local jobs: on the calling thread
+        both = threading.Barrier(2, timeout=10)  # a local job and a lane job at the same time
+
+        def meets() -> int:
+            both.wait()
+            return len(sbc.split_run(lambda b, e: (b, e), 1 << 22, 64, 1))
+
+        # the local job runs while the other lane starts (and split_run is serial in it too)
+        assert sbc.run_jobs([meets, meets, lambda: 0], [1, 5, 1], [True, False, False]) == [1, 1, 0]
         torch.set_num_threads(1)
         assert sbc.run_jobs([lambda: threading.get_ident()] * 3, [1, 1, 1]) == [here] * 3
     finally:
