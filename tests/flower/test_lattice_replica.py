@@ -258,3 +258,32 @@ def test_cpu_lattice_step_equals_the_device_generic_lines(e: int) -> None:
         off[3, 4] = bad
         with pytest.raises(ConfigError, match="does not fit its grid"):
             _lattice_step_cpu(off, r, h, "w", e)
+
+
+def test_the_server_merges_its_own_delta_to_the_bits_a_client_decodes() -> None:
+    """The replica merges the delta it encoded without parsing its own payload: after every round
+    its tensors are, bit for bit (the sign of zero included), what apply_lattice of that round's
+    bytes gives from the previous replica, as a client computes it. Entries that round to -0.0 on
+    the grid give deltas of -0.0, which are not sent and decode as +0.0."""
+    from fedcomp.flower.replica import _lattice_step_cpu
+
+    gen = torch.Generator().manual_seed(5)
+    start = {k: v.clone() for k, v in MODEL.items()}
+    first = next(iter(start))
+    start[first].view(-1)[::5] = -1e-30  # rint(-1e-30 / h) = -0.0: a seeded model of negative zeros
+    codec = get_codec({"id": "lattice", "step": 0.5})
+    replica = ServerReplica(start, max_log=100, min_numel=0)
+    negative_zero_deltas = 0
+    for rnd in range(4):
+        target = {k: v + torch.randn(v.shape, generator=gen) * 0.01 for k, v in start.items()}
+        target[first].view(-1)[::5] = -1e-30 if rnd % 2 else 1e-30  # these entries move by +-0.0
+        before, version = _clone(replica.tensors), replica.version
+        data = replica.advance(target, codec)
+        assert replica.grid is not None
+        e = replica.grid[first]
+        d = _lattice_step_cpu(target[first], before[first], math.ldexp(1.0, e), first, e)
+        negative_zero_deltas += int(((d == 0) & torch.signbit(d)).sum())
+        apply_lattice(before, data, specs_of(start), replica.grid if version else None, version)
+        for k, got in replica.tensors.items():
+            assert torch.equal(got.view(torch.int32), before[k].view(torch.int32)), (rnd, k)
+    assert negative_zero_deltas  # the sign of zero was at stake (so the comparison above saw it)
