@@ -48,8 +48,9 @@ class UpdateEncoder:
 
     On CPU, the tensors of a ``tensor_parallel`` codec (SBC) of at least ``_LANE_MIN`` elements
     are encoded several at once on ``torch.get_num_threads()`` threads
-    (:func:`fedcomp.codecs.sbc.run_jobs`), the others on the calling thread meanwhile; the bytes, reconstructions and residuals are those of a loop (tested). With
-    one torch thread (the reference app's setting) it is a loop.
+    (:func:`fedcomp.codecs.sbc.run_jobs`), the others on the calling thread meanwhile; the bytes,
+    reconstructions and residuals are those of a loop (tested). With one torch thread (the
+    reference app's setting) it is a loop.
     """
 
     def __init__(
