@@ -14,6 +14,10 @@
  *       selections in one call, `scratch` holding 2 len(pos) floats); None if one is not finite.
  *   order_stats(a, r, scratch) -> (t_lo, t_hi) | None   the same for all of a (`scratch`: len(a) floats).
  *   sum_stats(vals) -> (sum, lo, hi)    float64 sum (in order) and the min/max of (bits & 0x7fffffff).
+ *   fast_select(a, pos, r, limit, scratch, hi_pos, hi_vals, lo_pos, lo_vals)
+ *       -> (nhi, nlo, *sum_stats(hi_vals), *sum_stats(lo_vals)) | None
+ *       the three above in one call (fast mode's selection for a tensor scanned in one part): None
+ *       when a sampled value is not finite or the scan passes `limit`.
  *   golomb_encode(idx, b) -> bytes      the two-section Golomb-Rice layout of fedcomp/codecs/golomb.py.
  *   golomb_decode(bits, nnz, b, numel, out) -> bool   positions into int64 `out` (nnz entries);
  *       False on any inconsistency the NumPy decoder reports (the caller then reruns the NumPy path
@@ -391,15 +395,10 @@ done:
     return result;
 }
 
-static PyObject *sum_stats(PyObject *self, PyObject *args) {
-    Py_buffer vals;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "y*", &vals)) return NULL;
-    Py_ssize_t m = vals.len / 4;
-    const float *x = (const float *)vals.buf;
+/* The float64 sum of x[0, m) in order, and the least and greatest of (bits & 0x7fffffff). */
+static void stats_of(const float *x, Py_ssize_t m, double *sum_out, uint32_t *lo_out, uint32_t *hi_out) {
     double sum = 0.0;
     uint32_t lo = 0x7FFFFFFFu, hi = 0;
-    Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < m; i++) {
         uint32_t bits;
         memcpy(&bits, &x[i], 4);
@@ -408,9 +407,95 @@ static PyObject *sum_stats(PyObject *self, PyObject *args) {
         hi = bits > hi ? bits : hi;
         sum += (double)x[i];
     }
+    *sum_out = sum;
+    *lo_out = lo;
+    *hi_out = hi;
+}
+
+static PyObject *sum_stats(PyObject *self, PyObject *args) {
+    Py_buffer vals;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*", &vals)) return NULL;
+    double sum;
+    uint32_t lo, hi;
+    Py_BEGIN_ALLOW_THREADS
+    stats_of((const float *)vals.buf, vals.len / 4, &sum, &lo, &hi);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&vals);
     return Py_BuildValue("dkk", sum, (unsigned long)lo, (unsigned long)hi);
+}
+
+/* sample_thresholds, scan and sum_stats of both sides in one call, the GIL released throughout:
+ * fast mode's whole selection for a tensor scanned in one part (fedcomp.codecs.sbc). */
+static PyObject *fast_select(PyObject *self, PyObject *args) {
+    Py_buffer a, pos, scratch, hp, hv, lp, lv;
+    Py_ssize_t r, limit;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*nnw*w*w*w*w*", &a, &pos, &r, &limit, &scratch, &hp, &hv, &lp, &lv)) return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t n = a.len / 4, m = pos.len / 8;
+    Py_ssize_t cap = limit < n ? limit : n;
+    if (r < 1 || r > m || limit < 0) {
+        PyErr_SetString(PyExc_ValueError, "fast_select: need 1 <= r <= len(pos) and limit >= 0");
+        goto done;
+    }
+    if (check_len(&scratch, 2 * m, 4, "fast_select scratch") || check_len(&hp, cap, 8, "fast_select hi_pos") ||
+        check_len(&hv, cap, 4, "fast_select hi_vals") || check_len(&lp, cap, 8, "fast_select lo_pos") ||
+        check_len(&lv, cap, 4, "fast_select lo_vals"))
+        goto done;
+    const float *x = (const float *)a.buf;
+    const int64_t *p = (const int64_t *)pos.buf;
+    float *v = (float *)scratch.buf;
+    int bad_index = 0, over = 0;
+    uint32_t nonfinite = 0, lo_bits[2] = {0, 0}, hi_bits[2] = {0, 0};
+    double sums[2] = {0.0, 0.0};
+    float t_lo = 0.0f, t_hi = 0.0f;
+    scan_out o = {(int64_t *)hp.buf, (int64_t *)lp.buf, (float *)hv.buf, (float *)lv.buf, 0, 0, cap};
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < m; i++) { /* sample_thresholds' gather */
+        int64_t j = p[i];
+#if defined(__GNUC__) || defined(__clang__)
+        if (i + 64 < m && p[i + 64] >= 0 && p[i + 64] < n) __builtin_prefetch(x + p[i + 64]);
+#endif
+        if (j < 0 || j >= n) {
+            bad_index = 1;
+            break;
+        }
+        float value = x[j];
+        uint32_t bits;
+        memcpy(&bits, &value, 4);
+        nonfinite |= (uint32_t)((bits & 0x7F800000u) == 0x7F800000u);
+        v[i] = value;
+    }
+    if (!bad_index && !nonfinite) {
+        order_pair(v, m, r, v + m, &t_lo, &t_hi);
+        over = scan_range(x, 0, n, t_hi, t_lo, limit, &o);
+        if (!over) {
+            stats_of(o.hval, o.nhi, &sums[0], &lo_bits[0], &hi_bits[0]);
+            stats_of(o.lval, o.nlo, &sums[1], &lo_bits[1], &hi_bits[1]);
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (bad_index) {
+        PyErr_SetString(PyExc_ValueError, "fast_select: position out of range");
+        goto done;
+    }
+    if (nonfinite || over) {
+        Py_INCREF(Py_None);
+        result = Py_None;
+    } else {
+        result = Py_BuildValue("nndkkdkk", o.nhi, o.nlo, sums[0], (unsigned long)lo_bits[0], (unsigned long)hi_bits[0],
+                               sums[1], (unsigned long)lo_bits[1], (unsigned long)hi_bits[1]);
+    }
+done:
+    PyBuffer_Release(&a);
+    PyBuffer_Release(&pos);
+    PyBuffer_Release(&scratch);
+    PyBuffer_Release(&hp);
+    PyBuffer_Release(&hv);
+    PyBuffer_Release(&lp);
+    PyBuffer_Release(&lv);
+    return result;
 }
 
 /* --- Golomb-Rice coding ------------------------------------------------------------------------ */
@@ -661,6 +746,7 @@ static PyMethodDef methods[] = {
     {"order_stats", order_stats, METH_VARARGS, "The r-th smallest and largest of a (None if any is not finite)."},
     {"sample_thresholds", sample_thresholds, METH_VARARGS, "The r-th smallest and largest of a[pos] (None if any is not finite)."},
     {"sum_stats", sum_stats, METH_VARARGS, "float64 sum and min/max magnitude bits of float32 values."},
+    {"fast_select", fast_select, METH_VARARGS, "sample_thresholds, scan and both sides' sum_stats in one call."},
     {"golomb_encode", golomb_encode, METH_VARARGS, "Golomb-Rice code ascending int64 positions."},
     {"golomb_decode", golomb_decode, METH_VARARGS, "Decode positions; False on an invalid stream."},
     {NULL, NULL, 0, NULL}};

@@ -165,6 +165,8 @@ class SBC(Codec):
         on_cpu = flat.device.type == "cpu"
         r = max(1, round(self.p * s))
         kernel = _KERNEL
+        if on_cpu and kernel is not None and _scan_workers(n) == 1:
+            return _fast_select_native(kernel, flat, where, r, k)
         if on_cpu and kernel is not None:  # gather and both order statistics in one call
             thresholds = kernel.sample_thresholds(flat.numpy(), where.numpy(), r, _scratch("f32", 2 * s, np.float32))
             if thresholds is None:
@@ -471,6 +473,37 @@ def _threshold_select_cpu(
     return hi, hi_vals, lo, lo_vals
 
 
+def _fast_select_native(
+    kernel: Any, flat: torch.Tensor, where: torch.Tensor, r: int, k: int
+) -> tuple[torch.Tensor, float] | None:
+    """:meth:`SBC._fast_select` on CPU for a tensor scanned in one part: the sample's thresholds,
+    the scan and both sides' sums in one kernel call (the same selection as the calls it fuses:
+    tested), so the GIL is taken once per tensor rather than at each step."""
+    limit = 4 * k
+    cap = max(0, min(limit, flat.numel()))  # the most one side can hold
+    hi, lo = _scratch("hi", cap, np.int64), _scratch("lo", cap, np.int64)
+    hi_vals, lo_vals = _scratch("hi_vals", cap, np.float32), _scratch("lo_vals", cap, np.float32)
+    s = where.numel()
+    found = kernel.fast_select(
+        flat.numpy(), where.numpy(), r, limit, _scratch("f32", 2 * s, np.float32), hi, hi_vals, lo, lo_vals
+    )
+    if found is None:
+        return None  # a sampled NaN or infinity (exact mode reports it), or too many selected
+    nhi, nlo = found[0], found[1]
+    if not (0 < nhi <= 2 * k and 0 < nlo <= 2 * k):
+        return None
+    chosen = _choose(flat, hi[:nhi], hi_vals[:nhi], lo[:nlo], lo_vals[:nlo], stats=(found[2:5], found[5:8]))
+    if chosen is None:
+        return None
+    idx, mean = chosen
+    return idx.clone(), mean  # off the thread's scratch, which the next call reuses
+
+
+def _scan_workers(n: int) -> int:
+    """How many parts :func:`split_run` scans an ``n``-element tensor in, here and now."""
+    return 1 if _in_lane() else max(1, min(torch.get_num_threads(), n // _PARALLEL_MIN, _MAX_WORKERS))
+
+
 def _scan(
     a: np.ndarray, begin: int, end: int, thr_hi: np.float32, thr_lo: np.float32, limit: int
 ) -> tuple[np.ndarray, np.ndarray] | None:
@@ -666,7 +699,7 @@ def _sample_positions(n: int, s: int, device: str) -> torch.Tensor:
 # --- exact means ----------------------------------------------------------------------------
 
 
-def _exact_sum(vals: np.ndarray) -> int | None:
+def _exact_sum(vals: np.ndarray, stats: Sequence[float] | None = None) -> int | None:
     """The exact sum of float32 ``vals`` as an integer multiple of 2**-149; None if any value is
     infinite or NaN.
 
@@ -681,7 +714,10 @@ def _exact_sum(vals: np.ndarray) -> int | None:
         return 0
     kernel = _KERNEL
     total: float | None = None
-    if kernel is not None and vals.dtype == np.float32 and vals.flags.c_contiguous:
+    if stats is not None:  # the kernel's sum_stats of vals, already computed
+        total, mag_lo, mag_hi = float(stats[0]), int(stats[1]), int(stats[2])
+        lo, hi = max(mag_lo >> 23, 1), mag_hi >> 23
+    elif kernel is not None and vals.dtype == np.float32 and vals.flags.c_contiguous:
         # one pass: the float64 sum in order, and the least and greatest bits of |v|
         total, mag_lo, mag_hi = kernel.sum_stats(vals)
         lo, hi = max(mag_lo >> 23, 1), mag_hi >> 23
@@ -722,12 +758,18 @@ def _round_f32(num: int, den: int) -> float:
 
 
 def _choose(
-    flat: torch.Tensor, hi: Positions, hi_vals: np.ndarray, lo: Positions, lo_vals: np.ndarray
+    flat: torch.Tensor,
+    hi: Positions,
+    hi_vals: np.ndarray,
+    lo: Positions,
+    lo_vals: np.ndarray,
+    stats: tuple[Sequence[float], Sequence[float]] | None = None,
 ) -> tuple[torch.Tensor, float] | None:
     """Keep the side with the larger mean magnitude (the positive side on a tie): its positions
     (a tensor on ``flat``'s device) and its mean rounded to float32. None if a value is not
-    finite."""
-    s_hi, s_lo = _exact_sum(hi_vals), _exact_sum(lo_vals)
+    finite. ``stats``: each side's ``sum_stats``, when the kernel already computed them."""
+    s_hi = _exact_sum(hi_vals, None if stats is None else stats[0])
+    s_lo = _exact_sum(lo_vals, None if stats is None else stats[1])
     if s_hi is None or s_lo is None:
         return None
     c_hi, c_lo = len(hi_vals), len(lo_vals)

@@ -226,6 +226,40 @@ def test_sample_thresholds_report_what_is_not_finite():
 
 
 @needs_kernel
+@pytest.mark.parametrize("kind", ["student", "levels", "zeros", "negative", "tiny", "nan", "inf", "huge"])
+@pytest.mark.parametrize("p", [0.001, 0.01, 0.1])
+def test_fused_fast_select_equals_the_calls_it_fuses(kind, p, monkeypatch):
+    """Fast mode's one-call selection (sample thresholds, scan, both sides' sums: the path of a
+    tensor scanned in one part) against the separate kernel calls: the same payload, the same
+    fallback to exact mode (ties, masses of zeros, a side beyond its bound) and the same error
+    for a sampled NaN or infinity."""
+    n = 40_000
+    base = "student" if kind in ("nan", "inf", "huge") else kind
+    a = values(base, n, seed=int(p * 1e4) + len(kind))
+    codec = sbc.SBC(p, "fast", sample_size=2_000)
+    if kind in ("nan", "inf"):
+        where = sbc._sample_positions(n, codec.sample_size, "cpu").numpy()
+        a[where[17]] = np.nan if kind == "nan" else -np.inf
+    elif kind == "huge":  # exponents spanning more than float64's exact sums: the binned sum
+        a[::97] *= np.float32(1e30)
+        a[1::89] *= np.float32(1e-30)
+    t = torch.from_numpy(a)
+    runs = []
+    for fused in (True, False):
+        monkeypatch.setattr(sbc, "_scan_workers", (lambda n: 1) if fused else (lambda n: 2))
+        try:
+            runs.append(codec.encode_with_reconstruction(t, "w"))
+        except ValueError as err:
+            runs.append(str(err))
+    if isinstance(runs[0], str):
+        assert runs[0] == runs[1] and kind in ("nan", "inf")
+        return
+    (got, got_recon), (want, want_recon) = runs
+    assert got.payload == want.payload
+    assert torch.equal(got_recon, want_recon)
+
+
+@needs_kernel
 @pytest.mark.parametrize("kind", ["student", "levels", "zeros", "negative", "tiny"])
 @pytest.mark.parametrize("n", [2, 3, 17, 1000, 8192, 25_601, 65536])
 def test_exact_select_of_small_tensors_equals_numpy(kind, n, monkeypatch):
