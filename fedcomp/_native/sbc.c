@@ -317,6 +317,30 @@ static PyObject *thresholds_or_none(int nonfinite, float t_lo, float t_hi) {
     return Py_BuildValue("dd", (double)t_lo, (double)t_hi);
 }
 
+/* v[i] = x[p[i]] for i < m; sets *nonfinite when one is a NaN or an infinity. Returns 1 (and stops)
+ * at a position outside [0, n). */
+static int gather(const float *x, Py_ssize_t n, const int64_t *p, Py_ssize_t m, float *v, uint32_t *nonfinite) {
+    uint32_t bad = 0;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        int64_t j = p[i];
+#if defined(__GNUC__) || defined(__clang__)
+        /* the positions are spread over the tensor: one cache miss each, overlapped this way */
+        if (i + 64 < m && p[i + 64] >= 0 && p[i + 64] < n) __builtin_prefetch(x + p[i + 64]);
+#endif
+        if (j < 0 || j >= n) {
+            *nonfinite |= bad;
+            return 1;
+        }
+        float value = x[j];
+        uint32_t bits;
+        memcpy(&bits, &value, 4);
+        bad |= (uint32_t)((bits & 0x7F800000u) == 0x7F800000u);
+        v[i] = value;
+    }
+    *nonfinite |= bad;
+    return 0;
+}
+
 static PyObject *sample_thresholds(PyObject *self, PyObject *args) {
     Py_buffer a, pos, scratch;
     Py_ssize_t r;
@@ -335,22 +359,7 @@ static PyObject *sample_thresholds(PyObject *self, PyObject *args) {
     uint32_t nonfinite = 0;
     float t_lo = 0.0f, t_hi = 0.0f;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < m; i++) {
-        int64_t j = p[i];
-#if defined(__GNUC__) || defined(__clang__)
-        /* the positions are spread over the tensor: one cache miss each, overlapped this way */
-        if (i + 64 < m && p[i + 64] >= 0 && p[i + 64] < n) __builtin_prefetch(x + p[i + 64]);
-#endif
-        if (j < 0 || j >= n) {
-            bad_index = 1;
-            break;
-        }
-        float value = x[j];
-        uint32_t bits;
-        memcpy(&bits, &value, 4);
-        nonfinite |= (uint32_t)((bits & 0x7F800000u) == 0x7F800000u);
-        v[i] = value;
-    }
+    bad_index = gather(x, n, p, m, v, &nonfinite);
     if (!bad_index && !nonfinite) order_pair(v, m, r, v + m, &t_lo, &t_hi);
     Py_END_ALLOW_THREADS
     if (bad_index) {
@@ -452,21 +461,7 @@ static PyObject *fast_select(PyObject *self, PyObject *args) {
     float t_lo = 0.0f, t_hi = 0.0f;
     scan_out o = {(int64_t *)hp.buf, (int64_t *)lp.buf, (float *)hv.buf, (float *)lv.buf, 0, 0, cap};
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < m; i++) { /* sample_thresholds' gather */
-        int64_t j = p[i];
-#if defined(__GNUC__) || defined(__clang__)
-        if (i + 64 < m && p[i + 64] >= 0 && p[i + 64] < n) __builtin_prefetch(x + p[i + 64]);
-#endif
-        if (j < 0 || j >= n) {
-            bad_index = 1;
-            break;
-        }
-        float value = x[j];
-        uint32_t bits;
-        memcpy(&bits, &value, 4);
-        nonfinite |= (uint32_t)((bits & 0x7F800000u) == 0x7F800000u);
-        v[i] = value;
-    }
+    bad_index = gather(x, n, p, m, v, &nonfinite);
     if (!bad_index && !nonfinite) {
         order_pair(v, m, r, v + m, &t_lo, &t_hi);
         over = scan_range(x, 0, n, t_hi, t_lo, limit, &o);
