@@ -165,7 +165,7 @@ class SBC(Codec):
         on_cpu = flat.device.type == "cpu"
         r = max(1, round(self.p * s))
         kernel = _KERNEL
-        if on_cpu and kernel is not None and _scan_workers(n) == 1:
+        if on_cpu and kernel is not None and _split_parts(n) == 1:
             return _fast_select_native(kernel, flat, where, r, k)
         if on_cpu and kernel is not None:  # gather and both order statistics in one call
             thresholds = kernel.sample_thresholds(flat.numpy(), where.numpy(), r, _scratch("f32", 2 * s, np.float32))
@@ -499,7 +499,7 @@ def _fast_select_native(
     return idx.clone(), mean  # off the thread's scratch, which the next call reuses
 
 
-def _scan_workers(n: int, per: int = _PARALLEL_MIN) -> int:
+def _split_parts(n: int, per: int = _PARALLEL_MIN) -> int:
     """How many parts :func:`split_run` divides ``n`` items into here and now, one per ``per``
     (1: it runs ``fn`` once, on the calling thread)."""
     return 1 if _in_lane() else max(1, min(torch.get_num_threads(), n // max(1, per), _MAX_WORKERS))
@@ -589,7 +589,7 @@ def split_run(fn: Callable[[int, int], T], n: int, align: int, parallel_min: int
     once on the process-wide pool, the first on the calling thread; ``fn`` must release the GIL
     for its heavy work (NumPy ufuncs do) and write only its own part. Joined in order, so a
     result that depends only on the parts' concatenation does not depend on the thread count."""
-    workers = _scan_workers(n, _PARALLEL_MIN if parallel_min is None else parallel_min)
+    workers = _split_parts(n, _PARALLEL_MIN if parallel_min is None else parallel_min)
     if workers <= 1:
         return [fn(0, n)]
     bounds = [(n * i // workers) // align * align for i in range(workers)] + [n]

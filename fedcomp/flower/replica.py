@@ -114,11 +114,12 @@ class ServerReplica:
         if self._lattice_from is None:
             self._lattice_from = self.version
         delta: dict[str, torch.Tensor] = {}
+        points: dict[str, torch.Tensor] = {}  # where the delta takes the replica, from the CPU step
         for k, e in self.grid.items():
             h = math.ldexp(1.0, e)
             w, r = target[k].detach().to(torch.float32), self.tensors[k]
             if w.device.type == "cpu" and r.device.type == "cpu" and w.is_contiguous() and r.is_contiguous():
-                delta[k] = _lattice_step_cpu(w, r, h, k, e)  # the lines below, in NumPy
+                delta[k], points[k] = _lattice_step_cpu(w, r, h, k, e)  # the lines below, in NumPy
                 continue
             goal = torch.round(w / h)
             if not bool(torch.isfinite(goal).all()) or (goal.numel() and float(goal.abs().max()) >= K_LIMIT):
@@ -127,9 +128,8 @@ class ServerReplica:
         codecs = {k: codec.with_exponent(e) for k, e in self.grid.items()}
         enc = UpdateEncoder(codec, min_numel=0, error_feedback=False)
         data = update_to_bytes(enc.encode(delta, base_model_version=self.version, codecs=codecs))
-        if all(_merges_on_cpu(self.tensors[k], delta[k]) for k in self.grid):
-            for k, e in self.grid.items():  # apply_lattice's result, without parsing our own bytes
-                self.tensors[k] = _merge_cpu(self.tensors[k], _as_decoded(delta[k]), math.ldexp(1.0, e), k, e)
+        if len(points) == len(self.grid):  # apply_lattice's result, without parsing our own bytes
+            self.tensors.update(points)
         else:
             apply_lattice(self.tensors, data, self.specs, self.grid, self.version)
         return self._logged(data)
@@ -259,17 +259,24 @@ def _off_grid(name: str, e: int) -> ConfigError:
     )
 
 
-def _lattice_step_cpu(w: torch.Tensor, r: torch.Tensor, h: float, name: str, e: int) -> torch.Tensor:
+def _lattice_step_cpu(
+    w: torch.Tensor, r: torch.Tensor, h: float, name: str, e: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(round(w / h) - round(r / h)) * h`` in float32 after checking ``|round(w / h)| < 2**24``
     (and finite): the device-generic lines of :meth:`ServerReplica._advance_lattice` in NumPy, in
-    place in one new array and one temporary."""
+    place in one new array and one temporary; and ``round(w / h) * h``, where a receiver holding
+    ``r`` lands when it applies the payload of that delta (:func:`apply_lattice`), bit for bit
+    (tested): its merge ``round(r / h) + dK`` is exact (the encoder sends only ``|dK| < 2**24``)
+    and gives ``+0.0`` wherever ``round(w / h)`` is a zero of either sign."""
     h32 = np.float32(h)
     goal = _grid_index(w.numpy(), h32)
     if not _within_grid(goal):
         raise _off_grid(name, e)
+    point = np.multiply(goal, h32)
+    point += np.float32(0.0)  # -0.0 + 0.0 is +0.0, as the receiver's merge gives
     goal -= _grid_index(r.numpy(), h32)
     goal *= h32
-    return torch.from_numpy(goal).reshape(w.shape)
+    return torch.from_numpy(goal).reshape(w.shape), torch.from_numpy(point).reshape(w.shape)
 
 
 def _grid_index(x: np.ndarray, h32: np.float32) -> np.ndarray:
@@ -316,28 +323,6 @@ def apply_lattice(
             raise PayloadError(k, f"the replica leaves the grid 2**{exponents[k]} (|K| >= 2**24)")
         tensors[k] = merged * h
     return exponents
-
-
-def _merges_on_cpu(current: torch.Tensor, d: torch.Tensor) -> bool:
-    """Whether :func:`_merge_cpu` takes these: float32 CPU tensors of one shape."""
-    return (
-        current.device.type == d.device.type == "cpu"
-        and current.dtype == d.dtype == torch.float32
-        and current.shape == d.shape
-    )
-
-
-def _as_decoded(d: torch.Tensor) -> torch.Tensor:
-    """The lattice delta ``d`` (float32 ``dK * h`` on the grid, from :func:`_lattice_step_cpu`) as
-    the receiver decodes it from the payload encoding it, in place: the codec is exact on the
-    grid (``dK`` is sent as an integer and decoded as ``float32(dK) * h``, both exact for
-    ``|dK| < 2**24``, which encoding checked), but an entry of ``-0.0`` is not sent and decodes as
-    ``+0.0``, which adding ``+0.0`` gives (and no other value changes). So the server replica
-    merges its own delta without parsing and decoding its payload, to the bits a client's
-    :func:`apply_lattice` of that payload gives (tested)."""
-    a = d.numpy()
-    np.add(a, np.float32(0.0), out=a)
-    return d
 
 
 def _merge_cpu(current: torch.Tensor, d: torch.Tensor, h: float, name: str, e: int) -> torch.Tensor:

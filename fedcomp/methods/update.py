@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TypeVar
 
 import torch
 
@@ -32,6 +33,8 @@ _JOB_OVERHEAD = 50_000
 #: encode and serialize 25.4 -> 20.3 ms, decode into buffers 15.0 -> 13.4 ms; any bound from 32k to
 #: 300k elements gave about the same).
 _LANE_MIN = 1 << 16
+
+T = TypeVar("T")
 
 
 def specs_of(tensors: Mapping[str, torch.Tensor]) -> list[TensorSpec]:
@@ -109,15 +112,8 @@ class UpdateEncoder:
                 jobs.append(functools.partial(codec.encode_with_reconstruction, t, name))
             else:
                 jobs.append(functools.partial(_without_reconstruction, codec, t, name))
-        if any(c.tensor_parallel for c in chosen) and all(t.device.type == "cpu" for t in tensors.values()):
-            # Tensors at once on the CPU threads; each tensor's bytes are those of a loop.
-            costs = [t.numel() + _JOB_OVERHEAD for t in tensors.values()]
-            here = [
-                not c.tensor_parallel or t.numel() < _LANE_MIN for c, t in zip(chosen, tensors.values(), strict=True)
-            ]
-            done = run_jobs(jobs, costs, here)
-        else:
-            done = [job() for job in jobs]
+        on_cpu = all(t.device.type == "cpu" for t in tensors.values())
+        done = _run_tensor_jobs(jobs, [t.numel() for t in tensors.values()], chosen, on_cpu)
         if keep_sent:
             self.sent = {
                 name: recon.to(torch.float32)
@@ -166,19 +162,30 @@ def decode_update(
     accepted = {c.codec_id: c for c in codecs}
     if len(update.tensors) != len(specs):
         raise PayloadError("", f"update has {len(update.tensors)} tensors, expected {len(specs)}")
-    jobs, costs, local = [], [], []
+    jobs, chosen = [], []
     names = sorted(accepted)
     for spec, enc in zip(specs, update.tensors, strict=True):
         buffer = None if out is None else out.get(spec.name)
         codec = (per_tensor or {}).get(spec.name) or accepted.get(enc.codec_id)
         jobs.append(functools.partial(_decode_one, enc, spec, codec, names, device, buffer))
-        costs.append(spec.numel + _JOB_OVERHEAD)
-        # an unknown codec (None): its job raises, on the calling thread
-        local.append(codec is None or not codec.tensor_parallel or spec.numel < _LANE_MIN)
+        chosen.append(codec)
     on_cpu = device is None or torch.device(device).type == "cpu"
-    # Tensors at once on the CPU threads where a codec gains from it; errors as a loop raises them.
-    done = run_jobs(jobs, costs, local) if on_cpu and not all(local) else [job() for job in jobs]
+    done = _run_tensor_jobs(jobs, [spec.numel for spec in specs], chosen, on_cpu)
     return {spec.name: t for spec, t in zip(specs, done, strict=True)}
+
+
+def _run_tensor_jobs(
+    jobs: Sequence[Callable[[], T]], numels: Sequence[int], codecs: Sequence[Codec | None], on_cpu: bool
+) -> list[T]:
+    """``[job() for job in jobs]``, one job per tensor of ``numels`` elements coded by ``codecs``:
+    on CPU the tensors of a ``tensor_parallel`` codec with at least ``_LANE_MIN`` elements run in
+    :func:`run_jobs`' lanes, the others on the calling thread meanwhile (a codec of None, one the
+    receiver does not accept, there too: its job raises). The results, and the error raised, are
+    those of the loop."""
+    here = [c is None or not c.tensor_parallel or n < _LANE_MIN for c, n in zip(codecs, numels, strict=True)]
+    if not on_cpu or all(here):
+        return [job() for job in jobs]
+    return run_jobs(jobs, [n + _JOB_OVERHEAD for n in numels], here)
 
 
 def _decode_one(

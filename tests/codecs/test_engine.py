@@ -7,6 +7,7 @@ decoding must not allocate much beyond the model it rebuilds."""
 from __future__ import annotations
 
 import tracemalloc
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -177,6 +178,14 @@ def test_decoding_a_small_model_allocates_about_its_own_size(codec: Codec, facto
 # --- tensors at once on the CPU threads (sbc.run_jobs) -----------------------------------------
 
 
+@pytest.fixture
+def restore_threads() -> Iterator[None]:
+    """Torch's thread count, as it was before the test (which changes it)."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(params=[0, 3000], ids=["all-in-lanes", "small-ones-here"])
 def lane_min(request, monkeypatch) -> int:
     """The size from which a ``tensor_parallel`` codec's tensors go to the lanes: 0 puts every
@@ -187,80 +196,74 @@ def lane_min(request, monkeypatch) -> int:
 
 
 @pytest.mark.parametrize("codec", [SBC(0.01, "fast", sample_size=SAMPLE), SBC(0.02, "exact"), DenseFP16()], ids=repr)
-def test_tensors_encoded_at_once_give_the_bytes_and_residuals_of_one_thread(codec: Codec, lane_min: int) -> None:
+def test_tensors_encoded_at_once_give_the_bytes_and_residuals_of_one_thread(
+    codec: Codec, lane_min: int, restore_threads: None
+) -> None:
     """Three rounds with error feedback and ``keep_sent``, on 1 thread and on 4: the same bytes,
     the same reconstructions and the same residuals, bit for bit (the threaded encoder only
     changes which thread encodes which tensor)."""
     runs = []
-    before = torch.get_num_threads()
-    try:
-        for threads in (1, 4):
-            torch.set_num_threads(threads)
-            enc = UpdateEncoder(codec, min_numel=MIN_NUMEL)
-            got = []
-            for rnd in range(3):
-                tensors = {k: v for k, v in varied_update(rnd).items() if k != "huge_range"}  # fp16: inf
-                data = serde.update_to_bytes(enc.encode(tensors, keep_sent=True))
-                assert enc.sent is not None
-                sent = {k: v.numpy().tobytes() for k, v in enc.sent.items()}
-                got.append((data, sent, {k: v.numpy().tobytes() for k, v in enc.state_dict().items()}))
-            runs.append(got)
-    finally:
-        torch.set_num_threads(before)
+    for threads in (1, 4):
+        torch.set_num_threads(threads)
+        enc = UpdateEncoder(codec, min_numel=MIN_NUMEL)
+        got = []
+        for rnd in range(3):
+            tensors = {k: v for k, v in varied_update(rnd).items() if k != "huge_range"}  # fp16: inf
+            data = serde.update_to_bytes(enc.encode(tensors, keep_sent=True))
+            assert enc.sent is not None
+            sent = {k: v.numpy().tobytes() for k, v in enc.sent.items()}
+            got.append((data, sent, {k: v.numpy().tobytes() for k, v in enc.state_dict().items()}))
+        runs.append(got)
     assert runs[0] == runs[1]
     assert runs[0][0][2]  # residuals exist (so the comparison saw them)
 
 
-def test_run_jobs_runs_jobs_at_once_in_order_and_raises_the_earliest_error() -> None:
+def test_run_jobs_runs_jobs_at_once_in_order_and_raises_the_earliest_error(restore_threads: None) -> None:
     import threading
 
     from fedcomp.codecs import sbc
 
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        meet = threading.Barrier(2, timeout=10)  # passes only when two jobs run at the same time
-        seen: list[int] = []
+    torch.set_num_threads(2)
+    meet = threading.Barrier(2, timeout=10)  # passes only when two jobs run at the same time
+    seen: list[int] = []
 
-        def job(i: int) -> int:
-            if i < 2:
-                meet.wait()
-            seen.append(sbc.split_run(lambda b, e: (b, e), 1 << 22, 64, 1).__len__())
-            return i * i
+    def job(i: int) -> int:
+        if i < 2:
+            meet.wait()
+        seen.append(sbc.split_run(lambda b, e: (b, e), 1 << 22, 64, 1).__len__())
+        return i * i
 
-        assert sbc.run_jobs([lambda i=i: job(i) for i in range(6)], [100, 90, 1, 2, 3, 4]) == [0, 1, 4, 9, 16, 25]
-        assert seen == [1] * 6  # inside a job split_run runs in one part: every thread has a job
-        assert len(sbc.split_run(lambda b, e: (b, e), 1 << 22, 64, 1)) == 2  # outside: two parts again
+    assert sbc.run_jobs([lambda i=i: job(i) for i in range(6)], [100, 90, 1, 2, 3, 4]) == [0, 1, 4, 9, 16, 25]
+    assert seen == [1] * 6  # inside a job split_run runs in one part: every thread has a job
+    assert len(sbc.split_run(lambda b, e: (b, e), 1 << 22, 64, 1)) == 2  # outside: two parts again
 
-        ran: list[int] = []
+    ran: list[int] = []
 
-        def failing(i: int) -> int:
-            ran.append(i)
-            if i in (3, 1):
-                raise ValueError(f"job {i}")
-            return i
+    def failing(i: int) -> int:
+        ran.append(i)
+        if i in (3, 1):
+            raise ValueError(f"job {i}")
+        return i
 
-        with pytest.raises(ValueError, match="job 1"):  # the earliest in order, as a loop raises
-            sbc.run_jobs([lambda i=i: failing(i) for i in range(5)], [1, 2, 3, 4, 5])
-        assert sorted(ran) == [0, 1, 2, 3, 4]  # and every job ran
-        here = threading.get_ident()
-        threads = sbc.run_jobs([lambda: threading.get_ident()] * 4, [1, 1, 1, 1], [True, False, True, False])
-        assert threads[0] == threads[2] == here  # local jobs: on the calling thread
-        both = threading.Barrier(2, timeout=10)  # a local job and a lane job at the same time
+    with pytest.raises(ValueError, match="job 1"):  # the earliest in order, as a loop raises
+        sbc.run_jobs([lambda i=i: failing(i) for i in range(5)], [1, 2, 3, 4, 5])
+    assert sorted(ran) == [0, 1, 2, 3, 4]  # and every job ran
+    here = threading.get_ident()
+    threads = sbc.run_jobs([lambda: threading.get_ident()] * 4, [1, 1, 1, 1], [True, False, True, False])
+    assert threads[0] == threads[2] == here  # local jobs: on the calling thread
+    both = threading.Barrier(2, timeout=10)  # a local job and a lane job at the same time
 
-        def meets() -> int:
-            both.wait()
-            return len(sbc.split_run(lambda b, e: (b, e), 1 << 22, 64, 1))
+    def meets() -> int:
+        both.wait()
+        return len(sbc.split_run(lambda b, e: (b, e), 1 << 22, 64, 1))
 
-        # the local job runs while the other lane starts (and split_run is serial in it too)
-        assert sbc.run_jobs([meets, meets, lambda: 0], [1, 5, 1], [True, False, False]) == [1, 1, 0]
-        torch.set_num_threads(1)
-        assert sbc.run_jobs([lambda: threading.get_ident()] * 3, [1, 1, 1]) == [here] * 3
-    finally:
-        torch.set_num_threads(before)
+    # the local job runs while the other lane starts (and split_run is serial in it too)
+    assert sbc.run_jobs([meets, meets, lambda: 0], [1, 5, 1], [True, False, False]) == [1, 1, 0]
+    torch.set_num_threads(1)
+    assert sbc.run_jobs([lambda: threading.get_ident()] * 3, [1, 1, 1]) == [here] * 3
 
 
-def test_tensors_decoded_at_once_give_a_loops_values_and_first_error(lane_min: int) -> None:
+def test_tensors_decoded_at_once_give_a_loops_values_and_first_error(lane_min: int, restore_threads: None) -> None:
     """Decoding on 1 thread and on 4 (tensors at once): the same values bit for bit, into new
     tensors and into kept buffers; and for an update broken in two tensors, the same error: the
     first broken tensor's, as a loop raises it."""
@@ -283,25 +286,21 @@ def test_tensors_decoded_at_once_give_a_loops_values_and_first_error(lane_min: i
         for e in update.tensors
     )
     got = []
-    before = torch.get_num_threads()
-    try:
-        for threads in (1, 4):
-            torch.set_num_threads(threads)
-            fresh = decode_update(update, specs, [codec, DenseFP32()])
-            bufs = {s.name: torch.full(s.shape, 7.0) for s in specs}
-            into = decode_update(update, specs, [codec, DenseFP32()], out=bufs)
-            assert all(into[k] is bufs[k] for k in bufs)
-            with pytest.raises(PayloadError) as err:
-                decode_update(EncodedUpdate(0, broken), specs, [codec, DenseFP32()])
-            got.append(
-                (
-                    [t.numpy().tobytes() for t in fresh.values()],
-                    [t.numpy().tobytes() for t in into.values()],
-                    str(err.value),
-                )
+    for threads in (1, 4):
+        torch.set_num_threads(threads)
+        fresh = decode_update(update, specs, [codec, DenseFP32()])
+        bufs = {s.name: torch.full(s.shape, 7.0) for s in specs}
+        into = decode_update(update, specs, [codec, DenseFP32()], out=bufs)
+        assert all(into[k] is bufs[k] for k in bufs)
+        with pytest.raises(PayloadError) as err:
+            decode_update(EncodedUpdate(0, broken), specs, [codec, DenseFP32()])
+        got.append(
+            (
+                [t.numpy().tobytes() for t in fresh.values()],
+                [t.numpy().tobytes() for t in into.values()],
+                str(err.value),
             )
-    finally:
-        torch.set_num_threads(before)
+        )
     assert got[0] == got[1]
     assert got[0][0] == got[0][1]
     assert "big_conv" in got[0][2]  # the earlier of the two broken tensors

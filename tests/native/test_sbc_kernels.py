@@ -246,8 +246,8 @@ def test_fused_fast_select_equals_the_calls_it_fuses(kind, p, monkeypatch):
     t = torch.from_numpy(a)
     runs = []
     for fused in (True, False):
-        # _scan_workers(n) decides the fused call; split_run asks _scan_workers(n, per): keep it serial
-        monkeypatch.setattr(sbc, "_scan_workers", lambda n, per=None, fused=fused: 1 if fused or per is not None else 2)
+        # _split_parts(n) decides the fused call; split_run asks _split_parts(n, per): keep it serial
+        monkeypatch.setattr(sbc, "_split_parts", lambda n, per=None, fused=fused: 1 if fused or per is not None else 2)
         try:
             runs.append(codec.encode_with_reconstruction(t, "w"))
         except ValueError as err:
