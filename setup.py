@@ -13,6 +13,6 @@ _FLAGS = ["-O3", "-std=c99", "-fno-strict-aliasing"]
 setup(
     ext_modules=[
         Extension(f"fedcomp._native._{name}", [f"fedcomp/_native/{name}.c"], optional=True, extra_compile_args=_FLAGS)
-        for name in ("sbc", "threelc")
+        for name in ("sbc", "threelc", "wire")
     ]
 )

@@ -3,8 +3,8 @@
     errors (0) < wire + v1 (1) < codecs (2) < methods (3) < flower (4) < app (5) < top (6)
     net (1): a utility layer beside wire; imports only ``fedcomp.errors`` and itself, and only
     ``methods``, ``flower``, ``app`` (and the top group) import it
-    _native (1): the optional C kernels' loader; imports nothing of fedcomp, only ``codecs`` (and
-    the top group) import it
+    _native (0): the optional C kernels' loader; imports nothing of fedcomp, only ``wire`` and
+    ``codecs`` (and the top group) import it
 
 The top group (``bench``, ``testing``, ``deploy.py``, ``cli.py``, ``fuzz.py``, ``__init__.py``, ``__main__.py``) may import
 anything; no library layer may import it. A module may import its own layer and strictly lower
@@ -49,11 +49,11 @@ LAYER_OF = {
     "__init__": "top",
     "__main__": "top",
 }
-RANK = {"errors": 0, "wire": 1, "net": 1, "native": 1, "codecs": 2, "methods": 3, "flower": 4, "app": 5, "top": 6}
+RANK = {"errors": 0, "wire": 1, "net": 1, "native": 0, "codecs": 2, "methods": 3, "flower": 4, "app": 5, "top": 6}
 #: Layers with a narrower allowance than their rank: the only layers they may import.
 ONLY = {"net": {"errors", "net"}, "native": {"native"}}
 #: Layers that only some higher layers may import: those layers (net is no business of codecs).
-IMPORTED_BY = {"net": {"methods", "flower", "app", "top"}, "native": {"codecs", "top"}}
+IMPORTED_BY = {"net": {"methods", "flower", "app", "top"}, "native": {"wire", "codecs", "top"}}
 
 
 @dataclass(frozen=True)

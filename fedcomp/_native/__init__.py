@@ -11,7 +11,7 @@ compare the two paths or to rule the kernels out when chasing a bug.
 A Flower app bundle (FAB) carries ``*.py`` files only. The reference app bundles fedcomp's own
 sources, so its ClientApp and ServerApp import a copy of fedcomp without the compiled kernels.
 :func:`load` then takes the kernel from the installed fedcomp (an editable install's source tree,
-or site-packages) when, and only when, that installation's codec sources (``codecs/*.py`` and
+or site-packages) when, and only when, that installation's codec and wire sources (``codecs/*.py``, ``wire/*.py`` and
 ``_native/*.py``) are byte for byte the ones running: kernels built for other code are never
 mixed in. Otherwise the codecs run their NumPy paths.
 """
@@ -26,12 +26,12 @@ from importlib.machinery import EXTENSION_SUFFIXES
 from pathlib import Path
 from types import ModuleType
 
-#: Kernel modules by short name ("sbc", "threelc"); None where not built or switched off.
+#: Kernel modules by short name ("sbc", "threelc", "wire"); None where not built or switched off.
 _LOADED: dict[str, ModuleType | None] = {}
 #: Where each loaded kernel came from: "package" (beside this file) or the installed copy's path.
 _ORIGIN: dict[str, str] = {}
 #: The package sources a kernel must have been built beside to be borrowed by a bundled copy.
-_MATCHED = ("codecs", "_native")
+_MATCHED = ("codecs", "wire", "_native")
 
 
 def enabled() -> bool:
@@ -56,7 +56,7 @@ def load(name: str) -> ModuleType | None:
 
 def status() -> dict[str, bool]:
     """Which kernels are in use, by short name (for benchmarks and bug reports)."""
-    return {name: load(name) is not None for name in ("sbc", "threelc")}
+    return {name: load(name) is not None for name in ("sbc", "threelc", "wire")}
 
 
 def origin(name: str) -> str | None:

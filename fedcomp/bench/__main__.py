@@ -10,7 +10,7 @@ else Gaussian images with random labels), and the update is weights after minus 
 ``--values student-t`` instead draws each tensor from a Student-t (df 3) scaled by 1/sqrt(fan-in).
 
 Each codec is timed two ways (``scope``): ``update``, the library's whole-update path
-(``UpdateEncoder.encode`` / ``decode_update_bytes``), and ``per-tensor``, the codec's own ``encode`` /
+(``UpdateEncoder.encode_to_bytes`` / ``decode_update_bytes``), and ``per-tensor``, the codec's own ``encode`` /
 ``decode`` called once per tensor. For each codec, scope and op it reports the median wall time
 over ``--repeat`` runs and, beside it, reference operations on the same tensors timed right before
 each run: a warm ``copy_`` into preallocated buffers (``copy_median_s``, ``copy_ratio``: one
@@ -24,7 +24,9 @@ and the command exits 0 whatever the ratio (BENCHMARKS.md records which targets 
 Each row also records which C kernels (``fedcomp._native``) ran: ``FEDCOMP_NATIVE=0`` times the
 NumPy paths instead. The op is timed as a sender or receiver runs it round after round: the
 previous output is released before the next is made (a large output then reuses its memory:
-``fedcomp.wire.fast_writer``).
+``fedcomp.wire.fast_writer``), and an all-dense update of tensors already seen is written and
+read in one call of the wire kernel (``fedcomp.wire.serde.DenseFrames``; the untimed warm-up run
+makes the frames, as a client's or server's first round does).
 ``encode`` is tensors -> wire bytes (protobuf serialized), ``decode`` is wire bytes -> tensors on
 the device; tensors below 1000 elements go dense, as in 3LC. In the ``update`` scope ``decode``
 writes into buffers the receiver keeps from round to round (``decode_update_bytes(..., out=)``:
@@ -65,7 +67,7 @@ CASES: list[tuple[dict, tuple[float | None, float | None] | None]] = [
 ]
 
 #: The two ways an update is coded: ``update`` is the library's whole-update path
-#: (:class:`UpdateEncoder` / :func:`decode_update_bytes`), ``per-tensor`` calls the codec's own
+#: (:meth:`UpdateEncoder.encode_to_bytes` / :func:`decode_update_bytes`), ``per-tensor`` calls the codec's own
 #: ``encode``/``decode`` once per tensor (what a user of one codec does).
 SCOPES = ("update", "per-tensor")
 
@@ -191,7 +193,7 @@ def _paired(fn: Callable[[], T], refs: dict[str, Callable[[], object]], device: 
 
 
 def _encode(enc: UpdateEncoder, update: dict[str, torch.Tensor]) -> bytes:
-    return serde.update_to_bytes(enc.encode(update))
+    return enc.encode_to_bytes(update)
 
 
 def _decode(

@@ -40,7 +40,7 @@ from fedcomp.methods.registry import get_uplink
 from fedcomp.methods.update import UpdateEncoder, decode_update, specs_of
 from fedcomp.net.links import LinkProfile, link_of, parse_link_profiles
 from fedcomp.wire.payloads import TORCH_DTYPES
-from fedcomp.wire.serde import update_from_bytes, update_to_bytes
+from fedcomp.wire.serde import update_from_bytes
 
 # A child of Flower's logger: our lines go wherever Flower sends its own (the run log, the console).
 log = logging.getLogger("flwr").getChild("fedcomp")
@@ -401,7 +401,7 @@ def _handle(
         # Protocol 2: keep what is sent until the server says whether it was aggregated.
         keep = dl.outcome is not None and method.client_keeps_sent(feedback)
         t0 = time.perf_counter()
-        data = update_to_bytes(encoder.encode(delta, base_model_version=st.version, codecs=overrides, keep_sent=keep))
+        data = encoder.encode_to_bytes(delta, base_model_version=st.version, codecs=overrides, keep_sent=keep)
         seconds = time.perf_counter() - t0
         if plan is not None and plan.choice is not None:
             _time_codecs(context, base_codec, seconds, delta, dl.min_compress_numel, st.version)
@@ -600,5 +600,5 @@ def _time_codecs(
     probe = UpdateEncoder(DenseFP32(), min_numel=min_numel, error_feedback=False)
     for _ in range(max(0, _DENSE_PROBES - clock.count(dense_id))):
         t0 = time.perf_counter()
-        update_to_bytes(probe.encode(delta, base_model_version=version))
+        probe.encode_to_bytes(delta, base_model_version=version)
         clock.note(dense_id, time.perf_counter() - t0)

@@ -103,7 +103,7 @@ class ServerReplica:
         self._lattice_from = None  # a non-lattice delta: merges may not reach across it
         delta = {k: target[k].detach().to(torch.float32) - self.tensors[k] for k in self.tensors}
         enc = UpdateEncoder(codec, min_numel=self.min_numel, error_feedback=False)
-        data = update_to_bytes(enc.encode(delta, base_model_version=self.version))
+        data = enc.encode_to_bytes(delta, base_model_version=self.version)
         apply_delta(self.tensors, data, self.specs, codec, self.version)
         return self._logged(data)
 
@@ -197,7 +197,7 @@ class ServerReplica:
     def _full_bytes(self) -> bytes:
         if self._full is None or self._full[0] != self.version:
             enc = UpdateEncoder(DenseFP32(), min_numel=0, error_feedback=False)
-            self._full = (self.version, update_to_bytes(enc.encode(self.tensors, base_model_version=self.version)))
+            self._full = (self.version, enc.encode_to_bytes(self.tensors, base_model_version=self.version))
         return self._full[1]
 
 

@@ -16,6 +16,11 @@ pass instead:
   torch the CRC runs on a second thread while the parts are written, a few megabytes behind them
   (:class:`_TrailingCRC`), so a dense update costs about one cast, not a cast plus a CRC pass.
 
+With the wire kernel built (``fedcomp/_native/wire.c``, :data:`_KERNEL`), :meth:`Layout.to_bytes`
+hands every part to it instead: bytes copied and float32 tensors cast to float16 (F16C) or copied,
+a few kilobytes at a time, each piece's CRC-32 taken while it is still in cache, the output's two
+halves on two threads at once (:func:`run_split`). Where the kernel is missing the steps above run.
+
 Protobuf remains the reference: ``fedcomp.wire.serde`` builds the framing from protobuf's own
 serialization of the small fields, and the tests assert the bytes equal ``SerializeToString``'s
 for every payload type and at every varint length boundary. This module imports no generated
@@ -35,6 +40,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
+from fedcomp import _native
 from fedcomp.wire.payloads import DTYPE_SIZES, TORCH_DTYPES, DensePayload
 
 #: Outputs at least this large get the bytes-object fast path and, on Linux, huge pages.
@@ -179,6 +185,10 @@ class Layout:
         self._flush()
         trailer = 0 if crc_tag is None else 5
         out, view = _new_bytes(self.size + trailer)
+        if crc_tag is not None and _KERNEL is not None:
+            _finish(view, self.size, crc_tag, run_split(_KERNEL, self._ops(view), self.size))
+            del view
+            return out if isinstance(out, bytes) else bytes(out)
         mem = view.data
         # The CRC trails on a second thread only where torch casts on one (the reference app's
         # torch-threads = 1): beside torch's own two threads it slows the casts more than it
@@ -198,11 +208,35 @@ class Layout:
             if trailing is not None:
                 trailing.written(pos)
         if crc_tag is not None:
-            value = trailing.result(pos) if trailing is not None else crc32(mem[:pos])
-            view[pos] = crc_tag
-            view[pos + 1 : pos + 5] = np.frombuffer(value.to_bytes(4, "little"), dtype=np.uint8)
+            _finish(view, pos, crc_tag, trailing.result(pos) if trailing is not None else crc32(mem[:pos]))
         del view, mem
         return out if isinstance(out, bytes) else bytes(out)
+
+    def _ops(self, view: np.ndarray) -> list[Op]:
+        """The kernel's ops writing every part into ``view`` (:func:`run_split`): a bytes part
+        copied, a float32 CPU tensor cast (or copied) by the kernel; any other deferred tensor
+        cast by torch first, the kernel then taking only its CRC."""
+        base, pos, ops = view.ctypes.data, 0, []
+        for part in self.parts:
+            if isinstance(part, DeferredDensePayload):
+                n = part.nbytes
+                op = _dense_op(part, base + pos)
+                if op is None:
+                    part.write_into(view, pos)
+                    op = (OP_CRC, 0, base + pos, n)
+            else:
+                n = _part_len(part)
+                op = (OP_COPY, base + pos, part, n)
+            if n:
+                ops.append(op)
+            pos += n
+        return ops
+
+
+def _finish(view: np.ndarray, pos: int, crc_tag: int, value: int) -> None:
+    """The update's trailer at ``pos``: the tag byte, then the CRC-32 little-endian."""
+    view[pos] = crc_tag
+    view[pos + 1 : pos + 5] = np.frombuffer(value.to_bytes(4, "little"), dtype=np.uint8)
 
 
 def write(parts: Sequence[Part], crc_tag: int | None = None) -> bytes:
@@ -211,6 +245,84 @@ def write(parts: Sequence[Part], crc_tag: int | None = None) -> bytes:
     for part in parts:
         layout.add(part)
     return layout.to_bytes(crc_tag)
+
+
+# --- the fused kernel -------------------------------------------------------------------------
+
+#: ``fedcomp._native._wire`` (casts and copies with the CRC-32 taken in the same pass), or None:
+#: then torch casts and the CRC is a second pass (:class:`_TrailingCRC`, :func:`crc32`).
+_KERNEL = _native.load("wire")
+_KERNEL_PID = os.getpid()
+#: Whether the kernel casts float16 itself (F16C, the instructions torch's vectorized casts use).
+_F16C = _KERNEL is not None and bool(_KERNEL.features()["f16c"])
+
+#: The kernel's op kinds (``fedcomp/_native/wire.c``): an op is ``(kind, dst, src, nbytes)``
+#: with addresses as integers (``src`` of a copy may be a bytes-like object) and ``nbytes`` the
+#: wire side's length; the CRC runs over the wire side.
+OP_COPY, OP_F32_F16, OP_F16_F32, OP_CRC = 0, 1, 2, 3
+Op = tuple[int, int, "int | bytes | bytearray | memoryview", int]
+
+
+def _dense_op(part: DeferredDensePayload, dst: int) -> Op | None:
+    """The op casting a deferred float32 CPU tensor into its slot at ``dst``, or None where the
+    kernel cannot (another dtype or device, a strided tensor, float16 without F16C, bfloat16)."""
+    src = part.source
+    if src.dtype != torch.float32 or src.device.type != "cpu" or not src.is_contiguous():
+        return None
+    if part.encoding == "float32":
+        return (OP_COPY, dst, src.data_ptr(), part.nbytes)
+    if part.encoding == "float16" and _F16C:
+        return (OP_F32_F16, dst, src.data_ptr(), part.nbytes)
+    return None
+
+
+def _split_op(op: Op, cut: int) -> tuple[Op, Op]:
+    """``op`` as two ops, the first covering ``cut`` bytes of its wire side (even for a cast)."""
+    kind, dst, src, n = op
+    if kind == OP_CRC:
+        assert isinstance(src, int)
+        return (kind, dst, src, cut), (kind, dst, src + cut, n - cut)
+    dst_step, src_step = (1, 2) if kind == OP_F32_F16 else (2, 1) if kind == OP_F16_F32 else (1, 1)
+    rest = memoryview(src).cast("B")[cut:] if not isinstance(src, int) else src + src_step * cut
+    return (kind, dst, src, cut), (kind, dst + dst_step * cut, rest, n - cut)
+
+
+#: Ops covering at least this many bytes run on two threads (:func:`run_split`).
+_SPLIT_MIN = 4 << 20
+
+
+def run_split(kernel: object, ops: list[Op], total: int) -> int:
+    """Run ``ops`` (``total`` wire bytes in all) through the kernel and return the CRC-32 of
+    their wire side in order: at :data:`_SPLIT_MIN` bytes and more as two halves at once, their
+    CRCs combined. The halves run on two threads of torch's OpenMP team (``run2``: its workers
+    spin for milliseconds after each torch op, so a thread of our own would share a core with one)
+    or, in a process without OpenMP, here and on the CRC worker (the kernel releases the GIL).
+    The ops write disjoint bytes, so the halves' order does not matter."""
+    run = kernel.run  # type: ignore[attr-defined]
+    if total < _SPLIT_MIN or not ops:
+        return int(run(ops, 0))
+    half, acc, i = total // 2, 0, 0
+    while i < len(ops) - 1 and acc + ops[i][3] <= half:  # ops[i] holds the middle byte
+        acc += ops[i][3]
+        i += 1
+    cut = (half - acc) & ~1
+    first, second = list(ops[:i]), list(ops[i + 1 :])
+    if cut:
+        head, tail = _split_op(ops[i], cut)
+        first.append(head)
+        second.insert(0, tail)
+    else:
+        second.insert(0, ops[i])
+    # A forked child may have inherited the parent's OpenMP team without its threads: only the
+    # process that loaded the kernel hands work to OpenMP.
+    pair = kernel.run2(first, second) if os.getpid() == _KERNEL_PID else None  # type: ignore[attr-defined]
+    if pair is not None:
+        value, rest = pair
+    else:  # no OpenMP runtime in the process: the second half on the CRC worker
+        later = _crc_pool().submit(run, second, 0)
+        value = run(first, 0)
+        rest = later.result()
+    return int(kernel.crc32_combine(value, rest, total - acc - cut))  # type: ignore[attr-defined]
 
 
 # --- allocation -------------------------------------------------------------------------------
@@ -460,7 +572,9 @@ def crc32_async(data: memoryview) -> Future[int]:
 
 
 def _crc_continue(data: memoryview, value: int) -> int:
-    """``zlib.crc32(data, value)``, by :data:`FAST_CRC32` when installed."""
+    """``zlib.crc32(data, value)``, by the kernel or :data:`FAST_CRC32` when there is one."""
+    if _KERNEL is not None:
+        return int(_KERNEL.crc32(data, value))
     return FAST_CRC32(data, value) if FAST_CRC32 is not None else zlib.crc32(data, value)
 
 
@@ -473,7 +587,7 @@ def crc32(data: bytes | bytearray | memoryview) -> int:
     if view.format != "B" or view.ndim != 1:
         view = view.cast("B")
     n = len(view)
-    if FAST_CRC32 is not None or n < _CRC_SPLIT:
+    if _KERNEL is not None or FAST_CRC32 is not None or n < _CRC_SPLIT:
         return _crc_continue(view, 0)
     half = n // 2
     second = _crc_pool().submit(_crc_continue, view[half:], 0)

@@ -36,6 +36,7 @@ from array import array
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
+import numpy as np
 import torch
 from google.protobuf.descriptor import FieldDescriptor as _FieldDescriptor
 from google.protobuf.message import DecodeError as _PbDecodeError
@@ -45,6 +46,7 @@ from fedcomp.v1 import wire_pb2 as pb
 from fedcomp.wire import fast_writer
 from fedcomp.wire.payloads import (
     FORMAT_VERSION,
+    TORCH_DTYPES,
     DeftAllocation,
     DeftPartition,
     DensePayload,
@@ -766,3 +768,158 @@ def compressor_from_bytes(data: bytes) -> GradiVeQCompressor:
         version=msg.version,
         tensors=tuple(GradiVeQBasis(b.name, b.slice_size, b.dim, b.basis, b.whitening) for b in msg.tensors),
     )
+
+
+# --- whole dense updates in one kernel call ---------------------------------------------------------
+
+
+class DenseFrames:
+    """The framing of an update whose every tensor has a dense payload, kept to write and read
+    further updates of the same tensors in one call of the wire kernel each
+    (``fedcomp/_native/wire.c``: every value cast or copied once, the CRC-32 taken in the same
+    pass, on two threads), without building or parsing a message per tensor.
+
+    A client sends, and a server receives, an update of the same tensors every round: only the
+    values and the base model version change. The frames hold each tensor's bytes before its
+    values (the tensor's field key and length, its envelope, the dense payload's header), made by
+    :func:`_tensor_parts` from envelopes the general path produced (when encoding) or accepted
+    (when decoding), so :meth:`write` gives :func:`update_to_bytes`'s bytes, and :meth:`read`
+    accepts exactly the updates :func:`update_from_bytes` parses to those envelopes: the header
+    canonical, every frame byte for byte, the values anything, the CRC right.
+
+    Built only with the kernel (:attr:`fast_writer._KERNEL`); :meth:`write` and :meth:`read`
+    return None where the kernel cannot take a tensor or the bytes differ, and the caller then
+    takes the general path (which also words every error).
+    """
+
+    def __init__(self, tensors: Sequence[EncodedTensor]) -> None:
+        self.heads: list[bytes] = []
+        self.encodings: list[str] = []
+        self.nbytes: list[int] = []
+        #: The envelopes without their values (a frame must not keep an update's bytes alive).
+        self._envelopes: list[EncodedTensor] = []
+        for t in tensors:
+            p = t.payload
+            if not isinstance(p, DensePayload):
+                raise TypeError(f"DenseFrames: tensor {t.name!r} has a {type(p).__name__}")
+            parts, n = _tensor_parts(t)
+            head = parts[0]
+            assert isinstance(head, bytes) and len(parts) == 2
+            self.heads.append(_TENSORS_KEY + fast_writer.varint(n) + head)
+            self.encodings.append(p.encoding)
+            self.nbytes.append(n - len(head))
+            self._envelopes.append(dataclasses.replace(t, payload=DensePayload(p.encoding, b"")))
+        #: Bytes after the update's header and before its CRC trailer.
+        self.size = sum(len(h) for h in self.heads) + sum(self.nbytes)
+
+    def write(self, base_model_version: int, sources: Sequence[torch.Tensor]) -> bytes | None:
+        """The update of ``sources`` (one per frame, in order) at ``base_model_version``: the bytes
+        :func:`update_to_bytes` writes for the dense payloads of these values. None when the
+        kernel cannot cast one of them (not a contiguous float32 CPU tensor of the frame's size,
+        float16 without F16C, bfloat16): then nothing was written."""
+        kernel = fast_writer._KERNEL
+        if kernel is None or len(sources) != len(self.heads):
+            return None
+        header = _varint_field(1, FORMAT_VERSION) + _varint_field(2, base_model_version)
+        total = len(header) + self.size
+        ops: list[fast_writer.Op] = []
+        kinds = []
+        for src, enc, n in zip(sources, self.encodings, self.nbytes, strict=True):
+            if src.dtype != torch.float32 or src.device.type != "cpu" or not src.is_contiguous():
+                return None
+            if enc == "float16" and fast_writer._F16C and 2 * src.numel() == n:
+                kinds.append(fast_writer.OP_F32_F16)
+            elif enc == "float32" and 4 * src.numel() == n:
+                kinds.append(fast_writer.OP_COPY)
+            else:
+                return None
+        out, view = fast_writer._new_bytes(total + _CRC_LEN)
+        base = view.ctypes.data
+        ops.append((fast_writer.OP_COPY, base, header, len(header)))
+        pos = base + len(header)
+        for head, src, kind, n in zip(self.heads, sources, kinds, self.nbytes, strict=True):
+            ops.append((fast_writer.OP_COPY, pos, head, len(head)))
+            pos += len(head)
+            if n:
+                ops.append((kind, pos, src.data_ptr(), n))
+                pos += n
+        fast_writer._finish(view, total, _CRC_TAG, fast_writer.run_split(kernel, ops, total))
+        del view
+        return out if isinstance(out, bytes) else bytes(out)
+
+    def read(self, data: bytes | bytearray | memoryview, outs: Sequence[torch.Tensor]) -> int | None:
+        """Cast the values of the update ``data`` into ``outs`` (one per frame, in order; each a
+        contiguous CPU tensor of its frame's values, float32, or the wire's own dtype) and return
+        its base model version; None, with nothing written, when ``data`` is not an update these
+        frames describe (another length, header, envelope or payload type). Raises
+        :class:`PayloadError` when the CRC-32 does not match; ``outs`` are then written."""
+        kernel = fast_writer._KERNEL
+        view = memoryview(data)
+        if kernel is None or len(outs) != len(self.heads) or view.ndim != 1 or view.itemsize != 1:
+            return None
+        end = len(view) - _CRC_LEN
+        start = end - self.size
+        if start < 2 or view[end] != _CRC_TAG:
+            return None
+        base_model_version = _canonical_header(view, start)
+        if base_model_version is None:
+            return None
+        addr = _address(view)
+        ops: list[fast_writer.Op] = [(fast_writer.OP_CRC, 0, addr, start)]
+        pos = start
+        for head, out, enc, n in zip(self.heads, outs, self.encodings, self.nbytes, strict=True):
+            stop = pos + len(head)
+            if view[pos:stop] != head:
+                return None
+            ops.append((fast_writer.OP_CRC, 0, addr + pos, len(head)))
+            pos = stop
+            if not n:
+                continue
+            if out.device.type != "cpu" or not out.is_contiguous():
+                return None
+            if out.dtype == TORCH_DTYPES[enc] and out.numel() * out.element_size() == n:
+                ops.append((fast_writer.OP_COPY, out.data_ptr(), addr + pos, n))
+            elif out.dtype == torch.float32 and enc == "float16" and fast_writer._F16C and 2 * out.numel() == n:
+                ops.append((fast_writer.OP_F16_F32, out.data_ptr(), addr + pos, n))
+            else:
+                return None
+            pos += n
+        actual = fast_writer.run_split(kernel, ops, end)
+        _check_crc(int.from_bytes(view[end + 1 :], "little"), actual)
+        return base_model_version
+
+    def update(self, data: bytes | bytearray | memoryview, base_model_version: int) -> EncodedUpdate:
+        """The update :meth:`read` accepted, as :func:`update_from_bytes` parses it: each dense
+        payload's ``data`` a view of ``data``."""
+        view = memoryview(data).toreadonly()
+        pos = len(view) - _CRC_LEN - self.size
+        tensors = []
+        for env, head, n in zip(self._envelopes, self.heads, self.nbytes, strict=True):
+            pos += len(head)
+            payload = DensePayload(env.payload.encoding, view[pos : pos + n])  # type: ignore[union-attr]
+            tensors.append(EncodedTensor(env.name, env.shape, env.dtype, env.codec_id, env.codec_version, payload))
+            pos += n
+        return EncodedUpdate(base_model_version=base_model_version, tensors=tuple(tensors))
+
+
+def _canonical_header(view: memoryview, start: int) -> int | None:
+    """The base model version when ``view[:start]`` is exactly the canonical header of an update
+    of this format (``format_version`` then ``base_model_version``, 0 omitted), else None."""
+    try:
+        field, pos = _varint(view, 0, start)
+        version, pos = _varint(view, pos, start) if field == 8 else (-1, pos)
+        base = 0
+        if pos < start and view[pos] == 0x10:
+            base, pos = _varint(view, pos + 1, start)
+    except PayloadError:
+        return None
+    if version != FORMAT_VERSION or pos != start:
+        return None
+    if bytes(view[:start]) != _varint_field(1, FORMAT_VERSION) + _varint_field(2, base):
+        return None  # a non-minimal varint, or a base of 0 written out
+    return base
+
+
+def _address(view: memoryview) -> int:
+    """The address of a contiguous byte buffer's first byte (read only by the wire kernel)."""
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)

@@ -20,7 +20,7 @@ PACKAGE = Path(fedcomp.__file__).resolve().parent
 PROBE = (
     "import json, sys; sys.path.insert(0, sys.argv[1]); import fedcomp, fedcomp._native as n; "
     "print(json.dumps({'file': fedcomp.__file__, 'status': n.status(), "
-    "'origin': {k: n.origin(k) for k in ('sbc', 'threelc')}}))"
+    "'origin': {k: n.origin(k) for k in ('sbc', 'threelc', 'wire')}}))"
 )
 
 
@@ -57,15 +57,15 @@ def built() -> None:
 
 
 def test_the_installed_package_uses_its_own_kernels(built) -> None:
-    assert native.origin("sbc") == native.origin("threelc") == "package"
+    assert native.origin("sbc") == native.origin("threelc") == native.origin("wire") == "package"
 
 
 def test_a_bundled_copy_borrows_the_installed_kernels(built, tmp_path: Path) -> None:
     root = _bundle(tmp_path)
     got = _probe(root)
     assert Path(got["file"]).resolve().is_relative_to(root.resolve())  # the bundle's fedcomp runs
-    assert got["status"] == {"sbc": True, "threelc": True}
-    assert got["origin"] == {"sbc": str(PACKAGE), "threelc": str(PACKAGE)}
+    assert got["status"] == {"sbc": True, "threelc": True, "wire": True}
+    assert got["origin"] == {"sbc": str(PACKAGE), "threelc": str(PACKAGE), "wire": str(PACKAGE)}
 
 
 def test_a_bundle_with_other_codec_sources_runs_numpy(built, tmp_path: Path) -> None:
@@ -73,9 +73,16 @@ def test_a_bundle_with_other_codec_sources_runs_numpy(built, tmp_path: Path) -> 
     with open(root / "fedcomp" / "codecs" / "sbc.py", "a") as f:
         f.write("\n# another version of the codec\n")
     got = _probe(root)
-    assert got["status"] == {"sbc": False, "threelc": False}  # both: the codecs differ as a set
+    assert got["status"] == {"sbc": False, "threelc": False, "wire": False}  # all: the sources differ as a set
+
+
+def test_a_bundle_with_other_wire_sources_runs_without_kernels(built, tmp_path: Path) -> None:
+    root = _bundle(tmp_path)
+    with open(root / "fedcomp" / "wire" / "fast_writer.py", "a") as f:
+        f.write("\n# another version of the writer\n")
+    assert _probe(root)["status"] == {"sbc": False, "threelc": False, "wire": False}
 
 
 def test_switched_off(tmp_path: Path) -> None:
     root = _bundle(tmp_path)
-    assert _probe(root, FEDCOMP_NATIVE="0")["status"] == {"sbc": False, "threelc": False}
+    assert _probe(root, FEDCOMP_NATIVE="0")["status"] == {"sbc": False, "threelc": False, "wire": False}

@@ -7,11 +7,17 @@ real codec outputs, empty and 0-d tensors, defaults omitted, and lengths on both
 varint boundary (127/128, 16383/16384) at all three nesting levels (payload field, payload
 message, tensor message). Also: the parallel/accelerated CRC-32 equals zlib's, and a deferred
 dense payload's bytes do not depend on the path (cast into the wire buffer or read as ``data``).
+
+Every test runs on both writers (the ``writer`` fixture): the fused kernel
+(``fedcomp/_native/wire.c``: casts and copies with the CRC in the same pass, on two threads from
+4 MiB) and torch's casts with the CRC as a second pass (what runs where no kernel is built).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
+import os
 import zlib
 
 import pytest
@@ -33,6 +39,16 @@ from fedcomp.wire.payloads import (
     ThreeLCPayload,
 )
 from tests.wire.test_serde_bounds import varint as reference_varint
+
+
+@pytest.fixture(autouse=True, params=["kernel", "torch"])
+def writer(request, monkeypatch) -> str:
+    if request.param == "kernel":
+        if fast_writer._KERNEL is None:
+            pytest.skip("the wire kernel is not built (pip install -e . compiles it)")
+    else:
+        monkeypatch.setattr(fast_writer, "_KERNEL", None)
+    return str(request.param)
 
 
 def _tensor(payload, name: str = "w", shape: tuple[int, ...] = (3,), codec_id: str = "dense-fp32", version: int = 1):
@@ -188,12 +204,83 @@ def test_property_matches_protobuf(dims, name, codec_id, base):
     _same(get_codec(codec_id).encode(x, name), base=base)
 
 
+# --- the kernel's two halves --------------------------------------------------------------------
+
+
+def _mixed_update(seed: int, sizes: tuple[int, ...]) -> EncodedUpdate:
+    """Tensors the kernel casts (float32 sources to float16 and float32), raw bytes it copies,
+    and deferred sources it leaves to torch (float64, strided, bfloat16 on the wire)."""
+    gen = torch.Generator().manual_seed(seed)
+    encs = []
+    for i, n in enumerate(sizes):
+        x = torch.randn(n, generator=gen)
+        kind = i % 5
+        if kind == 0:
+            encs.append(get_codec("dense-fp16").encode(x, f"h{i}"))
+        elif kind == 1:
+            encs.append(get_codec("dense-fp32").encode(x, f"f{i}"))
+        elif kind == 2:
+            raw = x.numpy().tobytes()
+            encs.append(_tensor(DensePayload("float32", raw), name=f"r{i}", shape=(n,)))
+        elif kind == 3:
+            strided = torch.randn(2 * n, generator=gen)[::2]
+            encs.append(get_codec("dense-fp16").encode(strided, f"s{i}"))
+        else:
+            encs.append(get_codec("identity").encode(x.to(torch.bfloat16), f"b{i}"))
+    return EncodedUpdate(base_model_version=seed, tensors=tuple(encs))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_halves_meet_anywhere_in_the_parts(seed, monkeypatch, writer):
+    # From _SPLIT_MIN bytes the kernel writes the two halves on two threads and combines their
+    # CRCs: wherever the middle falls (framing, a cast, a copy, a part torch wrote, a boundary),
+    # the bytes and the trailer must be protobuf's.
+    if writer != "kernel":
+        pytest.skip("the two halves are the kernel's")
+    monkeypatch.setattr(fast_writer, "_SPLIT_MIN", 0)
+    gen = torch.Generator().manual_seed(seed)
+    sizes = tuple(int(n) for n in torch.randint(0, 3000, (1 + seed % 6,), generator=gen))
+    u = _mixed_update(seed, sizes)
+    data = serde.update_to_bytes(u)
+    assert data == serde.update_to_bytes_protobuf(u)
+    assert int.from_bytes(data[-4:], "little") == zlib.crc32(data[:-5])
+
+
+def test_a_large_mixed_update_on_two_threads(writer):
+    u = _mixed_update(3, (1_300_001, 700_000, 400_003, 90_001, 250_000, 1_000_000))
+    data = serde.update_to_bytes(u)
+    assert len(data) > fast_writer._SPLIT_MIN
+    assert data == serde.update_to_bytes_protobuf(u)
+
+
+def test_split_ops_cover_the_same_bytes():
+    base = 1 << 40
+    for kind, src in (
+        (fast_writer.OP_COPY, 7 << 30),
+        (fast_writer.OP_COPY, b"0123456789"),
+        (fast_writer.OP_F32_F16, 7 << 30),
+        (fast_writer.OP_F16_F32, 7 << 30),
+        (fast_writer.OP_CRC, 7 << 30),
+    ):
+        head, tail = fast_writer._split_op((kind, base, src, 10), 4)
+        assert head == (kind, base, src, 4) and tail[3] == 6
+        dst_step, src_step = {fast_writer.OP_F32_F16: (1, 2), fast_writer.OP_F16_F32: (2, 1)}.get(kind, (1, 1))
+        if kind != fast_writer.OP_CRC:
+            assert tail[1] == base + 4 * dst_step
+        if isinstance(src, int):
+            assert tail[2] == src + 4 * src_step
+        else:
+            assert bytes(tail[2]) == src[4:]
+
+
 # --- CRC-32 -------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("accelerated", [True, False])
 @pytest.mark.parametrize("n", [0, 1, 5, 8 << 20, (8 << 20) + 1, (9 << 20) + 3])
-def test_crc32_equals_zlib(n, accelerated, monkeypatch):
+def test_crc32_equals_zlib(n, accelerated, monkeypatch, writer):
+    if writer == "kernel" and not accelerated:
+        pytest.skip("the kernel's CRC comes first: the same case as accelerated")
     if not accelerated:  # zlib on two threads, halves combined
         monkeypatch.setattr(fast_writer, "FAST_CRC32", None)
     elif fast_writer.FAST_CRC32 is None:
@@ -229,9 +316,11 @@ def _large_update(seed: int, sizes: tuple[int, ...] = (1_500_000, 1000, 2_200_00
 
 
 @pytest.mark.parametrize("accelerated", [True, False])
-def test_trailing_crc_of_a_large_update_equals_protobufs(accelerated, monkeypatch):
+def test_trailing_crc_of_a_large_update_equals_protobufs(accelerated, monkeypatch, writer):
     # The CRC runs on a worker thread a piece behind the writer: the trailer must be zlib's CRC of
     # the whole body all the same, whichever CRC function runs and however the pieces fall.
+    if writer == "kernel":
+        pytest.skip("the trailing CRC is the torch writer's (the kernel takes the CRC as it writes)")
     if not accelerated:
         monkeypatch.setattr(fast_writer, "FAST_CRC32", None)
     elif fast_writer.FAST_CRC32 is None:
@@ -413,3 +502,31 @@ def test_sbc_scalars_by_hand_are_protobufs():
             serde.update_to_bytes(EncodedUpdate(0, (_tensor(bad, name="s", shape=(3,)),)))
     enc = get_codec({"id": "sbc", "p": 0.01}).encode(torch.randn(10_000, generator=torch.Generator().manual_seed(1)))
     assert isinstance(enc.payload, SBCPayload) and serde._sbc_scalars(enc.payload) is not None
+
+
+def _write_in_child(queue) -> None:
+    queue.put(zlib.crc32(serde.update_to_bytes(_large_update(2))))
+
+
+def test_a_forked_child_writes_a_large_update(writer):
+    # The parent's halves ran on its OpenMP team; a child forked from it writes on a thread of
+    # its own (the team's threads did not survive the fork, and handing it work hangs), and gets
+    # the same bytes.
+    if not hasattr(os, "fork"):
+        pytest.skip("no fork here")
+    if writer != "kernel":
+        pytest.skip("torch's own casts hang in such a child (its OpenMP team is gone): not ours to test")
+    want = serde.update_to_bytes(_large_update(2))
+    assert len(want) > fast_writer._SPLIT_MIN
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_write_in_child, args=(queue,))
+    child.start()
+    try:
+        got = queue.get(timeout=120)
+    finally:
+        child.join(10)
+        if child.is_alive():
+            child.kill()
+    assert got == zlib.crc32(want)
+    assert child.exitcode == 0

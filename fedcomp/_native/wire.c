@@ -1,0 +1,525 @@
+/* fedcomp._native._wire: the wire layer's one-pass kernels (fedcomp/wire/fast_writer.py).
+ *
+ * Writing a dense update used to cost a cast into the output and then a second pass over the
+ * output for its CRC-32; reading one, a CRC pass and then a cast. These kernels fuse the two: the
+ * values are cast (or copied) a few kilobytes at a time and each piece's CRC is taken while it is
+ * still in the first-level cache, so the whole update is read from memory once. The CRC is zlib's
+ * (the reflected IEEE 802.3 polynomial), computed with carry-less multiplication where the CPU has
+ * it (the folding of Intel's "Fast CRC Computation for Generic Polynomials Using PCLMULQDQ", with
+ * the constants the Linux kernel's crc32-pclmul uses) and with a table elsewhere; the casts are
+ * F16C's round-to-nearest-even conversions, the instructions torch's own vectorized casts use.
+ *
+ *   crc32(buffer, crc=0) -> int               zlib.crc32(buffer, crc).
+ *   crc32_combine(crc1, crc2, len2) -> int    the CRC of A + B from crc32(A), crc32(B), len(B).
+ *   run(ops, crc) -> int | None
+ *       each op (kind, dst, src, nbytes) in order, the CRC continued over the wire side of each:
+ *         COPY (0)     nbytes from src to dst (an address, or a bytes-like object for src);
+ *         F32_F16 (1)  nbytes / 2 float32 values at src cast to float16 at dst (dst is the wire);
+ *         F16_F32 (2)  nbytes / 2 float16 values at src (the wire) cast to float32 at dst;
+ *         CRC (3)      the CRC of nbytes at src only (dst is ignored).
+ *       Returns the CRC; the GIL is released while the ops run.
+ *   run2(first, second) -> (crc1, crc2) | None
+ *       run(first, 0) and run(second, 0) at once, on two threads of the OpenMP runtime torch has
+ *       loaded (see below); None when the process has none (the caller then uses a thread of its own).
+ *   features() -> dict        the instruction paths in use: "crc" (as crc_variant), "f16c" (bool).
+ *   crc_variant([name]) -> str                the CRC in use, "table", "pclmul" or "vpclmul" (chosen at
+ *       import: the widest this CPU has; the same values, tested each way); a name switches (tests).
+ *
+ * Addresses are plain integers: this is a private kernel, called only by fedcomp.wire.fast_writer
+ * with addresses of buffers it owns and sizes it has checked against them.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define HAVE_X86_DISPATCH 1
+#endif
+
+/* --- CRC-32 ------------------------------------------------------------------------------------- */
+
+static uint32_t CRC_TABLE[8][256];
+
+static void crc_init_tables(void) {
+    for (uint32_t i = 0; i < 256; i++) {
+        uint32_t c = i;
+        for (int k = 0; k < 8; k++) c = (c & 1) ? (c >> 1) ^ 0xEDB88320u : c >> 1;
+        CRC_TABLE[0][i] = c;
+    }
+    for (uint32_t i = 0; i < 256; i++)
+        for (int t = 1; t < 8; t++) CRC_TABLE[t][i] = (CRC_TABLE[t - 1][i] >> 8) ^ CRC_TABLE[0][CRC_TABLE[t - 1][i] & 0xFF];
+}
+
+/* The raw CRC state (not inverted) continued over p[0:n], eight bytes a step. */
+static uint32_t crc_table(uint32_t state, const uint8_t *p, size_t n) {
+    while (n >= 8) {
+        uint64_t w;
+        memcpy(&w, p, 8);
+        w ^= state;
+        state = CRC_TABLE[7][w & 0xFF] ^ CRC_TABLE[6][(w >> 8) & 0xFF] ^ CRC_TABLE[5][(w >> 16) & 0xFF] ^
+                CRC_TABLE[4][(w >> 24) & 0xFF] ^ CRC_TABLE[3][(w >> 32) & 0xFF] ^ CRC_TABLE[2][(w >> 40) & 0xFF] ^
+                CRC_TABLE[1][(w >> 48) & 0xFF] ^ CRC_TABLE[0][w >> 56];
+        p += 8;
+        n -= 8;
+    }
+    while (n--) state = (state >> 8) ^ CRC_TABLE[0][(state ^ *p++) & 0xFF];
+    return state;
+}
+
+#ifdef HAVE_X86_DISPATCH
+/* Folding constants of the reflected polynomial: a 128-bit lane folded D bits forward is its low
+ * 64 bits times x^(D+32) plus its high 64 bits times x^(D-32), modulo P (each constant bit-reflected
+ * and shifted left once, as the reflected products need). D = 128, 256, 512, 1024. */
+#define K128_LO 0x1751997d0LL
+#define K128_HI 0x0ccaa009eLL
+#define K256_LO 0x0f1da05aaLL
+#define K256_HI 0x15a546366LL
+#define K512_LO 0x154442bd4LL
+#define K512_HI 0x1c6e41596LL
+#define K1024_LO 0x1e88ef372LL
+#define K1024_HI 0x14a7fe880LL
+
+__attribute__((target("pclmul,sse4.1"))) static inline __m128i fold128(__m128i x, __m128i k) {
+    return _mm_xor_si128(_mm_clmulepi64_si128(x, k, 0x00), _mm_clmulepi64_si128(x, k, 0x11));
+}
+
+__attribute__((target("avx2,vpclmulqdq"))) static inline __m256i fold256(__m256i y, __m256i k) {
+    return _mm256_xor_si256(_mm256_clmulepi64_epi128(y, k, 0x00), _mm256_clmulepi64_epi128(y, k, 0x11));
+}
+
+/* The 16-byte loop and the final reduction shared by both folds: x0 (the folded state) continued
+ * over p[0:n] 16 bytes a step, reduced to the raw 32-bit state, the tail by the table. */
+__attribute__((target("pclmul,sse4.1"))) static inline uint32_t crc_reduce(__m128i x0, __m128i k3k4, const uint8_t *p, size_t n) {
+    const __m128i k5 = _mm_set_epi64x(0, 0x163cd6124LL);
+    const __m128i poly = _mm_set_epi64x(0x1F7011641LL, 0x1DB710641LL); /* lo P', hi u' (Barrett) */
+    const __m128i mask32 = _mm_set_epi32(0, 0, 0, -1);
+    while (n >= 16) {
+        x0 = _mm_xor_si128(fold128(x0, k3k4), _mm_loadu_si128((const __m128i *)p));
+        p += 16;
+        n -= 16;
+    }
+    /* 128 -> 64 bits (appending 32 zero bits), 64 -> 32, then Barrett's reduction */
+    __m128i t = _mm_clmulepi64_si128(k3k4, x0, 0x01);
+    x0 = _mm_xor_si128(_mm_srli_si128(x0, 8), t);
+    t = _mm_srli_si128(x0, 4);
+    x0 = _mm_xor_si128(_mm_clmulepi64_si128(_mm_and_si128(x0, mask32), k5, 0x00), t);
+    t = x0;
+    x0 = _mm_clmulepi64_si128(_mm_and_si128(x0, mask32), poly, 0x10);
+    x0 = _mm_clmulepi64_si128(_mm_and_si128(x0, mask32), poly, 0x00);
+    x0 = _mm_xor_si128(x0, t);
+    uint32_t state = (uint32_t)_mm_extract_epi32(x0, 1);
+    return crc_table(state, p, n);
+}
+
+/* The raw CRC state continued over p[0:n] by folding 64 bytes a step (n >= 64; the tail past the
+ * last whole 16 bytes by the table). */
+__attribute__((target("pclmul,sse4.1"))) static uint32_t crc_pclmul(uint32_t state, const uint8_t *p, size_t n) {
+    const __m128i k1k2 = _mm_set_epi64x(K512_HI, K512_LO);
+    const __m128i k3k4 = _mm_set_epi64x(K128_HI, K128_LO);
+    __m128i x0 = _mm_loadu_si128((const __m128i *)p), x1 = _mm_loadu_si128((const __m128i *)(p + 16));
+    __m128i x2 = _mm_loadu_si128((const __m128i *)(p + 32)), x3 = _mm_loadu_si128((const __m128i *)(p + 48));
+    x0 = _mm_xor_si128(x0, _mm_cvtsi32_si128((int)state));
+    p += 64;
+    n -= 64;
+    while (n >= 64) {
+        x0 = _mm_xor_si128(fold128(x0, k1k2), _mm_loadu_si128((const __m128i *)p));
+        x1 = _mm_xor_si128(fold128(x1, k1k2), _mm_loadu_si128((const __m128i *)(p + 16)));
+        x2 = _mm_xor_si128(fold128(x2, k1k2), _mm_loadu_si128((const __m128i *)(p + 32)));
+        x3 = _mm_xor_si128(fold128(x3, k1k2), _mm_loadu_si128((const __m128i *)(p + 48)));
+        p += 64;
+        n -= 64;
+    }
+    /* four lanes into one (each folded 128 bits forward onto the next) */
+    x0 = _mm_xor_si128(fold128(x0, k3k4), x1);
+    x0 = _mm_xor_si128(fold128(x0, k3k4), x2);
+    x0 = _mm_xor_si128(fold128(x0, k3k4), x3);
+    return crc_reduce(x0, k3k4, p, n);
+}
+
+/* The same with 256-bit carry-less products (VPCLMULQDQ): four lanes of 32 bytes, 128 bytes a
+ * step (n >= 128), two 128-bit folds per instruction. */
+__attribute__((target("avx2,vpclmulqdq,pclmul,sse4.1"))) static uint32_t crc_vpclmul(uint32_t state, const uint8_t *p, size_t n) {
+    const __m256i k1024 = _mm256_set_epi64x(K1024_HI, K1024_LO, K1024_HI, K1024_LO);
+    const __m256i k256 = _mm256_set_epi64x(K256_HI, K256_LO, K256_HI, K256_LO);
+    const __m128i k3k4 = _mm_set_epi64x(K128_HI, K128_LO);
+    __m256i y0 = _mm256_loadu_si256((const __m256i *)p), y1 = _mm256_loadu_si256((const __m256i *)(p + 32));
+    __m256i y2 = _mm256_loadu_si256((const __m256i *)(p + 64)), y3 = _mm256_loadu_si256((const __m256i *)(p + 96));
+    y0 = _mm256_xor_si256(y0, _mm256_set_epi32(0, 0, 0, 0, 0, 0, 0, (int)state));
+    p += 128;
+    n -= 128;
+    while (n >= 128) {
+        y0 = _mm256_xor_si256(fold256(y0, k1024), _mm256_loadu_si256((const __m256i *)p));
+        y1 = _mm256_xor_si256(fold256(y1, k1024), _mm256_loadu_si256((const __m256i *)(p + 32)));
+        y2 = _mm256_xor_si256(fold256(y2, k1024), _mm256_loadu_si256((const __m256i *)(p + 64)));
+        y3 = _mm256_xor_si256(fold256(y3, k1024), _mm256_loadu_si256((const __m256i *)(p + 96)));
+        p += 128;
+        n -= 128;
+    }
+    y0 = _mm256_xor_si256(fold256(y0, k256), y1);
+    y0 = _mm256_xor_si256(fold256(y0, k256), y2);
+    y0 = _mm256_xor_si256(fold256(y0, k256), y3);
+    while (n >= 32) {
+        y0 = _mm256_xor_si256(fold256(y0, k256), _mm256_loadu_si256((const __m256i *)p));
+        p += 32;
+        n -= 32;
+    }
+    /* the earlier (low) 128 bits folded onto the later */
+    __m128i x0 = _mm_xor_si128(fold128(_mm256_castsi256_si128(y0), k3k4), _mm256_extracti128_si256(y0, 1));
+    return crc_reduce(x0, k3k4, p, n);
+}
+#endif
+
+/* 0: the table; 1: 128-bit folds (PCLMULQDQ); 2: 256-bit folds (VPCLMULQDQ), from 128 bytes. */
+static int USE_PCLMUL = 0;
+
+static uint32_t crc_raw(uint32_t state, const uint8_t *p, size_t n) {
+#ifdef HAVE_X86_DISPATCH
+    if (USE_PCLMUL == 2 && n >= 128) return crc_vpclmul(state, p, n);
+    if (USE_PCLMUL && n >= 64) return crc_pclmul(state, p, n);
+#endif
+    return crc_table(state, p, n);
+}
+
+/* zlib's crc32_combine: x^(8 len2) times crc1 modulo the polynomial, plus crc2. */
+static uint32_t multmodp(uint32_t a, uint32_t b) {
+    uint32_t m = 1u << 31, p = 0;
+    for (;;) {
+        if (a & m) {
+            p ^= b;
+            if ((a & (m - 1)) == 0) break;
+        }
+        m >>= 1;
+        b = (b & 1) ? (b >> 1) ^ 0xEDB88320u : b >> 1;
+    }
+    return p;
+}
+
+static uint32_t crc_combine(uint32_t crc1, uint32_t crc2, uint64_t len2) {
+    uint32_t x2n = 1u << 30, p = 1u << 31; /* x^1 and x^0 */
+    uint64_t n = len2;
+    int k = 3; /* x^(8 len2) = x^(len2 * 2^3) */
+    for (int i = 0; i < k; i++) x2n = multmodp(x2n, x2n);
+    while (n) {
+        if (n & 1) p = multmodp(x2n, p);
+        n >>= 1;
+        x2n = multmodp(x2n, x2n);
+    }
+    return multmodp(p, crc1) ^ crc2;
+}
+
+/* --- casts -------------------------------------------------------------------------------------- */
+
+static int USE_F16C = 0;
+
+#ifdef HAVE_X86_DISPATCH
+__attribute__((target("avx,f16c"))) static void f32_to_f16(uint16_t *dst, const float *src, size_t n) {
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+    if (i < n) { /* the tail through the same instruction (a NaN keeps the bits the body gives it) */
+        float tmp[8] = {0};
+        uint16_t out[8];
+        memcpy(tmp, src + i, (n - i) * sizeof(float));
+        _mm_storeu_si128((__m128i *)out, _mm256_cvtps_ph(_mm256_loadu_ps(tmp), _MM_FROUND_TO_NEAREST_INT));
+        memcpy(dst + i, out, (n - i) * sizeof(uint16_t));
+    }
+}
+
+__attribute__((target("avx,f16c"))) static void f16_to_f32(float *dst, const uint16_t *src, size_t n) {
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+    if (i < n) {
+        uint16_t tmp[8] = {0};
+        float out[8];
+        memcpy(tmp, src + i, (n - i) * sizeof(uint16_t));
+        _mm256_storeu_ps(out, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)tmp)));
+        memcpy(dst + i, out, (n - i) * sizeof(float));
+    }
+}
+#endif
+
+/* --- run ---------------------------------------------------------------------------------------- */
+
+enum { OP_COPY = 0, OP_F32_F16 = 1, OP_F16_F32 = 2, OP_CRC = 3 };
+
+/* Bytes of wire per piece: small enough that a piece written (or read) is still in the first-level
+ * cache when its CRC is taken. */
+#define PIECE 8192
+
+typedef struct {
+    int kind;
+    uint8_t *dst;
+    const uint8_t *src;
+    size_t nbytes;
+} op_t;
+
+/* One op, a piece at a time: the piece written (or read) and its CRC taken while it is in cache. */
+static uint32_t run_op(const op_t *op, uint32_t state) {
+    size_t done = 0, n = op->nbytes;
+    while (done < n) {
+        size_t m = n - done < PIECE ? n - done : PIECE;
+        switch (op->kind) {
+        case OP_COPY:
+            memcpy(op->dst + done, op->src + done, m);
+            state = crc_raw(state, op->dst + done, m);
+            break;
+#ifdef HAVE_X86_DISPATCH
+        case OP_F32_F16:
+            f32_to_f16((uint16_t *)(op->dst + done), (const float *)(op->src + 2 * done), m / 2);
+            state = crc_raw(state, op->dst + done, m);
+            break;
+        case OP_F16_F32:
+            state = crc_raw(state, op->src + done, m);
+            f16_to_f32((float *)(op->dst + 2 * done), (const uint16_t *)(op->src + done), m / 2);
+            break;
+#endif
+        default: /* OP_CRC */
+            if (n - done >= 4 * PIECE) m = n - done; /* nothing to interleave with: one long fold */
+            state = crc_raw(state, op->src + done, m);
+            break;
+        }
+        done += m;
+    }
+    return state;
+}
+
+static void *address(PyObject *obj) {
+    void *p = PyLong_AsVoidPtr(obj);
+    return (p == NULL && PyErr_Occurred()) ? NULL : p;
+}
+
+/* A parsed op list and the buffers it holds. */
+typedef struct {
+    PyObject *fast;
+    op_t *ops;
+    Py_buffer *bufs;
+    Py_ssize_t count, held;
+} oplist_t;
+
+static void oplist_free(oplist_t *l) {
+    for (Py_ssize_t i = 0; i < l->held; i++) PyBuffer_Release(&l->bufs[i]);
+    PyMem_Free(l->bufs);
+    PyMem_Free(l->ops);
+    Py_XDECREF(l->fast);
+    memset(l, 0, sizeof(*l));
+}
+
+/* Parse a sequence of (kind, dst, src, nbytes) into `l` (0), or set an error (-1; `l` is then
+ * freed by the caller all the same). */
+static int oplist_parse(PyObject *seq, oplist_t *l) {
+    memset(l, 0, sizeof(*l));
+    l->fast = PySequence_Fast(seq, "run: ops must be a sequence");
+    if (l->fast == NULL) return -1;
+    l->count = PySequence_Fast_GET_SIZE(l->fast);
+    l->ops = PyMem_Calloc(l->count ? l->count : 1, sizeof(op_t));
+    l->bufs = PyMem_Calloc(l->count ? l->count : 1, sizeof(Py_buffer));
+    if (l->ops == NULL || l->bufs == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < l->count; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(l->fast, i), *dst, *src;
+        op_t *op = &l->ops[i];
+        int kind;
+        Py_ssize_t nbytes;
+        if (!PyArg_ParseTuple(item, "iOOn;run: an op is (kind, dst, src, nbytes)", &kind, &dst, &src, &nbytes)) return -1;
+        if (kind < OP_COPY || kind > OP_CRC || nbytes < 0) {
+            PyErr_Format(PyExc_ValueError, "run: op %zd: kind %d or size %zd out of range", i, kind, nbytes);
+            return -1;
+        }
+        if ((kind == OP_F32_F16 || kind == OP_F16_F32) && (!USE_F16C || nbytes % 2)) {
+            PyErr_Format(PyExc_ValueError, "run: op %zd: no F16C here, or an odd size", i);
+            return -1;
+        }
+        op->kind = kind;
+        op->nbytes = (size_t)nbytes;
+        if (PyLong_Check(src)) {
+            op->src = address(src);
+        } else {
+            Py_buffer *buf = &l->bufs[l->held];
+            if (PyObject_GetBuffer(src, buf, PyBUF_SIMPLE) < 0) return -1;
+            l->held++;
+            op->src = buf->buf;
+            if (buf->len < nbytes) {
+                PyErr_Format(PyExc_ValueError, "run: op %zd: source holds fewer than %zd bytes", i, nbytes);
+                return -1;
+            }
+        }
+        if (kind != OP_CRC) op->dst = address(dst);
+        if (PyErr_Occurred()) return -1;
+    }
+    return 0;
+}
+
+static uint32_t oplist_run(const oplist_t *l, uint32_t state) {
+    for (Py_ssize_t i = 0; i < l->count; i++) state = run_op(&l->ops[i], state);
+    return state;
+}
+
+static PyObject *run(PyObject *self, PyObject *args) {
+    PyObject *seq, *result = NULL;
+    unsigned long crc;
+    oplist_t l;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "Ok", &seq, &crc)) return NULL;
+    if (oplist_parse(seq, &l) == 0) {
+        uint32_t state = ~(uint32_t)crc;
+        Py_BEGIN_ALLOW_THREADS;
+        state = oplist_run(&l, state);
+        Py_END_ALLOW_THREADS;
+        result = PyLong_FromUnsignedLong(~state);
+    }
+    oplist_free(&l);
+    return result;
+}
+
+/* --- run2: two op lists on torch's OpenMP team ---------------------------------------------------
+ *
+ * torch's CPU builds run their parallel ops on an OpenMP team whose workers spin for a few
+ * milliseconds after each op before they sleep. A second thread of our own started right after a
+ * torch op shares a core with that spinning worker and runs at half speed; the worker itself,
+ * handed the work, starts at once. So the two halves run on the OpenMP runtime already loaded in
+ * the process (libgomp's GOMP_parallel, found by name: no link-time dependency), when there is
+ * one; else run2 says so and the caller uses its own thread. */
+
+typedef void (*gomp_parallel_t)(void (*)(void *), void *, unsigned, unsigned);
+typedef int (*omp_int_t)(void);
+static gomp_parallel_t GOMP_PARALLEL = NULL;
+static omp_int_t OMP_THREAD_NUM = NULL, OMP_NUM_THREADS = NULL;
+static int OMP_LOOKED = 0;
+
+#if defined(__linux__) || defined(__APPLE__)
+#include <dlfcn.h>
+#define HAVE_DLSYM 1
+#endif
+
+static int omp_found(void) {
+#ifdef HAVE_DLSYM
+    if (!OMP_LOOKED) {
+        GOMP_PARALLEL = (gomp_parallel_t)dlsym(RTLD_DEFAULT, "GOMP_parallel");
+        OMP_THREAD_NUM = (omp_int_t)dlsym(RTLD_DEFAULT, "omp_get_thread_num");
+        OMP_NUM_THREADS = (omp_int_t)dlsym(RTLD_DEFAULT, "omp_get_num_threads");
+        OMP_LOOKED = 1;
+    }
+#endif
+    return GOMP_PARALLEL != NULL && OMP_THREAD_NUM != NULL && OMP_NUM_THREADS != NULL;
+}
+
+typedef struct {
+    const oplist_t *lists[2];
+    uint32_t states[2];
+} pair_t;
+
+static void pair_body(void *arg) {
+    pair_t *job = arg;
+    int t = OMP_THREAD_NUM(), n = OMP_NUM_THREADS();
+    if (n == 1) { /* the runtime gave us no second thread: both here, in turn */
+        job->states[0] = oplist_run(job->lists[0], job->states[0]);
+        job->states[1] = oplist_run(job->lists[1], job->states[1]);
+    } else if (t < 2) {
+        job->states[t] = oplist_run(job->lists[t], job->states[t]);
+    }
+}
+
+static PyObject *run2(PyObject *self, PyObject *args) {
+    PyObject *first, *second, *result = NULL;
+    oplist_t a = {0}, b = {0};
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OO", &first, &second)) return NULL;
+    if (!omp_found()) Py_RETURN_NONE;
+    int ok = oplist_parse(first, &a) == 0;
+    ok = ok && oplist_parse(second, &b) == 0;
+    if (ok) {
+        pair_t job = {{&a, &b}, {0xFFFFFFFFu, 0xFFFFFFFFu}};
+        Py_BEGIN_ALLOW_THREADS;
+        GOMP_PARALLEL(pair_body, &job, 2, 0);
+        Py_END_ALLOW_THREADS;
+        result = Py_BuildValue("kk", (unsigned long)~job.states[0], (unsigned long)~job.states[1]);
+    }
+    oplist_free(&a);
+    oplist_free(&b);
+    return result;
+}
+
+static PyObject *crc32(PyObject *self, PyObject *args) {
+    Py_buffer buf;
+    unsigned long crc = 0;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*|k", &buf, &crc)) return NULL;
+    uint32_t state = ~(uint32_t)crc;
+    if (buf.len >= 65536) {
+        Py_BEGIN_ALLOW_THREADS;
+        state = crc_raw(state, buf.buf, (size_t)buf.len);
+        Py_END_ALLOW_THREADS;
+    } else {
+        state = crc_raw(state, buf.buf, (size_t)buf.len);
+    }
+    PyBuffer_Release(&buf);
+    return PyLong_FromUnsignedLong(~state);
+}
+
+static PyObject *crc32_combine(PyObject *self, PyObject *args) {
+    unsigned long crc1, crc2;
+    unsigned long long len2;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "kkK", &crc1, &crc2, &len2)) return NULL;
+    return PyLong_FromUnsignedLong(crc_combine((uint32_t)crc1, (uint32_t)crc2, (uint64_t)len2));
+}
+
+static const char *CRC_NAMES[] = {"table", "pclmul", "vpclmul"};
+
+static int crc_supported(int level) {
+#ifdef HAVE_X86_DISPATCH
+    if (level == 2) return crc_supported(1) && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("vpclmulqdq");
+    if (level == 1) return __builtin_cpu_supports("pclmul") && __builtin_cpu_supports("sse4.1");
+#endif
+    return level == 0;
+}
+
+static PyObject *features(PyObject *self, PyObject *args) {
+    (void)self;
+    (void)args;
+    return Py_BuildValue("{s:s,s:O}", "crc", CRC_NAMES[USE_PCLMUL], "f16c", USE_F16C ? Py_True : Py_False);
+}
+
+/* For tests: the CRC variant in use ("table", "pclmul" or "vpclmul"); with a name, switch to it
+ * first (ValueError where this CPU lacks it). */
+static PyObject *crc_variant(PyObject *self, PyObject *args) {
+    const char *name = NULL;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "|z", &name)) return NULL;
+    if (name != NULL) {
+        int level = -1;
+        for (int i = 0; i < 3; i++)
+            if (strcmp(name, CRC_NAMES[i]) == 0) level = i;
+        if (level < 0 || !crc_supported(level)) {
+            PyErr_Format(PyExc_ValueError, "crc_variant: %s is not available here", name);
+            return NULL;
+        }
+        USE_PCLMUL = level;
+    }
+    return PyUnicode_FromString(CRC_NAMES[USE_PCLMUL]);
+}
+
+static PyMethodDef methods[] = {
+    {"crc32", crc32, METH_VARARGS, "zlib.crc32(buffer, crc)."},
+    {"crc32_combine", crc32_combine, METH_VARARGS, "The CRC-32 of A + B from crc32(A), crc32(B) and len(B)."},
+    {"run", run, METH_VARARGS, "Copy, cast and CRC a list of (kind, dst, src, nbytes) ops in one pass."},
+    {"run2", run2, METH_VARARGS, "run() of two op lists at once on the process's OpenMP team; None without one."},
+    {"features", features, METH_NOARGS, "The instruction paths in use."},
+    {"crc_variant", crc_variant, METH_VARARGS, "The CRC variant in use; switch with a name (tests)."},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_wire", "One-pass casts, copies and CRC-32 for the wire layer.", -1, methods, NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__wire(void) {
+    crc_init_tables();
+#ifdef HAVE_X86_DISPATCH
+    __builtin_cpu_init();
+    USE_PCLMUL = crc_supported(2) ? 2 : crc_supported(1) ? 1 : 0;
+    USE_F16C = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
+#endif
+    return PyModule_Create(&module);
+}
