@@ -322,6 +322,8 @@ def _payload_scalars(t: EncodedTensor, number: int) -> list[tuple[int, bytes]]:
 #: ``golomb_b`` and ``nnz`` varints.
 _SBC_MEAN_KEY, _SBC_B_KEY, _SBC_NNZ_KEY = fast_writer.key(1, 5), fast_writer.key(2, 0), fast_writer.key(3, 0)
 _F32 = struct.Struct("<f")
+#: ``SBCPayload.bits``' key, and the key of ``CompressedTensor.sbc`` (the payload's field).
+_SBC_BITS_KEY, _SBC_KEY = fast_writer.key(4, 2), fast_writer.key(_PAYLOAD_NUMBER[SBCPayload], 2)
 
 
 def _sbc_scalars(p: SBCPayload) -> list[tuple[int, bytes]] | None:
@@ -361,6 +363,13 @@ def _tensor_parts(t: EncodedTensor) -> tuple[list[fast_writer.Part], int]:
         head = _tensor_head(t) + _DENSE_KEY + fast_writer.varint(sub_len) + enum + data_head
         dense: fast_writer.Part = p if isinstance(p, fast_writer.DeferredDensePayload) else p.data
         return [head, dense], len(head) + n
+    if type(p) is SBCPayload:  # SBC's tensors, every round: fields 1-3 by hand, then the bits
+        scalars = _sbc_scalars(p)
+        n = memoryview(p.bits).nbytes
+        if scalars is not None and n:
+            pre = b"".join(raw for _, raw in scalars) + _SBC_BITS_KEY + fast_writer.varint(n)
+            head = _tensor_head(t) + _SBC_KEY + fast_writer.varint(len(pre) + n) + pre
+            return [head, p.bits], len(head) + n
     number = _PAYLOAD_NUMBER.get(type(p))
     if number is None:  # pragma: no cover - the Payload union is closed
         raise TypeError(f"unknown payload type {type(p).__name__}")
@@ -513,8 +522,9 @@ def update_to_bytes(u: EncodedUpdate) -> bytes:
     layout.add(_varint_field(1, u.format_version) + _varint_field(2, u.base_model_version))
     for t in u.tensors:
         parts, n = _tensor_parts(t)
-        layout.add(_TENSORS_KEY + fast_writer.varint(n))
-        for part in parts:
+        head = parts[0]  # always bytes: the envelope
+        layout.add(_TENSORS_KEY + fast_writer.varint(n) + head)  # type: ignore[operator]
+        for part in parts[1:]:
             layout.add(part)
     return layout.to_bytes(crc_tag=_CRC_TAG)
 

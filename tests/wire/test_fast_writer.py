@@ -502,6 +502,11 @@ def test_sbc_scalars_by_hand_are_protobufs():
             serde.update_to_bytes(EncodedUpdate(0, (_tensor(bad, name="s", shape=(3,)),)))
     enc = get_codec({"id": "sbc", "p": 0.01}).encode(torch.randn(10_000, generator=torch.Generator().manual_seed(1)))
     assert isinstance(enc.payload, SBCPayload) and serde._sbc_scalars(enc.payload) is not None
+    _same(enc)
+    # the bits empty (proto3 omits the field: the general path), short and past 4 KiB (a part of
+    # their own): protobuf's bytes each time
+    for bits in (b"", b"\x07" * 300, b"\x05" * 20_000):
+        _same(_tensor(SBCPayload(0.5, 3, 5, bits), name="s", shape=(3,)))
 
 
 def _write_in_child(queue) -> None:
