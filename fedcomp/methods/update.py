@@ -276,7 +276,7 @@ def decode_update_bytes(
     the general path, which reports what is wrong."""
     codecs = list(codecs)
     fast = per_tensor is None and (device is None or torch.device(device).type == "cpu")
-    key = (tuple(specs), tuple((type(c), c.codec_id) for c in codecs)) if fast else None
+    key = _read_key(specs, codecs) if fast else None
     frames = _READ_FRAMES.get(key) if key is not None else None
     if frames is not None:
         done = _read_frames(frames, data, specs, out)
@@ -314,6 +314,14 @@ def _remember(cache: dict[tuple, DenseFrames], key: tuple, frames: DenseFrames) 
         while len(cache) >= _FRAMES_KEPT:
             cache.pop(next(iter(cache)))
         cache[key] = frames
+
+
+def _read_key(specs: Sequence[TensorSpec], codecs: Sequence[Codec]) -> tuple:
+    """What a receiver's frames depend on: the specs (names, shapes, dtypes) and the codecs."""
+    return (
+        tuple((s.name, tuple(s.shape), s.dtype) for s in specs),
+        tuple((type(c), c.codec_id) for c in codecs),
+    )
 
 
 def _plain_dense(update: EncodedUpdate, specs: Sequence[TensorSpec], codecs: Sequence[Codec]) -> bool:
