@@ -21,6 +21,7 @@ from fedcomp.errors import PayloadError
 from fedcomp.methods.update import UpdateEncoder, decode_update, specs_of
 from fedcomp.wire import serde
 from tests.codecs import reference_sbc as ref
+from tests.native.variants import available
 
 KERNEL = _native.load("sbc")
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="fedcomp._native._sbc is not built or FEDCOMP_NATIVE=0")
@@ -72,16 +73,7 @@ def scan_variants() -> list[str]:
     """The scan variants this CPU can run (the kernel picks the fastest at import)."""
     if KERNEL is None:
         return ["base"]
-    current = KERNEL.scan_variant()
-    found = []
-    for name in ("base", "avx2"):
-        try:
-            KERNEL.scan_variant(name)
-            found.append(name)
-        except ValueError:
-            pass
-    KERNEL.scan_variant(current)
-    return found
+    return available(KERNEL.scan_variant, ("base", "avx2"))
 
 
 @pytest.fixture(params=scan_variants())

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from fedcomp import _native
+from tests.native.variants import available
 
 KERNEL = _native.load("wire")
 pytestmark = pytest.mark.skipif(KERNEL is None, reason="fedcomp._native._wire is not built or FEDCOMP_NATIVE=0")
@@ -30,16 +31,7 @@ LENGTHS = sorted(
 
 def _variants() -> list[str]:
     assert KERNEL is not None
-    here = KERNEL.crc_variant()
-    found = []
-    for name in ("table", "pclmul", "vpclmul"):
-        try:
-            KERNEL.crc_variant(name)
-            found.append(name)
-        except ValueError:
-            pass
-    KERNEL.crc_variant(here)
-    return found
+    return available(KERNEL.crc_variant, ("table", "pclmul", "vpclmul"))
 
 
 @pytest.fixture(params=["table", "pclmul", "vpclmul"])
