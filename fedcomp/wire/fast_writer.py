@@ -36,6 +36,7 @@ import threading
 import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -249,9 +250,20 @@ def write(parts: Sequence[Part], crc_tag: int | None = None) -> bytes:
 
 # --- the fused kernel -------------------------------------------------------------------------
 
+
+def _fused_kernel() -> ModuleType | None:
+    """The wire kernel where it has a carry-less CRC (x86-64 with PCLMULQDQ: every x86-64 CPU
+    since 2010); elsewhere its table CRC (about 1.5 GB/s) would be slower than isal's or zlib's,
+    so the writer keeps torch's casts and those CRCs."""
+    kernel = _native.load("wire")
+    if kernel is None or kernel.features()["crc"] == "table":
+        return None
+    return kernel
+
+
 #: ``fedcomp._native._wire`` (casts and copies with the CRC-32 taken in the same pass), or None:
 #: then torch casts and the CRC is a second pass (:class:`_TrailingCRC`, :func:`crc32`).
-_KERNEL = _native.load("wire")
+_KERNEL = _fused_kernel()
 _KERNEL_PID = os.getpid()
 #: Whether the kernel casts float16 itself (F16C, the instructions torch's vectorized casts use).
 _F16C = _KERNEL is not None and bool(_KERNEL.features()["f16c"])
