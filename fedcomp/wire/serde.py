@@ -862,7 +862,11 @@ class DenseFrames:
         contiguous CPU tensor of its frame's values, float32, or the wire's own dtype) and return
         its base model version; None, with nothing written, when ``data`` is not an update these
         frames describe (another length, header, envelope or payload type). Raises
-        :class:`PayloadError` when the CRC-32 does not match; ``outs`` are then written."""
+        :class:`PayloadError` when the CRC-32 does not match; ``outs`` are then written.
+
+        The values are the general path's bit for bit, except a float16 NaN's: F16C keeps its
+        sign and payload, as torch's vectorized cast does, where torch's scalar loop for the last
+        few values of a tensor writes 0x7fffffff (a NaN either way)."""
         kernel = fast_writer._KERNEL
         view = memoryview(data)
         if kernel is None or len(outs) != len(self.heads) or view.ndim != 1 or view.itemsize != 1:
