@@ -371,6 +371,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device is available")
     kernels = ", ".join(f"{k} {'on' if v else 'off'}" for k, v in native.status().items())
+    wire = native.load("wire")
+    if wire is not None:  # which CRC and casts the wire kernel uses (the table CRC: not used)
+        features = wire.features()
+        kernels += f" (crc {features['crc']}, f16c {'on' if features['f16c'] else 'off'})"
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}; C kernels: {kernels}", file=sys.stderr)
     print(
         f"{'codec':<11}{'settings':<18}{'scope':<11}{'op':<11}{'dev':<6}{'median':>12}{'copy_':>12}{'x copy':>7}{'best x':>7}"
