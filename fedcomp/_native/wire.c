@@ -6,12 +6,13 @@
  * still in the first-level cache, so the whole update is read from memory once. The CRC is zlib's
  * (the reflected IEEE 802.3 polynomial), computed with carry-less multiplication where the CPU has
  * it (the folding of Intel's "Fast CRC Computation for Generic Polynomials Using PCLMULQDQ", with
- * the constants the Linux kernel's crc32-pclmul uses) and with a table elsewhere; the casts are
+ * the constants the Linux kernel's crc32-pclmul uses and the 256- and 1024-bit ones derived the
+ * same way, see K256_LO) and with a table elsewhere; the casts are
  * F16C's round-to-nearest-even conversions, the instructions torch's own vectorized casts use.
  *
  *   crc32(buffer, crc=0) -> int               zlib.crc32(buffer, crc).
  *   crc32_combine(crc1, crc2, len2) -> int    the CRC of A + B from crc32(A), crc32(B), len(B).
- *   run(ops, crc) -> int | None
+ *   run(ops, crc) -> int
  *       each op (kind, dst, src, nbytes) in order, the CRC continued over the wire side of each:
  *         COPY (0)     nbytes from src to dst (an address, or a bytes-like object for src);
  *         F32_F16 (1)  nbytes / 2 float32 values at src cast to float16 at dst (dst is the wire);
@@ -25,8 +26,9 @@
  *   crc_variant([name]) -> str                the CRC in use, "table", "pclmul" or "vpclmul" (chosen at
  *       import: the widest this CPU has; the same values, tested each way); a name switches (tests).
  *
- * Addresses are plain integers: this is a private kernel, called only by fedcomp.wire.fast_writer
- * with addresses of buffers it owns and sizes it has checked against them.
+ * Addresses are plain integers: this is a private kernel, called only by the wire layer
+ * (fedcomp.wire.fast_writer, and fedcomp.wire.serde.DenseFrames through it) with addresses of
+ * buffers it holds and sizes it has checked against them.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
