@@ -184,12 +184,10 @@ class Layout:
         """The parts written once into one new ``bytes`` object; with ``crc_tag``, followed by
         that byte and the CRC-32 of everything before it, little-endian (the update's trailer)."""
         self._flush()
+        if crc_tag is not None and _KERNEL is not None:
+            return write_fused(self.size, crc_tag, self._ops)
         trailer = 0 if crc_tag is None else 5
         out, view = _new_bytes(self.size + trailer)
-        if crc_tag is not None and _KERNEL is not None:
-            _finish(view, self.size, crc_tag, run_split(_KERNEL, self._ops(view), self.size))
-            del view
-            return out if isinstance(out, bytes) else bytes(out)
         mem = view.data
         # The CRC trails on a second thread only where torch casts on one (the reference app's
         # torch-threads = 1): beside torch's own two threads it slows the casts more than it
@@ -221,7 +219,7 @@ class Layout:
         for part in self.parts:
             if isinstance(part, DeferredDensePayload):
                 n = part.nbytes
-                op = _dense_op(part, base + pos)
+                op = cast_op(part.source, part.encoding, base + pos, n)
                 if op is None:
                     part.write_into(view, pos)
                     op = (OP_CRC, 0, base + pos, n)
@@ -275,17 +273,29 @@ OP_COPY, OP_F32_F16, OP_F16_F32, OP_CRC = 0, 1, 2, 3
 Op = tuple[int, int, "int | bytes | bytearray | memoryview", int]
 
 
-def _dense_op(part: DeferredDensePayload, dst: int) -> Op | None:
-    """The op casting a deferred float32 CPU tensor into its slot at ``dst``, or None where the
-    kernel cannot (another dtype or device, a strided tensor, float16 without F16C, bfloat16)."""
-    src = part.source
+def cast_op(src: torch.Tensor, encoding: str, dst: int, nbytes: int) -> Op | None:
+    """The op writing the values of ``src`` as ``encoding`` into the ``nbytes`` at ``dst``, or
+    None where the kernel cannot (not a contiguous float32 CPU tensor of that many values,
+    float16 without F16C, bfloat16)."""
     if src.dtype != torch.float32 or src.device.type != "cpu" or not src.is_contiguous():
         return None
-    if part.encoding == "float32":
-        return (OP_COPY, dst, src.data_ptr(), part.nbytes)
-    if part.encoding == "float16" and _F16C:
-        return (OP_F32_F16, dst, src.data_ptr(), part.nbytes)
+    if src.numel() * DTYPE_SIZES[encoding] != nbytes:
+        return None
+    if encoding == "float32":
+        return (OP_COPY, dst, src.data_ptr(), nbytes)
+    if encoding == "float16" and _F16C:
+        return (OP_F32_F16, dst, src.data_ptr(), nbytes)
     return None
+
+
+def write_fused(size: int, crc_tag: int, ops_of: Callable[[np.ndarray], list[Op]]) -> bytes:
+    """A new output of ``size`` bytes and the CRC trailer, written by the kernel: ``ops_of`` gets
+    the output's writable view and returns the ops that fill it (:func:`run_split`)."""
+    assert _KERNEL is not None
+    out, view = _new_bytes(size + 5)
+    _finish(view, size, crc_tag, run_split(_KERNEL, ops_of(view), size))
+    del view
+    return out if isinstance(out, bytes) else bytes(out)
 
 
 def _split_op(op: Op, cut: int) -> tuple[Op, Op]:

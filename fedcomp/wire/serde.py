@@ -827,35 +827,26 @@ class DenseFrames:
         :func:`update_to_bytes` writes for the dense payloads of these values. None when the
         kernel cannot cast one of them (not a contiguous float32 CPU tensor of the frame's size,
         float16 without F16C, bfloat16): then nothing was written."""
-        kernel = fast_writer._KERNEL
-        if kernel is None or len(sources) != len(self.heads):
+        if fast_writer._KERNEL is None or len(sources) != len(self.heads):
             return None
         header = _varint_field(1, FORMAT_VERSION) + _varint_field(2, base_model_version)
-        total = len(header) + self.size
-        ops: list[fast_writer.Op] = []
-        kinds = []
-        for src, enc, n in zip(sources, self.encodings, self.nbytes, strict=True):
-            if src.dtype != torch.float32 or src.device.type != "cpu" or not src.is_contiguous():
-                return None
-            if enc == "float16" and fast_writer._F16C and 2 * src.numel() == n:
-                kinds.append(fast_writer.OP_F32_F16)
-            elif enc == "float32" and 4 * src.numel() == n:
-                kinds.append(fast_writer.OP_COPY)
-            else:
-                return None
-        out, view = fast_writer._new_bytes(total + _CRC_LEN)
-        base = view.ctypes.data
-        ops.append((fast_writer.OP_COPY, base, header, len(header)))
-        pos = base + len(header)
-        for head, src, kind, n in zip(self.heads, sources, kinds, self.nbytes, strict=True):
-            ops.append((fast_writer.OP_COPY, pos, head, len(head)))
+        placed: list[fast_writer.Op] = [(fast_writer.OP_COPY, 0, header, len(header))]  # at offsets
+        pos = len(header)
+        for head, src, enc, n in zip(self.heads, sources, self.encodings, self.nbytes, strict=True):
+            placed.append((fast_writer.OP_COPY, pos, head, len(head)))
             pos += len(head)
             if n:
-                ops.append((kind, pos, src.data_ptr(), n))
+                op = fast_writer.cast_op(src, enc, pos, n)
+                if op is None:
+                    return None  # before anything is allocated or written
+                placed.append(op)
                 pos += n
-        fast_writer._finish(view, total, _CRC_TAG, fast_writer.run_split(kernel, ops, total))
-        del view
-        return out if isinstance(out, bytes) else bytes(out)
+
+        def ops_of(view: np.ndarray) -> list[fast_writer.Op]:
+            base = view.ctypes.data
+            return [(kind, base + at, src, n) for kind, at, src, n in placed]
+
+        return fast_writer.write_fused(len(header) + self.size, _CRC_TAG, ops_of)
 
     def read(self, data: bytes | bytearray | memoryview, outs: Sequence[torch.Tensor]) -> int | None:
         """Cast the values of the update ``data`` into ``outs`` (one per frame, in order; each a
