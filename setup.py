@@ -12,7 +12,13 @@ _FLAGS = ["-O3", "-std=c99", "-fno-strict-aliasing"]
 
 setup(
     ext_modules=[
-        Extension(f"fedcomp._native._{name}", [f"fedcomp/_native/{name}.c"], optional=True, extra_compile_args=_FLAGS)
+        Extension(
+            f"fedcomp._native._{name}",
+            [f"fedcomp/_native/{name}.c"],
+            depends=["fedcomp/_native/team.h"],  # (sbc.c and wire.c run work on threads through it)
+            optional=True,
+            extra_compile_args=_FLAGS,
+        )
         for name in ("sbc", "threelc", "wire")
     ]
 )

@@ -18,6 +18,12 @@
  *       -> (nhi, nlo, *sum_stats(hi_vals), *sum_stats(lo_vals)) | None
  *       the three above in one call (fast mode's selection for a tensor scanned in one part): None
  *       when a sampled value is not finite or the scan passes `limit`.
+ *   encode_many(tasks, order_max, ln_phi, threads, use_team) -> [(positive, sum, nnz, b, bits) | None]
+ *       a whole update's SBC encodings (fedcomp.codecs.sbc.SBC.encode_many): each task
+ *       (a, pos | None, k, r) is one tensor's selection (fast mode with sample positions `pos`,
+ *       falling back to exact mode as the Python path does; exact mode without), both sides' exact
+ *       sums, the side kept and the Golomb code of its positions, on `threads` threads (team.h);
+ *       None where the Python path must do it (see the section below).
  *   golomb_encode(idx, b) -> bytes      the two-section Golomb-Rice layout of fedcomp/codecs/golomb.py.
  *   golomb_decode(bits, nnz, b, numel, out) -> bool   positions into int64 `out` (nnz entries);
  *       False on any inconsistency the NumPy decoder reports (the caller then reruns the NumPy path
@@ -30,7 +36,11 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <math.h>
+#include <stdlib.h>
 #include <string.h>
+
+#include "team.h"
 
 /* --- threshold scan ---------------------------------------------------------------------------- */
 
@@ -511,42 +521,27 @@ static inline void put_bits(bitwriter *w, uint64_t v, int n) {
     }
 }
 
-static PyObject *golomb_encode(PyObject *self, PyObject *args) {
-    Py_buffer ib;
-    int b;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "y*i", &ib, &b)) return NULL;
-    PyObject *result = NULL;
-    if (b < 0 || b > 62) {
-        PyErr_SetString(PyExc_ValueError, "golomb_encode: b must be in [0, 62]");
-        goto done;
-    }
-    Py_ssize_t nnz = ib.len / 8;
-    const int64_t *idx = (const int64_t *)ib.buf;
-    /* total bits: nnz * b remainder bits, then sum(q) + nnz unary bits; positions must ascend */
+/* The length in bytes of the Golomb-Rice code of idx[0, nnz) with parameter b (0 <= b <= 62), or
+ * -1 when the positions do not ascend from 0 up, -2 when the stream would be too long. */
+static Py_ssize_t golomb_size(const int64_t *idx, Py_ssize_t nnz, int b) {
+    /* total bits: nnz * b remainder bits, then sum(q) + nnz unary bits */
     uint64_t sum_q = 0;
     int64_t prev = -1;
     for (Py_ssize_t k = 0; k < nnz; k++) {
-        if (idx[k] <= prev) {
-            PyErr_SetString(PyExc_ValueError, "golomb_encode: positions must be non-negative and ascending");
-            goto done;
-        }
+        if (idx[k] <= prev) return -1;
         sum_q += (uint64_t)(idx[k] - prev - 1) >> b;
         prev = idx[k];
     }
     uint64_t used = (uint64_t)nnz * (uint64_t)b + sum_q + (uint64_t)nnz;
-    if (used / 8 >= (uint64_t)PY_SSIZE_T_MAX) {
-        PyErr_SetString(PyExc_ValueError, "golomb_encode: stream too long");
-        goto done;
-    }
-    Py_ssize_t nbytes = (Py_ssize_t)((used + 7) / 8);
-    result = PyBytes_FromStringAndSize(NULL, nbytes);
-    if (result == NULL) goto done;
-    uint8_t *out = (uint8_t *)PyBytes_AS_STRING(result);
-    Py_BEGIN_ALLOW_THREADS
+    if (used / 8 >= (uint64_t)PY_SSIZE_T_MAX) return -2;
+    return (Py_ssize_t)((used + 7) / 8);
+}
+
+/* Write the code of golomb_size into out (that many bytes): the remainders, then the unary parts. */
+static void golomb_write(uint8_t *out, const int64_t *idx, Py_ssize_t nnz, int b) {
     bitwriter w = {out, 0, 0};
     uint64_t mask = b ? (((uint64_t)1 << b) - 1) : 0;
-    prev = -1;
+    int64_t prev = -1;
     if (b)
         for (Py_ssize_t k = 0; k < nnz; k++) {
             uint64_t r = (uint64_t)(idx[k] - prev - 1) & mask;
@@ -569,9 +564,294 @@ static PyObject *golomb_encode(PyObject *self, PyObject *args) {
         put_bits(&w, (((uint64_t)1 << q) - 1) << 1, (int)q + 1); /* q ones, then a zero */
     }
     if (w.nacc) *w.out++ = (uint8_t)(w.acc << (8 - w.nacc));
+}
+
+static PyObject *golomb_encode(PyObject *self, PyObject *args) {
+    Py_buffer ib;
+    int b;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*i", &ib, &b)) return NULL;
+    PyObject *result = NULL;
+    if (b < 0 || b > 62) {
+        PyErr_SetString(PyExc_ValueError, "golomb_encode: b must be in [0, 62]");
+        goto done;
+    }
+    Py_ssize_t nnz = ib.len / 8;
+    const int64_t *idx = (const int64_t *)ib.buf;
+    Py_ssize_t nbytes = golomb_size(idx, nnz, b);
+    if (nbytes < 0) {
+        PyErr_SetString(PyExc_ValueError, nbytes == -1 ? "golomb_encode: positions must be non-negative and ascending"
+                                                       : "golomb_encode: stream too long");
+        goto done;
+    }
+    result = PyBytes_FromStringAndSize(NULL, nbytes);
+    if (result == NULL) goto done;
+    uint8_t *out = (uint8_t *)PyBytes_AS_STRING(result);
+    Py_BEGIN_ALLOW_THREADS
+    golomb_write(out, idx, nnz, b);
     Py_END_ALLOW_THREADS
 done:
     PyBuffer_Release(&ib);
+    return result;
+}
+
+/* --- encode_many: a whole update's SBC tensors in one call ------------------------------------------
+ *
+ * Each task is one tensor's whole encoding as fedcomp.codecs.sbc.SBC._payload does it: fast mode's
+ * selection (sample thresholds, scan; exact mode when a side comes back empty or over 2 k), exact
+ * mode's (both order statistics of all values, then every value beyond each and the first ties up
+ * to k), both sides' sums, the side with the larger mean magnitude and the Golomb-Rice code of its
+ * positions. A task that needs what only the Python path does (a value not finite, exact mode above
+ * `order_max` values, sums whose exponents span too far for a float64 to hold them exactly) is
+ * left to it. The tasks run on `threads` threads (team.h), the next one taken by whichever thread
+ * is free: the caller lists them largest first. */
+
+typedef struct {
+    const float *x;
+    Py_ssize_t n;
+    const int64_t *where; /* fast mode's sample positions (s of them), or NULL: exact mode */
+    Py_ssize_t s, k, r;
+    int done;     /* 0: left to the Python path */
+    int positive; /* the side kept: 1 the largest values, 0 the smallest */
+    double sum;   /* its exact sum */
+    Py_ssize_t nnz;
+    int b;
+    uint8_t *bits; /* malloc'd, nbytes long */
+    Py_ssize_t nbytes;
+} sbc_task;
+
+typedef struct {
+    sbc_task *tasks;
+    Py_ssize_t ntasks, next; /* next: the first task no thread has taken (atomic) */
+    Py_ssize_t work, cap;    /* per thread: floats of order-statistic scratch, entries a side holds */
+    Py_ssize_t order_max;
+    double ln_phi;
+} sbc_job;
+
+/* Of x[0, n): every value beyond t (above it when largest, else below) and the first ties at t,
+ * k in all, ascending, into pos and val (t is the k-th most extreme value: exact mode's rule). */
+static Py_ssize_t exact_side(const float *x, Py_ssize_t n, float t, Py_ssize_t k, int largest, int64_t *pos,
+                             float *val) {
+    Py_ssize_t strict = 0, c = 0;
+    for (Py_ssize_t i = 0; i < n; i++) strict += largest ? x[i] > t : x[i] < t;
+    Py_ssize_t ties = k - strict;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        float v = x[i];
+        int beyond = largest ? v > t : v < t;
+        if (beyond || (v == t && ties > 0)) {
+            ties -= !beyond;
+            pos[c] = i;
+            val[c++] = v;
+        }
+    }
+    return c;
+}
+
+/* The float64 sum of x[0, m) in order into *sum; returns whether it is exact: every value finite and
+ * the non-zero ones' exponents spanning little enough that each partial sum is a float64 (the test
+ * of fedcomp.codecs.sbc._exact_sum, there with zeros counted as the least exponent: they add
+ * nothing, so leaving them out only takes more sums as exact; an exact sum is the sum either way). */
+static int exact_sum(const float *x, Py_ssize_t m, double *sum) {
+    double total = 0.0;
+    uint32_t lo = 0x7FFFFFFFu, hi = 0;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        uint32_t bits;
+        memcpy(&bits, &x[i], 4);
+        bits &= 0x7FFFFFFFu;
+        lo = bits != 0 && bits < lo ? bits : lo;
+        hi = bits > hi ? bits : hi;
+        total += (double)x[i];
+    }
+    *sum = total;
+    if (hi == 0) return 1; /* all zeros (or none) */
+    int elo = (int)(lo >> 23), ehi = (int)(hi >> 23), count_bits = 0;
+    if (elo < 1) elo = 1;
+    for (uint64_t c = (uint64_t)m; c; c >>= 1) count_bits++;
+    return ehi != 0xFF && ehi - elo + 24 + count_bits <= 53;
+}
+
+#if defined(__SIZEOF_INT128__)
+#define HAVE_INT128 1
+/* The sign of a * ca + b * cb, exactly (a, b finite float64; 0 <= ca, cb < 2**62). */
+static int sign_of_sum(double a, int64_t ca, double b, int64_t cb) {
+    int ea, eb;
+    /* a = ma * 2**(ea - 53) with ma an integer below 2**53 in magnitude; the same for b */
+    __int128 A = (__int128)(int64_t)ldexp(frexp(a, &ea), 53) * ca;
+    __int128 B = (__int128)(int64_t)ldexp(frexp(b, &eb), 53) * cb;
+    if (A == 0 || B == 0) {
+        __int128 v = A == 0 ? B : A;
+        return (v > 0) - (v < 0);
+    }
+    if ((A > 0) == (B > 0)) return A > 0 ? 1 : -1;
+    if (ea < eb) { /* the larger exponent first */
+        __int128 t = A;
+        A = B;
+        B = t;
+        int te = ea;
+        ea = eb;
+        eb = te;
+    }
+    /* a * ca + b * cb = 2**(eb - 53) * (A * 2**d + B), |A|, |B| < 2**115 */
+    int d = ea - eb, bits = 0;
+    unsigned __int128 mag = A > 0 ? (unsigned __int128)A : (unsigned __int128)(-A);
+    for (unsigned __int128 m = mag; m; m >>= 1) bits++;
+    if (bits + d > 124) return A > 0 ? 1 : -1; /* |A| * 2**d > 2**123 > |B| */
+    __int128 shifted = (__int128)(mag << d);
+    __int128 total = (A > 0 ? shifted : -shifted) + B;
+    return (total > 0) - (total < 0);
+}
+#endif
+
+/* golomb_b of fedcomp.codecs.golomb for the density nnz / n (the caller checks it against Python's). */
+static int golomb_b_of(Py_ssize_t nnz, Py_ssize_t n, double ln_phi) {
+    double p = (double)nnz / (double)n;
+    if (p <= 0.0) return 62;
+    if (p >= 1.0) return 0;
+    double ratio = ln_phi / log1p(-p);
+    if (ratio <= 0.0 || isinf(ratio)) return 62;
+    double b = 1.0 + floor(log2(ratio));
+    return b < 0.0 ? 0 : b > 62.0 ? 62 : (int)b;
+}
+
+static void sbc_run(const sbc_job *job, sbc_task *t, float *work, int64_t *hp, float *hv, int64_t *lp, float *lv) {
+    const float *x = t->x;
+    Py_ssize_t n = t->n, k = t->k, nhi = 0, nlo = 0;
+    float t_lo = 0.0f, t_hi = 0.0f;
+    int found = 0;
+    if (t->where != NULL) { /* fast mode */
+        uint32_t nonfinite = 0;
+        if (gather(x, n, t->where, t->s, work, &nonfinite) || nonfinite) return;
+        order_pair(work, t->s, t->r, work + t->s, &t_lo, &t_hi);
+        Py_ssize_t limit = 4 * k;
+        scan_out o = {hp, lp, hv, lv, 0, 0, limit < n ? limit : n};
+        if (!scan_range(x, 0, n, t_hi, t_lo, limit, &o) && o.nhi > 0 && o.nhi <= 2 * k && o.nlo > 0 &&
+            o.nlo <= 2 * k) {
+            nhi = o.nhi;
+            nlo = o.nlo;
+            found = 1;
+        }
+    }
+    if (!found) { /* exact mode */
+        if (n < 2 || n > job->order_max) return;
+        uint32_t nonfinite = 0;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            uint32_t bits;
+            memcpy(&bits, x + i, 4);
+            nonfinite |= (uint32_t)((bits & 0x7F800000u) == 0x7F800000u);
+        }
+        if (nonfinite) return;
+        order_pair(x, n, k, work, &t_lo, &t_hi);
+        nhi = exact_side(x, n, t_hi, k, 1, hp, hv);
+        nlo = exact_side(x, n, t_lo, k, 0, lp, lv);
+    }
+    double sums[2];
+    if (!exact_sum(hv, nhi, &sums[0]) || !exact_sum(lv, nlo, &sums[1])) return;
+#ifdef HAVE_INT128
+    /* mean+ = s_hi / c_hi against |mean-| = -s_lo / c_lo: the positive side on a tie */
+    int positive = sign_of_sum(sums[0], nlo, sums[1], nhi) >= 0;
+#else
+    return;
+#endif
+    const int64_t *pos = positive ? hp : lp;
+    Py_ssize_t nnz = positive ? nhi : nlo;
+    int b = golomb_b_of(nnz, n, job->ln_phi);
+    Py_ssize_t nbytes = golomb_size(pos, nnz, b);
+    if (nbytes < 0) return;
+    uint8_t *bits = malloc(nbytes ? (size_t)nbytes : 1);
+    if (bits == NULL) return;
+    golomb_write(bits, pos, nnz, b);
+    t->positive = positive;
+    t->sum = positive ? sums[0] : sums[1];
+    t->nnz = nnz;
+    t->b = b;
+    t->bits = bits;
+    t->nbytes = nbytes;
+    t->done = 1;
+}
+
+static void sbc_body(void *arg) {
+    sbc_job *job = arg;
+    size_t cap = (size_t)job->cap + 1;
+    float *work = malloc(sizeof(float) * (size_t)(job->work + 1));
+    int64_t *hp = malloc(8 * cap), *lp = malloc(8 * cap);
+    float *hv = malloc(4 * cap), *lv = malloc(4 * cap);
+    if (work != NULL && hp != NULL && lp != NULL && hv != NULL && lv != NULL) /* else the others do it */
+        for (;;) {
+            Py_ssize_t i = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
+            if (i >= job->ntasks) break;
+            sbc_run(job, &job->tasks[i], work, hp, hv, lp, lv);
+        }
+    free(work);
+    free(hp);
+    free(lp);
+    free(hv);
+    free(lv);
+}
+
+static PyObject *encode_many(PyObject *self, PyObject *args) {
+    PyObject *list, *result = NULL;
+    Py_ssize_t order_max;
+    double ln_phi;
+    int threads, use_team;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "O!ndip", &PyList_Type, &list, &order_max, &ln_phi, &threads, &use_team)) return NULL;
+    Py_ssize_t ntasks = PyList_GET_SIZE(list);
+    sbc_task *tasks = PyMem_Calloc(ntasks ? (size_t)ntasks : 1, sizeof(sbc_task));
+    Py_buffer *views = PyMem_Calloc(ntasks ? (size_t)(2 * ntasks) : 1, sizeof(Py_buffer));
+    Py_ssize_t held = 0; /* views[0, held) hold buffers */
+    if (tasks == NULL || views == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    sbc_job job = {tasks, ntasks, 0, 0, 0, order_max, ln_phi};
+    for (Py_ssize_t i = 0; i < ntasks; i++) {
+        PyObject *a, *where;
+        sbc_task *t = &tasks[i];
+        if (!PyArg_ParseTuple(PyList_GET_ITEM(list, i), "OOnn", &a, &where, &t->k, &t->r)) goto done;
+        if (PyObject_GetBuffer(a, &views[held], PyBUF_SIMPLE) < 0) goto done;
+        t->x = (const float *)views[held].buf;
+        t->n = views[held++].len / 4;
+        if (where != Py_None) {
+            if (PyObject_GetBuffer(where, &views[held], PyBUF_SIMPLE) < 0) goto done;
+            t->where = (const int64_t *)views[held].buf;
+            t->s = views[held++].len / 8;
+        }
+        if (t->k < 1 || t->k > t->n || (t->where != NULL && (t->r < 1 || t->r > t->s))) {
+            PyErr_Format(PyExc_ValueError, "encode_many: task %zd needs 1 <= k <= n and, with positions, 1 <= r <= s", i);
+            goto done;
+        }
+        Py_ssize_t cap = t->k, work = t->n <= order_max ? t->n : 0;
+        if (t->where != NULL) {
+            Py_ssize_t limit = 4 * t->k;
+            cap = limit < t->n ? limit : t->n;
+            work = 2 * t->s > work ? 2 * t->s : work;
+        }
+        job.cap = cap > job.cap ? cap : job.cap;
+        job.work = work > job.work ? work : job.work;
+    }
+    Py_BEGIN_ALLOW_THREADS;
+    team_run(sbc_body, &job, threads < 1 ? 1 : threads, use_team);
+    Py_END_ALLOW_THREADS;
+    result = PyList_New(ntasks);
+    for (Py_ssize_t i = 0; result != NULL && i < ntasks; i++) {
+        sbc_task *t = &tasks[i];
+        PyObject *item;
+        if (!t->done) {
+            Py_INCREF(Py_None);
+            item = Py_None;
+        } else {
+            item = Py_BuildValue("Ndniy#", PyBool_FromLong(t->positive), t->sum, t->nnz, t->b, (const char *)t->bits,
+                                 t->nbytes);
+        }
+        if (item == NULL) Py_CLEAR(result);
+        else PyList_SET_ITEM(result, i, item);
+    }
+done:
+    for (Py_ssize_t i = 0; i < held; i++) PyBuffer_Release(&views[i]);
+    if (tasks != NULL)
+        for (Py_ssize_t i = 0; i < ntasks; i++) free(tasks[i].bits);
+    PyMem_Free(tasks);
+    PyMem_Free(views);
     return result;
 }
 
@@ -742,6 +1022,7 @@ static PyMethodDef methods[] = {
     {"sample_thresholds", sample_thresholds, METH_VARARGS, "The r-th smallest and largest of a[pos] (None if any is not finite)."},
     {"sum_stats", sum_stats, METH_VARARGS, "float64 sum and min/max magnitude bits of float32 values."},
     {"fast_select", fast_select, METH_VARARGS, "sample_thresholds, scan and both sides' sum_stats in one call."},
+    {"encode_many", encode_many, METH_VARARGS, "Whole SBC encodings of a list of tensors on several threads."},
     {"golomb_encode", golomb_encode, METH_VARARGS, "Golomb-Rice code ascending int64 positions."},
     {"golomb_decode", golomb_decode, METH_VARARGS, "Decode positions; False on an invalid stream."},
     {NULL, NULL, 0, NULL}};

@@ -35,6 +35,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "team.h"
+
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #define HAVE_X86_DISPATCH 1
@@ -379,35 +381,8 @@ static PyObject *run(PyObject *self, PyObject *args) {
 
 /* --- run2: two op lists on torch's OpenMP team ---------------------------------------------------
  *
- * torch's CPU builds run their parallel ops on an OpenMP team whose workers spin for a few
- * milliseconds after each op before they sleep. A second thread of our own started right after a
- * torch op shares a core with that spinning worker and runs at half speed; the worker itself,
- * handed the work, starts at once. So the two halves run on the OpenMP runtime already loaded in
- * the process (libgomp's GOMP_parallel, found by name: no link-time dependency), when there is
- * one; else run2 says so and the caller uses its own thread. */
-
-typedef void (*gomp_parallel_t)(void (*)(void *), void *, unsigned, unsigned);
-typedef int (*omp_int_t)(void);
-static gomp_parallel_t GOMP_PARALLEL = NULL;
-static omp_int_t OMP_THREAD_NUM = NULL, OMP_NUM_THREADS = NULL;
-static int OMP_LOOKED = 0;
-
-#if defined(__linux__) || defined(__APPLE__)
-#include <dlfcn.h>
-#define HAVE_DLSYM 1
-#endif
-
-static int omp_found(void) {
-#ifdef HAVE_DLSYM
-    if (!OMP_LOOKED) {
-        GOMP_PARALLEL = (gomp_parallel_t)dlsym(RTLD_DEFAULT, "GOMP_parallel");
-        OMP_THREAD_NUM = (omp_int_t)dlsym(RTLD_DEFAULT, "omp_get_thread_num");
-        OMP_NUM_THREADS = (omp_int_t)dlsym(RTLD_DEFAULT, "omp_get_num_threads");
-        OMP_LOOKED = 1;
-    }
-#endif
-    return GOMP_PARALLEL != NULL && OMP_THREAD_NUM != NULL && OMP_NUM_THREADS != NULL;
-}
+ * The two halves run on the OpenMP team torch has loaded (team.h says why); when the process has
+ * none, run2 says so and the caller uses a thread of its own. */
 
 typedef struct {
     const oplist_t *lists[2];

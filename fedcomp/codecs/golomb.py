@@ -59,7 +59,7 @@ _KERNEL = _native.load("sbc")
 MAX_B = 62
 
 #: ln(phi - 1), phi the golden ratio.
-_LN_PHI_MINUS_1 = math.log((math.sqrt(5.0) - 1.0) / 2.0)
+LN_PHI_MINUS_1 = math.log((math.sqrt(5.0) - 1.0) / 2.0)
 
 #: 0x8040201008040201 as a (wrapping) signed int64, for :func:`_pack_bits`.
 _PACK_MAGIC = 0x8040201008040201 - (1 << 64)
@@ -78,7 +78,7 @@ def golomb_b(p: float) -> int:
         return MAX_B
     if p >= 1.0:
         return 0
-    ratio = _LN_PHI_MINUS_1 / math.log1p(-p)
+    ratio = LN_PHI_MINUS_1 / math.log1p(-p)
     if ratio <= 0.0 or math.isinf(ratio):  # p below float resolution: log1p(-p) == -0.0
         return MAX_B
     return max(0, min(MAX_B, 1 + math.floor(math.log2(ratio))))

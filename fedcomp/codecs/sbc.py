@@ -20,7 +20,10 @@ What runs where:
   the threshold scan in one pass per part of :func:`split_run` (SSE2, or AVX2 where the CPU has
   it), exact mode's order statistics for tensors of up to ``_KERNEL_ORDER_MAX`` values, the
   float64 sums of the means, Golomb coding and decoding (:mod:`fedcomp.codecs.golomb`) and the
-  decoder's dense output (zeros and the mean written in one pass). All release the GIL.
+  decoder's dense output (zeros and the mean written in one pass). All release the GIL. A
+  whole update's tensors go to the kernel in one call (:meth:`SBC.encode_many`, what
+  :class:`fedcomp.methods.update.UpdateEncoder` uses without error feedback): every step of every
+  tensor there, on the threads of torch's OpenMP team, with no Python between the steps.
 - **CPU without them** (not built, or ``FEDCOMP_NATIVE=0``): the same steps in NumPy (its
   compare and nonzero are several times faster than torch's on CPU; torch's CPU kernels run
   OpenMP regions that slow down many-fold when the machine is busy, NumPy's run on the calling
@@ -45,7 +48,7 @@ import torch
 
 from fedcomp import _native
 from fedcomp.codecs.base import Codec, TensorSpec, check_wire_dtype, expect_payload
-from fedcomp.codecs.golomb import decode_positions, encode_positions, golomb_b
+from fedcomp.codecs.golomb import LN_PHI_MINUS_1, decode_positions, encode_positions, golomb_b
 from fedcomp.errors import ConfigError, PayloadError
 from fedcomp.wire.payloads import EncodedTensor, Payload, SBCPayload
 
@@ -53,6 +56,8 @@ MODES = ("exact", "fast")
 
 #: The C kernels (:mod:`fedcomp._native`), or None: then the CPU paths run in NumPy.
 _KERNEL = _native.load("sbc")
+#: The process that loaded them: a forked child must not hand work to the OpenMP team (team.h).
+_KERNEL_PID = os.getpid()
 
 #: Elements per chunk for the CPU threshold pass (the chunk and its mask stay in cache).
 _CPU_CHUNK = 1 << 16
@@ -134,6 +139,55 @@ class SBC(Codec):
         check_wire_dtype(tensor, name)
         payload, _ = self._payload(self._flatten(tensor), name)
         return self._envelope(tensor, name, payload)
+
+    def encode_many(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> list[EncodedTensor | None]:
+        """:meth:`encode` of each ``(name, tensor)``: the same bytes (tested), the whole list in one
+        call of the C kernel (``encode_many``: selection, sums, side and Golomb code per tensor, on
+        ``torch.get_num_threads()`` threads) instead of a dozen Python-driven steps per tensor.
+
+        An entry is None where the tensor is left to :meth:`encode`, which the caller then calls,
+        so its errors are :meth:`encode`'s: no kernel, not a contiguous float32 CPU tensor, fewer
+        than two elements, or a case only the Python path handles (a value not finite, exact mode
+        above ``_KERNEL_ORDER_MAX`` elements, sums whose exponents span too far for float64). A
+        tensor larger than an even share of the list is left too: in the list it would keep one
+        thread busy while the others wait, where :meth:`encode` splits its scan over them."""
+        out: list[EncodedTensor | None] = [None] * len(tensors)
+        kernel = _KERNEL
+        if kernel is None or not hasattr(kernel, "encode_many"):
+            return out
+        threads = 1 if _in_lane() else max(1, min(torch.get_num_threads(), _MAX_WORKERS))
+        share = sum(t.numel() for _, t in tensors) // threads
+        tasks: list[tuple[int, int, tuple[np.ndarray, np.ndarray | None, int, int]]] = []
+        p, s, fast_mode = self.p, self.sample_size, self.mode == "fast"
+        r = max(1, round(p * s))
+        for i, (_, t) in enumerate(tensors):
+            n = t.numel()
+            if n < 2 or not t.is_cpu or t.dtype != torch.float32 or not t.is_contiguous():
+                continue
+            if threads > 1 and n > share:
+                continue
+            fast = fast_mode and n > s
+            if not fast and n > _KERNEL_ORDER_MAX:
+                continue
+            where = _sample_positions_np(n, s) if fast else None
+            tasks.append((n, i, (t.detach().numpy(), where, max(1, round(p * n)), r)))
+        if not tasks:
+            return out
+        tasks.sort(key=lambda task: -task[0])  # largest first: the threads end together
+        found = kernel.encode_many(
+            [task[2] for task in tasks], _KERNEL_ORDER_MAX, LN_PHI_MINUS_1, threads, os.getpid() == _KERNEL_PID
+        )
+        for (n, i, _), res in zip(tasks, found, strict=True):
+            if res is None:
+                continue
+            _, total, nnz, b, bits = res
+            if b != golomb_b(nnz / n):  # (the kernel's libm and Python's agree; were they not)
+                continue
+            num, den = total.as_integer_ratio()
+            mean = _round_f32(num * ((1 << 149) // den), nnz << 149)
+            name, t = tensors[i]
+            out[i] = self._envelope(t, name, SBCPayload(mean=mean, golomb_b=b, nnz=nnz, bits=bits))
+        return out
 
     def _encode(self, flat: torch.Tensor, name: str) -> tuple[Payload, torch.Tensor | None]:
         payload, idx = self._payload(flat, name)
@@ -678,6 +732,12 @@ def _threshold_select_torch(
     if hi.numel() + lo.numel() > limit:
         return None
     return hi, flat[hi].cpu().numpy(), lo, flat[lo].cpu().numpy()
+
+
+@lru_cache(maxsize=256)
+def _sample_positions_np(n: int, s: int) -> np.ndarray:
+    """:func:`_sample_positions` on CPU, as the NumPy array the kernels take."""
+    return _sample_positions(n, s, "cpu").numpy()
 
 
 @lru_cache(maxsize=128)

@@ -54,11 +54,14 @@ class UpdateEncoder:
     persist across calls (``state_dict``/``load_state_dict``). Small tensors use ``small_codec``
     (lossless fp32 by default, so they need no residual).
 
-    On CPU, the tensors of a ``tensor_parallel`` codec (SBC) of at least ``_LANE_MIN`` elements
-    are encoded several at once on ``torch.get_num_threads()`` threads
-    (:func:`fedcomp.codecs.sbc.run_jobs`), the others on the calling thread meanwhile; the bytes,
-    reconstructions and residuals are those of a loop (tested). With one torch thread (the
-    reference app's setting) it is a loop.
+    Tensors that a codec with an ``encode_many`` (SBC) encodes plainly (no error feedback, no
+    ``keep_sent``) go to it together, in one call (:meth:`fedcomp.codecs.sbc.SBC.encode_many`:
+    one C kernel call for the whole list); what it leaves, and every other tensor, is encoded as
+    follows. On CPU, the tensors of a ``tensor_parallel`` codec (SBC) of at least ``_LANE_MIN``
+    elements are encoded several at once on ``torch.get_num_threads()`` threads
+    (:func:`fedcomp.codecs.sbc.run_jobs`), the others on the calling thread meanwhile. Either
+    way the bytes, reconstructions and residuals are those of a loop (tested). With one torch
+    thread (the reference app's setting) the kernel runs on that thread and the rest is a loop.
     """
 
     def __init__(
@@ -106,9 +109,11 @@ class UpdateEncoder:
         fb = self.feedback
         jobs: list[Callable[[], tuple[EncodedTensor, torch.Tensor | None]]] = []
         chosen: list[Codec] = []
-        for name, t in tensors.items():
+        numels = [t.numel() for t in tensors.values()]
+        together: dict[Codec, list[int]] = {}  # plain encodes of a codec that does many at once
+        for i, (name, t) in enumerate(tensors.items()):
             override = codecs.get(name)
-            small = override is None and t.numel() < self.min_numel
+            small = override is None and numels[i] < self.min_numel
             codec = override if override is not None else self.small_codec if small else self._codec
             chosen.append(codec)
             if fb is not None and (not small or fb.residual(name) is not None):
@@ -117,8 +122,18 @@ class UpdateEncoder:
                 jobs.append(functools.partial(codec.encode_with_reconstruction, t, name))
             else:
                 jobs.append(functools.partial(_without_reconstruction, codec, t, name))
+                if hasattr(codec, "encode_many"):
+                    together.setdefault(codec, []).append(i)
+        items = list(tensors.items())
+        for codec, where in together.items():
+            if len(where) < 2:
+                continue
+            for i, enc in zip(where, codec.encode_many([items[i] for i in where]), strict=True):  # type: ignore[attr-defined]
+                if enc is not None:  # (else its job encodes it: errors are the job's)
+                    jobs[i] = functools.partial(_encoded, enc)
+                    numels[i] = 0  # nothing left to run in a lane
         on_cpu = all(t.device.type == "cpu" for t in tensors.values())
-        done = _run_tensor_jobs(jobs, [t.numel() for t in tensors.values()], chosen, on_cpu)
+        done = _run_tensor_jobs(jobs, numels, chosen, on_cpu)
         if keep_sent:
             self.sent = {
                 name: recon.to(torch.float32)
@@ -183,6 +198,10 @@ class UpdateEncoder:
 
 def _without_reconstruction(codec: Codec, t: torch.Tensor, name: str) -> tuple[EncodedTensor, None]:
     return codec.encode(t, name), None
+
+
+def _encoded(enc: EncodedTensor) -> tuple[EncodedTensor, None]:
+    return enc, None
 
 
 def decode_update(
