@@ -195,7 +195,9 @@ def lane_min(request, monkeypatch) -> int:
     return request.param
 
 
-@pytest.mark.parametrize("codec", [SBC(0.01, "fast", sample_size=SAMPLE), SBC(0.02, "exact"), DenseFP16()], ids=repr)
+@pytest.mark.parametrize(
+    "codec", [SBC(0.01, "fast", sample_size=SAMPLE), SBC(0.02, "exact"), ThreeLC(1.0), DenseFP16()], ids=repr
+)
 def test_tensors_encoded_at_once_give_the_bytes_and_residuals_of_one_thread(
     codec: Codec, lane_min: int, restore_threads: None
 ) -> None:
@@ -263,7 +265,10 @@ def test_run_jobs_runs_jobs_at_once_in_order_and_raises_the_earliest_error(resto
     assert sbc.run_jobs([lambda: threading.get_ident()] * 3, [1, 1, 1]) == [here] * 3
 
 
-def test_tensors_decoded_at_once_give_a_loops_values_and_first_error(lane_min: int, restore_threads: None) -> None:
+@pytest.mark.parametrize("codec", [SBC(0.01, "fast", sample_size=SAMPLE), ThreeLC(1.0)], ids=repr)
+def test_tensors_decoded_at_once_give_a_loops_values_and_first_error(
+    codec: Codec, lane_min: int, restore_threads: None
+) -> None:
     """Decoding on 1 thread and on 4 (tensors at once): the same values bit for bit, into new
     tensors and into kept buffers; and for an update broken in two tensors, the same error: the
     first broken tensor's, as a loop raises it."""
@@ -271,12 +276,12 @@ def test_tensors_decoded_at_once_give_a_loops_values_and_first_error(lane_min: i
 
     from fedcomp.errors import PayloadError
 
-    codec = SBC(0.01, "fast", sample_size=SAMPLE)
     tensors = varied_update(4)
     specs = specs_of(tensors)
     update = UpdateEncoder(codec, min_numel=MIN_NUMEL, error_feedback=False).encode(tensors)
     by_name = {e.name: e for e in update.tensors}
-    bad_bits = dataclasses.replace(by_name["fc"].payload, bits=b"\xff" * 3)  # type: ignore[type-var]
+    field = "bits" if isinstance(codec, SBC) else "data"
+    bad_bits = dataclasses.replace(by_name["fc"].payload, **{field: b"\xff" * 3})  # type: ignore[type-var]
     broken = tuple(
         dataclasses.replace(e, payload=bad_bits)
         if e.name == "fc"
