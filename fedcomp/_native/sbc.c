@@ -414,15 +414,17 @@ done:
     return result;
 }
 
-/* The float64 sum of x[0, m) in order, and the least and greatest of (bits & 0x7fffffff). */
-static void stats_of(const float *x, Py_ssize_t m, double *sum_out, uint32_t *lo_out, uint32_t *hi_out) {
+/* The float64 sum of x[0, m) in order, and the least and greatest of (bits & 0x7fffffff) (the least
+ * of the non-zero ones with nonzero_lo). */
+static void stats_of(const float *x, Py_ssize_t m, double *sum_out, uint32_t *lo_out, uint32_t *hi_out,
+                     int nonzero_lo) {
     double sum = 0.0;
     uint32_t lo = 0x7FFFFFFFu, hi = 0;
     for (Py_ssize_t i = 0; i < m; i++) {
         uint32_t bits;
         memcpy(&bits, &x[i], 4);
         bits &= 0x7FFFFFFFu;
-        lo = bits < lo ? bits : lo;
+        lo = bits < lo && (bits != 0 || !nonzero_lo) ? bits : lo;
         hi = bits > hi ? bits : hi;
         sum += (double)x[i];
     }
@@ -438,7 +440,7 @@ static PyObject *sum_stats(PyObject *self, PyObject *args) {
     double sum;
     uint32_t lo, hi;
     Py_BEGIN_ALLOW_THREADS
-    stats_of((const float *)vals.buf, vals.len / 4, &sum, &lo, &hi);
+    stats_of((const float *)vals.buf, vals.len / 4, &sum, &lo, &hi, 0);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&vals);
     return Py_BuildValue("dkk", sum, (unsigned long)lo, (unsigned long)hi);
@@ -476,8 +478,8 @@ static PyObject *fast_select(PyObject *self, PyObject *args) {
         order_pair(v, m, r, v + m, &t_lo, &t_hi);
         over = scan_range(x, 0, n, t_hi, t_lo, limit, &o);
         if (!over) {
-            stats_of(o.hval, o.nhi, &sums[0], &lo_bits[0], &hi_bits[0]);
-            stats_of(o.lval, o.nlo, &sums[1], &lo_bits[1], &hi_bits[1]);
+            stats_of(o.hval, o.nhi, &sums[0], &lo_bits[0], &hi_bits[0], 0);
+            stats_of(o.lval, o.nlo, &sums[1], &lo_bits[1], &hi_bits[1], 0);
         }
     }
     Py_END_ALLOW_THREADS
@@ -652,17 +654,8 @@ static Py_ssize_t exact_side(const float *x, Py_ssize_t n, float t, Py_ssize_t k
  * of fedcomp.codecs.sbc._exact_sum, there with zeros counted as the least exponent: they add
  * nothing, so leaving them out only takes more sums as exact; an exact sum is the sum either way). */
 static int exact_sum(const float *x, Py_ssize_t m, double *sum) {
-    double total = 0.0;
-    uint32_t lo = 0x7FFFFFFFu, hi = 0;
-    for (Py_ssize_t i = 0; i < m; i++) {
-        uint32_t bits;
-        memcpy(&bits, &x[i], 4);
-        bits &= 0x7FFFFFFFu;
-        lo = bits != 0 && bits < lo ? bits : lo;
-        hi = bits > hi ? bits : hi;
-        total += (double)x[i];
-    }
-    *sum = total;
+    uint32_t lo, hi;
+    stats_of(x, m, sum, &lo, &hi, 1);
     if (hi == 0) return 1; /* all zeros (or none) */
     int elo = (int)(lo >> 23), ehi = (int)(hi >> 23), count_bits = 0;
     if (elo < 1) elo = 1;

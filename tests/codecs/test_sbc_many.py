@@ -5,7 +5,6 @@ threads of its own (a forked child)."""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 
 import numpy as np
@@ -14,6 +13,7 @@ import torch
 
 from fedcomp.codecs import SBC
 from fedcomp.codecs import sbc as sbc_module
+from tests.forking import result_in_fork
 
 pytestmark = pytest.mark.skipif(
     sbc_module._KERNEL is None or not hasattr(sbc_module._KERNEL, "encode_many"),
@@ -166,18 +166,9 @@ def test_a_forked_child_encodes_on_threads_of_its_own(monkeypatch) -> None:
     codec = SBC(0.01, "fast", sample_size=SAMPLE)
     want = [e.payload.bits for e in codec.encode_many(list(batched_kinds(1).items()))]  # type: ignore[union-attr]
     torch.ones(1 << 20).add_(1.0)  # torch's team has run in the parent
-    ctx = multiprocessing.get_context("fork")
-    queue = ctx.Queue()
-    child = ctx.Process(target=_encode_in_child, args=(queue,))
-    child.start()
-    try:
-        got = queue.get(timeout=120)
-    finally:
-        child.join(10)
-        if child.is_alive():
-            child.kill()
+    got, exitcode = result_in_fork(_encode_in_child)
     assert got == want
-    assert child.exitcode == 0
+    assert exitcode == 0
 
 
 def test_kernel_rejects_impossible_tasks() -> None:

@@ -16,7 +16,6 @@ Every test runs on both writers (the ``writer`` fixture): the fused kernel
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing
 import os
 import zlib
 
@@ -38,6 +37,7 @@ from fedcomp.wire.payloads import (
     STCPayload,
     ThreeLCPayload,
 )
+from tests.forking import result_in_fork
 from tests.wire.test_serde_bounds import varint as reference_varint
 
 
@@ -523,15 +523,6 @@ def test_a_forked_child_writes_a_large_update(writer):
         pytest.skip("torch's own casts hang in such a child (its OpenMP team is gone): not ours to test")
     want = serde.update_to_bytes(_large_update(2))
     assert len(want) > fast_writer._SPLIT_MIN
-    ctx = multiprocessing.get_context("fork")
-    queue = ctx.Queue()
-    child = ctx.Process(target=_write_in_child, args=(queue,))
-    child.start()
-    try:
-        got = queue.get(timeout=120)
-    finally:
-        child.join(10)
-        if child.is_alive():
-            child.kill()
+    got, exitcode = result_in_fork(_write_in_child)
     assert got == zlib.crc32(want)
-    assert child.exitcode == 0
+    assert exitcode == 0
