@@ -140,3 +140,35 @@ def test_cpu_residuals_equal_the_plain_formula_and_leave_inputs_alone(config) ->
         assert torch.equal(x, before)
         assert all(torch.equal(held[k], held_copy[k]) for k in held)
         assert torch.equal(fb.residual("w"), residual["w"])
+
+
+@pytest.mark.parametrize(
+    "config",
+    [{"id": "sbc", "p": 0.05}, {"id": "sbc", "p": 0.01, "mode": "exact"}, {"id": "3lc", "s": 1.0}, {"id": "dense-fp16"}],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_encoding_without_the_reconstruction_keeps_the_same_residuals(config, dtype) -> None:
+    # SBC takes its mean off the residual at the kept positions instead of subtracting a dense
+    # reconstruction (the others go the dense way): encodings and residuals bit for bit those of
+    # encode_with_reconstruction, round after round, from the first (no residual: the caller's
+    # tensor must stay as it was) on, also with the stale-residual remedy on.
+    from fedcomp.codecs import get_codec
+
+    codec = get_codec(config)
+    for stale in (None, StaleResidual(decay=0.5)):
+        sparse, dense = ErrorFeedback(codec, stale), ErrorFeedback(codec, stale)
+        gen = torch.Generator().manual_seed(5)
+        for rnd in range(4):
+            sparse.age = dense.age = rnd + 1
+            x = (torch.randn(40, 130, generator=gen) * 1e-2).to(dtype)
+            before = x.clone()
+            held = sparse.state_dict()
+            held_copy = {k: v.clone() for k, v in held.items()}
+            got, none = sparse.encode_without_reconstruction(x, "w")
+            want, _ = dense.encode_with_reconstruction(x, "w")
+            assert none is None and got == want, (rnd, stale)
+            assert torch.equal(x, before)
+            assert all(torch.equal(held[k], held_copy[k]) for k in held)
+            a, b = sparse.residual("w"), dense.residual("w")
+            assert a is not None and b is not None
+            assert a.shape == b.shape and a.numpy().tobytes() == b.numpy().tobytes(), (rnd, stale)

@@ -189,6 +189,17 @@ class SBC(Codec):
             out[i] = self._envelope(t, name, SBCPayload(mean=mean, golomb_b=b, nnz=nnz, bits=bits))
         return out
 
+    def encode_sparse(self, tensor: torch.Tensor, name: str = "") -> tuple[EncodedTensor, np.ndarray, float] | None:
+        """:meth:`encode`, with what the receiver will decode said sparsely: the kept positions
+        (ascending int64, into the flattened tensor) and the one float32 value there (zeros
+        elsewhere). For error feedback, which then takes that value off its residual at those
+        positions instead of subtracting a dense reconstruction. None off CPU."""
+        if tensor.device.type != "cpu":
+            return None
+        check_wire_dtype(tensor, name)
+        payload, idx = self._payload(self._flatten(tensor), name)
+        return self._envelope(tensor, name, payload), idx.numpy(), payload.mean
+
     def _encode(self, flat: torch.Tensor, name: str) -> tuple[Payload, torch.Tensor | None]:
         payload, idx = self._payload(flat, name)
         if flat.device.type == "cpu":  # as in the decoder

@@ -51,7 +51,9 @@ class UpdateEncoder:
     """Encodes a dict of tensors into one :class:`EncodedUpdate`.
 
     With ``error_feedback`` the large tensors go through an :class:`ErrorFeedback` whose residuals
-    persist across calls (``state_dict``/``load_state_dict``). Small tensors use ``small_codec``
+    persist across calls (``state_dict``/``load_state_dict``); unless ``keep_sent`` asks for the
+    reconstructions, an SBC tensor's residual is updated at its kept positions only
+    (:meth:`ErrorFeedback.encode_without_reconstruction`). Small tensors use ``small_codec``
     (lossless fp32 by default, so they need no residual).
 
     Tensors that a codec with an ``encode_many`` (SBC) encodes plainly (no error feedback, no
@@ -117,7 +119,8 @@ class UpdateEncoder:
             codec = override if override is not None else self.small_codec if small else self._codec
             chosen.append(codec)
             if fb is not None and (not small or fb.residual(name) is not None):
-                jobs.append(functools.partial(fb.encode_with_reconstruction, t, name, codec))
+                step = fb.encode_with_reconstruction if keep_sent else fb.encode_without_reconstruction
+                jobs.append(functools.partial(step, t, name, codec))
             elif keep_sent:
                 jobs.append(functools.partial(codec.encode_with_reconstruction, t, name))
             else:
