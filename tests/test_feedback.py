@@ -144,7 +144,12 @@ def test_cpu_residuals_equal_the_plain_formula_and_leave_inputs_alone(config) ->
 
 @pytest.mark.parametrize(
     "config",
-    [{"id": "sbc", "p": 0.05}, {"id": "sbc", "p": 0.01, "mode": "exact"}, {"id": "3lc", "s": 1.0}, {"id": "dense-fp16"}],
+    [
+        {"id": "sbc", "p": 0.05},
+        {"id": "sbc", "p": 0.01, "mode": "exact"},
+        {"id": "3lc", "s": 1.0},
+        {"id": "dense-fp16"},
+    ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_encoding_without_the_reconstruction_keeps_the_same_residuals(config, dtype) -> None:
