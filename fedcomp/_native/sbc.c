@@ -18,11 +18,12 @@
  *       -> (nhi, nlo, *sum_stats(hi_vals), *sum_stats(lo_vals)) | None
  *       the three above in one call (fast mode's selection for a tensor scanned in one part): None
  *       when a sampled value is not finite or the scan passes `limit`.
- *   encode_many(tasks, order_max, ln_phi, threads, use_team) -> [(positive, sum, nnz, b, bits) | None]
+ *   encode_many(tasks, order_max, ln_phi, threads, use_team) -> [(sum, nnz, b, bits) | None]
  *       a whole update's SBC encodings (fedcomp.codecs.sbc.SBC.encode_many): each task
  *       (a, pos | None, k, r) is one tensor's selection (fast mode with sample positions `pos`,
  *       falling back to exact mode as the Python path does; exact mode without), both sides' exact
- *       sums, the side kept and the Golomb code of its positions, on `threads` threads (team.h);
+ *       sums, the side kept (its exact sum returned) and the Golomb code of its positions, on
+ *       `threads` threads (team.h);
  *       None where the Python path must do it (see the section below).
  *   golomb_encode(idx, b) -> bytes      the two-section Golomb-Rice layout of fedcomp/codecs/golomb.py.
  *   golomb_decode(bits, nnz, b, numel, out) -> bool   positions into int64 `out` (nnz entries);
@@ -384,6 +385,17 @@ done:
     return result;
 }
 
+/* 1 when one of x[0, n) is a NaN or an infinity, else 0 (one branch-free pass). */
+static uint32_t any_nonfinite(const float *x, Py_ssize_t n) {
+    uint32_t nonfinite = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint32_t bits;
+        memcpy(&bits, x + i, 4);
+        nonfinite |= (uint32_t)((bits & 0x7F800000u) == 0x7F800000u);
+    }
+    return nonfinite;
+}
+
 static PyObject *order_stats(PyObject *self, PyObject *args) {
     Py_buffer a, scratch;
     Py_ssize_t r;
@@ -400,11 +412,7 @@ static PyObject *order_stats(PyObject *self, PyObject *args) {
     float t_lo = 0.0f, t_hi = 0.0f;
     const float *x = (const float *)a.buf;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < m; i++) {
-        uint32_t bits;
-        memcpy(&bits, x + i, 4);
-        nonfinite |= (uint32_t)((bits & 0x7F800000u) == 0x7F800000u);
-    }
+    nonfinite = any_nonfinite(x, m);
     if (!nonfinite) order_pair(x, m, r, v, &t_lo, &t_hi);
     Py_END_ALLOW_THREADS
     result = thresholds_or_none(nonfinite, t_lo, t_hi);
@@ -613,9 +621,8 @@ typedef struct {
     Py_ssize_t n;
     const int64_t *where; /* fast mode's sample positions (s of them), or NULL: exact mode */
     Py_ssize_t s, k, r;
-    int done;     /* 0: left to the Python path */
-    int positive; /* the side kept: 1 the largest values, 0 the smallest */
-    double sum;   /* its exact sum */
+    int done;   /* 0: left to the Python path */
+    double sum; /* the exact sum of the side kept */
     Py_ssize_t nnz;
     int b;
     uint8_t *bits; /* malloc'd, nbytes long */
@@ -726,13 +733,7 @@ static void sbc_run(const sbc_job *job, sbc_task *t, float *work, int64_t *hp, f
     }
     if (!found) { /* exact mode */
         if (n < 2 || n > job->order_max) return;
-        uint32_t nonfinite = 0;
-        for (Py_ssize_t i = 0; i < n; i++) {
-            uint32_t bits;
-            memcpy(&bits, x + i, 4);
-            nonfinite |= (uint32_t)((bits & 0x7F800000u) == 0x7F800000u);
-        }
-        if (nonfinite) return;
+        if (any_nonfinite(x, n)) return;
         order_pair(x, n, k, work, &t_lo, &t_hi);
         nhi = exact_side(x, n, t_hi, k, 1, hp, hv);
         nlo = exact_side(x, n, t_lo, k, 0, lp, lv);
@@ -753,7 +754,6 @@ static void sbc_run(const sbc_job *job, sbc_task *t, float *work, int64_t *hp, f
     uint8_t *bits = malloc(nbytes ? (size_t)nbytes : 1);
     if (bits == NULL) return;
     golomb_write(bits, pos, nnz, b);
-    t->positive = positive;
     t->sum = positive ? sums[0] : sums[1];
     t->nnz = nnz;
     t->b = b;
@@ -833,8 +833,7 @@ static PyObject *encode_many(PyObject *self, PyObject *args) {
             Py_INCREF(Py_None);
             item = Py_None;
         } else {
-            item = Py_BuildValue("Ndniy#", PyBool_FromLong(t->positive), t->sum, t->nnz, t->b, (const char *)t->bits,
-                                 t->nbytes);
+            item = Py_BuildValue("dniy#", t->sum, t->nnz, t->b, (const char *)t->bits, t->nbytes);
         }
         if (item == NULL) Py_CLEAR(result);
         else PyList_SET_ITEM(result, i, item);

@@ -180,7 +180,7 @@ class SBC(Codec):
         for (n, i, _), res in zip(tasks, found, strict=True):
             if res is None:
                 continue
-            _, total, nnz, b, bits = res
+            total, nnz, b, bits = res
             if b != golomb_b(nnz / n):  # (the kernel's libm and Python's agree; were they not)
                 continue
             num, den = total.as_integer_ratio()
