@@ -29,6 +29,13 @@
  *   golomb_decode(bits, nnz, b, numel, out) -> bool   positions into int64 `out` (nnz entries);
  *       False on any inconsistency the NumPy decoder reports (the caller then reruns the NumPy path
  *       to raise its PayloadError; `out` is then partly written).
+ *   reply_check(tasks, scratch) -> (bad, squares)   a server's check of one reply before it is summed
+ *       (fedcomp/flower/weighted_sum.py): each task (kind, buffer, nnz, b, numel, offset, value) is a
+ *       tensor's Golomb-coded positions (kind 0, decoded into int64 `scratch` at `offset`) or its
+ *       float32 values (kind 1, checked finite); `squares` the update's squared norm, `bad` the
+ *       first failing task (-1: none; the caller reruns the Python check to raise its error).
+ *   reply_add(tasks, scratch, weight, outs)   the checked reply into float64 sums: weight * value at
+ *       each position of a kind 0 task (re-checked against numel), weight * each value of kind 1.
  *   fill(out, begin, end, pos, p0, p1, value)  out[begin:end] = 0 but `value` at pos[p0:p1] (ascending,
  *       within [begin, end)): the decoder's dense output in one write pass, no zeroed allocation.
  *   scan_variant([name]) -> str         the scan in use, "base" (SSE2 or plain C) or "avx2" (chosen at
@@ -940,6 +947,177 @@ done:
     return result;
 }
 
+/* --- the server's running sum of replies (fedcomp/flower/weighted_sum.py) ---------------------- */
+
+/* One tensor of a reply: its kept positions (kind 0: a Golomb stream of nnz positions in
+ * [0, numel), decoded into scratch[offset, offset + nnz), sharing one value) or its values (kind 1:
+ * numel float32 values, little-endian, at any alignment). */
+typedef struct {
+    int kind;
+    const uint8_t *buf;
+    Py_ssize_t len;
+    long long nnz, numel;
+    int b;
+    Py_ssize_t offset;
+    double value;
+} reply_task;
+
+/* The tasks of `list` (tuples (kind, buffer, nnz, b, numel, offset, value)) with their buffers held
+ * in views[0, *held); -1 with an exception set on a malformed list. */
+static int reply_tasks(PyObject *list, Py_ssize_t scratch_len, reply_task *tasks, Py_buffer *views, Py_ssize_t *held) {
+    Py_ssize_t n = PyList_GET_SIZE(list);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        reply_task *t = &tasks[i];
+        PyObject *buf;
+        if (!PyArg_ParseTuple(PyList_GET_ITEM(list, i), "iOLiLnd", &t->kind, &buf, &t->nnz, &t->b, &t->numel, &t->offset, &t->value))
+            return -1;
+        if (PyObject_GetBuffer(buf, &views[*held], PyBUF_SIMPLE) < 0) return -1;
+        t->buf = (const uint8_t *)views[*held].buf;
+        t->len = views[(*held)++].len;
+        int bad;
+        if (t->kind == 0)
+            bad = check_decode_args(t->nnz, t->b, t->numel) < 0 || t->offset < 0 || t->offset > scratch_len ||
+                  t->nnz > scratch_len - t->offset;
+        else if (t->kind == 1)
+            bad = t->numel < 0 || t->numel > PY_SSIZE_T_MAX / 4 || t->len != (Py_ssize_t)t->numel * 4;
+        else
+            bad = 1;
+        if (bad) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_ValueError, "reply task %zd: bad kind, counts, offset or length", i);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+#define REPLY_AHEAD 16
+
+static inline float load_f32(const uint8_t *p) {
+    float x;
+    memcpy(&x, p, 4);
+    return x;
+}
+
+/* reply_check(tasks, scratch) -> (bad, squares): decode kind 0's positions into int64 `scratch`
+ * and check kind 1's values are finite, summing the squares of all (nnz * value**2 for kind 0);
+ * `bad` is the index of the first task that fails (the caller reruns its Python check for the
+ * error), else -1. */
+static PyObject *reply_check(PyObject *self, PyObject *args) {
+    PyObject *list, *result = NULL;
+    Py_buffer scratch;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "O!w*", &PyList_Type, &list, &scratch)) return NULL;
+    Py_ssize_t ntasks = PyList_GET_SIZE(list), held = 0;
+    reply_task *tasks = PyMem_Calloc(ntasks ? (size_t)ntasks : 1, sizeof(reply_task));
+    Py_buffer *views = PyMem_Calloc(ntasks ? (size_t)ntasks : 1, sizeof(Py_buffer));
+    if (tasks == NULL || views == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (reply_tasks(list, scratch.len / 8, tasks, views, &held) < 0) goto done;
+    Py_ssize_t bad = -1;
+    double squares = 0.0;
+    int64_t *pos = (int64_t *)scratch.buf;
+    Py_BEGIN_ALLOW_THREADS;
+    for (Py_ssize_t i = 0; i < ntasks && bad < 0; i++) {
+        const reply_task *t = &tasks[i];
+        if (t->kind == 0) {
+            if (!decode_core(t->buf, t->len, t->nnz, t->b, t->numel, pos + t->offset)) bad = i;
+            squares += (double)t->nnz * t->value * t->value;
+        } else {
+            double s = 0.0;
+            int finite = 1;
+            for (Py_ssize_t j = 0; j < (Py_ssize_t)t->numel; j++) {
+                double x = (double)load_f32(t->buf + 4 * j);
+                finite &= isfinite(x) != 0;
+                s += x * x;
+            }
+            if (!finite) bad = i;
+            squares += s;
+        }
+    }
+    Py_END_ALLOW_THREADS;
+    result = Py_BuildValue("nd", bad, squares);
+done:
+    for (Py_ssize_t i = 0; i < held; i++) PyBuffer_Release(&views[i]);
+    PyBuffer_Release(&scratch);
+    PyMem_Free(tasks);
+    PyMem_Free(views);
+    return result;
+}
+
+/* reply_add(tasks, scratch, weight, outs): outs[i] (float64, numel entries) += weight * task i
+ * (kind 0: weight * value at the positions reply_check decoded into `scratch`, each position
+ * checked again against numel; kind 1: weight * each value). */
+static PyObject *reply_add(PyObject *self, PyObject *args) {
+    PyObject *list, *outs, *result = NULL;
+    Py_buffer scratch;
+    double weight;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "O!y*dO!", &PyList_Type, &list, &scratch, &weight, &PyList_Type, &outs)) return NULL;
+    Py_ssize_t ntasks = PyList_GET_SIZE(list), held = 0, nouts = 0;
+    reply_task *tasks = PyMem_Calloc(ntasks ? (size_t)ntasks : 1, sizeof(reply_task));
+    Py_buffer *views = PyMem_Calloc(ntasks ? (size_t)ntasks : 1, sizeof(Py_buffer));
+    Py_buffer *dst = PyMem_Calloc(ntasks ? (size_t)ntasks : 1, sizeof(Py_buffer));
+    if (tasks == NULL || views == NULL || dst == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (PyList_GET_SIZE(outs) != ntasks) {
+        PyErr_SetString(PyExc_ValueError, "reply_add: one output per task");
+        goto done;
+    }
+    if (reply_tasks(list, scratch.len / 8, tasks, views, &held) < 0) goto done;
+    for (; nouts < ntasks; nouts++) {
+        if (PyObject_GetBuffer(PyList_GET_ITEM(outs, nouts), &dst[nouts], PyBUF_WRITABLE) < 0) goto done;
+        if (dst[nouts].len != (Py_ssize_t)tasks[nouts].numel * 8) {
+            PyErr_Format(PyExc_ValueError, "reply_add: output %zd is not numel float64 values", nouts);
+            nouts++;
+            goto done;
+        }
+    }
+    int bad = 0;
+    const int64_t *pos = (const int64_t *)scratch.buf;
+    Py_BEGIN_ALLOW_THREADS;
+    for (Py_ssize_t i = 0; i < ntasks; i++) {
+        const reply_task *t = &tasks[i];
+        double *o = (double *)dst[i].buf;
+        if (t->kind == 0) {
+            double wv = weight * t->value;
+            const int64_t *p = pos + t->offset;
+            for (long long k = 0; k < t->nnz; k++) {
+                if (p[k] < 0 || p[k] >= t->numel) { /* scratch is the caller's: never trusted */
+                    bad = 1;
+                    break;
+                }
+#if defined(__GNUC__) || defined(__clang__)
+                /* the positions are ~1/p apart: each add misses the cache, so ask for later ones early */
+                if (k + REPLY_AHEAD < t->nnz && p[k + REPLY_AHEAD] >= 0 && p[k + REPLY_AHEAD] < t->numel)
+                    __builtin_prefetch(o + p[k + REPLY_AHEAD], 1, 0);
+#endif
+                o[p[k]] += wv;
+            }
+        } else {
+            for (Py_ssize_t j = 0; j < (Py_ssize_t)t->numel; j++) o[j] += weight * (double)load_f32(t->buf + 4 * j);
+        }
+    }
+    Py_END_ALLOW_THREADS;
+    if (bad) PyErr_SetString(PyExc_ValueError, "reply_add: a position in scratch is outside its tensor");
+    else {
+        Py_INCREF(Py_None);
+        result = Py_None;
+    }
+done:
+    for (Py_ssize_t i = 0; i < held; i++) PyBuffer_Release(&views[i]);
+    for (Py_ssize_t i = 0; i < nouts; i++) PyBuffer_Release(&dst[i]);
+    PyBuffer_Release(&scratch);
+    PyMem_Free(tasks);
+    PyMem_Free(views);
+    PyMem_Free(dst);
+    return result;
+}
+
 static PyObject *fill(PyObject *self, PyObject *args) {
     Py_buffer out, pos;
     Py_ssize_t begin, end, p0, p1;
@@ -1017,6 +1195,8 @@ static PyMethodDef methods[] = {
     {"encode_many", encode_many, METH_VARARGS, "Whole SBC encodings of a list of tensors on several threads."},
     {"golomb_encode", golomb_encode, METH_VARARGS, "Golomb-Rice code ascending int64 positions."},
     {"golomb_decode", golomb_decode, METH_VARARGS, "Decode positions; False on an invalid stream."},
+    {"reply_check", reply_check, METH_VARARGS, "Decode a reply's positions into scratch, check its values; (bad, squares)."},
+    {"reply_add", reply_add, METH_VARARGS, "Add weight * a checked reply into float64 sums."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_sbc", "C kernels for SBC's CPU paths.", -1, methods, NULL, NULL, NULL, NULL};

@@ -71,7 +71,7 @@ class _DenseCodec(Codec):
         if dev.type != "cpu":
             return super().decode(enc, spec, dev)
         self.check_envelope(enc, spec)
-        payload = self._checked(enc.payload, spec)
+        payload = self.checked_payload(enc.payload, spec)
         out = torch.empty(spec.shape, dtype=spec.dtype)
         if out.numel():
             out.view(-1).copy_(_readonly_view(payload.data, TORCH_DTYPES[payload.encoding]))
@@ -80,12 +80,13 @@ class _DenseCodec(Codec):
     def _decode_into(self, payload: Payload, spec: TensorSpec, out: torch.Tensor) -> None:
         if out.device.type != "cpu":
             return super()._decode_into(payload, spec, out)
-        checked = self._checked(payload, spec)
+        checked = self.checked_payload(payload, spec)
         if out.numel():
             out.copy_(_readonly_view(checked.data, TORCH_DTYPES[checked.encoding]))
 
-    def _checked(self, payload: Payload, spec: TensorSpec) -> DensePayload:
-        """``payload`` if it is this codec's dense payload for ``spec``, else :class:`PayloadError`."""
+    def checked_payload(self, payload: Payload, spec: TensorSpec) -> DensePayload:
+        """``payload`` if it is this codec's dense payload for ``spec`` (encoding and length), else
+        :class:`PayloadError`: the decoder's checks, for a caller that reads the values itself."""
         expect_payload(payload, DensePayload, spec.name)
         assert isinstance(payload, DensePayload)
         expected = self._wire or WIRE_DTYPES.get(spec.dtype)
@@ -97,7 +98,7 @@ class _DenseCodec(Codec):
         return payload
 
     def _decode(self, payload: Payload, spec: TensorSpec, device: torch.device) -> torch.Tensor:
-        payload = self._checked(payload, spec)
+        payload = self.checked_payload(payload, spec)
         want = len(payload.data)
         if want == 0:
             return torch.zeros(0, dtype=TORCH_DTYPES[payload.encoding], device=device)

@@ -238,7 +238,7 @@ def decode_positions(
     """
     device = torch.device(device)
     nnz, b, numel = int(nnz), int(b), int(numel)
-    _check_arguments(bits, nnz, b, numel, name)
+    check_stream(bits, nnz, b, numel, name)
     if nnz == 0:
         return torch.zeros(0, dtype=torch.int64, device=device)
     if device.type == "cpu":
@@ -252,8 +252,9 @@ def decode_positions(
     return _decode_positions_torch(bits, nnz, b, numel, name, device)
 
 
-def _check_arguments(bits: bytes, nnz: int, b: int, numel: int, name: str) -> None:
-    """The checks of :func:`decode_positions` that need no decoding (raise :class:`PayloadError`)."""
+def check_stream(bits: bytes, nnz: int, b: int, numel: int, name: str) -> None:
+    """The checks of :func:`decode_positions` that need no decoding (raise :class:`PayloadError`):
+    what a caller checks before it hands the stream to a kernel that decodes it."""
     if not 0 <= numel < 1 << 62:
         raise PayloadError(name, f"numel {numel} is out of range")
     if nnz < 0:

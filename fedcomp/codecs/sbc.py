@@ -48,7 +48,7 @@ import torch
 
 from fedcomp import _native
 from fedcomp.codecs.base import Codec, TensorSpec, check_wire_dtype, expect_payload
-from fedcomp.codecs.golomb import LN_PHI_MINUS_1, decode_positions, encode_positions, golomb_b
+from fedcomp.codecs.golomb import LN_PHI_MINUS_1, check_stream, decode_positions, encode_positions, golomb_b
 from fedcomp.errors import ConfigError, PayloadError
 from fedcomp.wire.payloads import EncodedTensor, Payload, SBCPayload
 
@@ -278,6 +278,15 @@ class SBC(Codec):
         envelope's (a server summing replies scatter-adds these instead of materialising)."""
         nnz, b, bits, mean32 = self._checked(payload, spec)
         return decode_positions(bits, nnz, b, spec.numel, spec.name, device), mean32
+
+    def checked_positions(self, payload: Payload, spec: TensorSpec) -> tuple[int, int, bytes, float]:
+        """``(nnz, golomb_b, bits, value)`` of an SBC payload after every check of
+        :meth:`positions` that needs no decoding (the envelope's aside): what a caller hands a
+        kernel that decodes the stream itself (the server's running sum,
+        :mod:`fedcomp.flower.weighted_sum`)."""
+        nnz, b, bits, mean32 = self._checked(payload, spec)
+        check_stream(bits, nnz, b, spec.numel, spec.name)
+        return nnz, b, bits, mean32
 
     def _checked(self, payload: Payload, spec: TensorSpec) -> tuple[int, int, bytes, float]:
         """``(nnz, golomb_b, bits, mean32)`` of an SBC payload after the checks that need no

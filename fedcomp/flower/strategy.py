@@ -37,7 +37,6 @@ import secrets
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -45,8 +44,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAdagrad, FedAdam, FedAvg, FedAvgM, FedYogi, Strategy
 
-from fedcomp.codecs import DenseFP32, TensorSpec, get_codec
-from fedcomp.codecs.sbc import SBC
+from fedcomp.codecs import DenseFP32, get_codec
 from fedcomp.errors import ConfigError, PayloadError
 from fedcomp.flower import protocol
 from fedcomp.flower.downlink_policy import advance_by_policy, advance_passes, candidates_of, distance
@@ -55,6 +53,7 @@ from fedcomp.flower.records import fp32_bytes, record_from_tensors, tensors_from
 from fedcomp.flower.replica import ServerReplica
 from fedcomp.flower.settings import CompressionConfig
 from fedcomp.flower.traffic import RoundTraffic, metric_record
+from fedcomp.flower.weighted_sum import Contribution, WeightedSum, sparse_delta
 from fedcomp.methods.base import UplinkMethod
 from fedcomp.methods.registry import get_downlink, get_uplink
 from fedcomp.wire.payloads import EncodedUpdate
@@ -72,10 +71,6 @@ __all__ = [
 log = logging.getLogger("flwr").getChild("fedcomp")
 
 _T = TypeVar("_T")
-
-#: One tensor of a decoded delta on the streaming path: dense, or (positions, the one value they
-#: share) for an SBC tensor, which is never expanded to the tensor's size.
-_Term = torch.Tensor | tuple[torch.Tensor, float]
 
 #: Inner strategies whose ``aggregate_train`` is FedAvg's weighted mean of the replies' arrays,
 #: then (for all but FedAvg) a server step on that mean that reads nothing else of the replies.
@@ -319,9 +314,9 @@ class CompressionStrategy(Strategy):
         content[self._arrays_key] = record_from_tensors(decoded.arrays)
         msg.content = content
 
-    def _stream_reply(self, msg: Message, server_round: int) -> _Contribution:
+    def _stream_reply(self, msg: Message, server_round: int) -> Contribution:
         """The streaming path's :meth:`_decode_reply`: the same checks, but the reply is turned
-        into what :class:`_WeightedSum` adds (its delta, sparse where the codec is SBC, or the
+        into what :class:`~fedcomp.flower.weighted_sum.WeightedSum` adds (its delta, sparse where the codec is SBC, or the
         arrays its method decodes to) and its payload is dropped from ``msg``."""
         assert self.replica is not None and self._target is not None
         update, node, t0 = self._open_reply(msg, server_round)
@@ -329,52 +324,21 @@ class CompressionStrategy(Strategy):
         base_decode = getattr(self.uplink.decode, "__func__", None) is UplinkMethod.decode
         if base_decode and not self.uplink.reports_selection:
             # The base method's decode (W + delta, the round's codec): kept sparse, never W + delta.
-            delta = self._sparse_delta(update, server_round)
-            self._check_terms(delta)
-            contribution = _Contribution(delta=delta)
+            accepted = {c.codec_id: c for c in (get_codec(self.uplink.round_codec_config(server_round)), DenseFP32())}
+            delta = sparse_delta(update, self.replica.specs, accepted)
+            self._check_norm(delta.norm)
+            contribution = Contribution(delta=delta)
         else:  # the method's own decode (DEFT's checks, GradiVeQ's coefficients): one dense reply
             decoded = self.uplink.decode(update, self.replica.specs, self._target, server_round, node)
             self._check_values(decoded.delta if decoded.delta is not None else decoded.arrays)
             if self.uplink.reports_selection and decoded.delta is not None:
                 traffic.note_selection(decoded.delta, self.config.min_compress_numel)
-            contribution = _Contribution(arrays=decoded.arrays)
+            contribution = Contribution(arrays=decoded.arrays)
         traffic.decode_seconds += time.perf_counter() - t0
         content = RecordDict({k: v for k, v in msg.content.items() if k != protocol.UPLINK})
         self._check_structure(content)
         msg.content = content  # the payload is not needed any more: let it go
         return contribution
-
-    def _sparse_delta(self, update: EncodedUpdate, server_round: int) -> dict[str, _Term]:
-        """What the base method's ``decode`` decodes (``decode_update`` with the round's codec and
-        dense fp32), with the same checks and errors, but an SBC tensor comes back as its kept
-        positions and their one value instead of a dense tensor."""
-        assert self.replica is not None
-        specs = self.replica.specs
-        accepted = {c.codec_id: c for c in (get_codec(self.uplink.round_codec_config(server_round)), DenseFP32())}
-        if len(update.tensors) != len(specs):
-            raise PayloadError("", f"update has {len(update.tensors)} tensors, expected {len(specs)}")
-        out: dict[str, _Term] = {}
-        for spec, enc in zip(specs, update.tensors, strict=True):
-            if enc.name != spec.name:
-                raise PayloadError(spec.name, f"found tensor {enc.name!r} in its place")
-            codec = accepted.get(enc.codec_id)
-            if codec is None:
-                raise PayloadError(spec.name, f"codec {enc.codec_id!r} is not accepted here ({sorted(accepted)})")
-            out[spec.name] = _sbc_positions(codec, enc, spec) if isinstance(codec, SBC) else codec.decode(enc, spec)
-        return out
-
-    def _check_terms(self, delta: dict[str, _Term]) -> None:
-        """:meth:`_check_values` of a delta from :meth:`_sparse_delta` (an SBC tensor's value is
-        finite by its decoder's checks; its squared norm is ``nnz * value**2``)."""
-        squares = 0.0
-        for name, term in delta.items():
-            if isinstance(term, tuple):
-                squares += term[0].numel() * term[1] * term[1]
-            elif not bool(torch.isfinite(term).all()):
-                raise PayloadError(name, "decoded values are not all finite")
-            else:
-                squares += float(term.double().pow(2).sum())
-        self._check_norm(squares**0.5)
 
     def _check_values(self, tensors: dict[str, torch.Tensor]) -> None:
         """Every decoded value finite, and the update within ``max-update-norm``."""
@@ -492,7 +456,7 @@ class CompressionStrategy(Strategy):
         assert self._target is not None
         shapes = Counter(_metric_shape(m) for m in ordered if _well_formed(m, self._check_structure))
         common = shapes.most_common(1)[0][0] if len(shapes) > 1 else None
-        total = _WeightedSum(self._target)
+        total = WeightedSum(self._target)
         kept: list[Message] = []
         contents: list[RecordDict] = []
         errors: list[Message] = []
@@ -682,71 +646,6 @@ def _reply_order(msg: Message) -> tuple[int, str, int]:
         value = rec.get("payload") if rec is not None else None
         payload = value if isinstance(value, bytes) else b""
     return (0 if msg.has_error() else 1, hashlib.sha256(payload).hexdigest(), int(msg.metadata.src_node_id))
-
-
-@dataclass
-class _Contribution:
-    """One decoded train reply on the streaming path: its delta against the global model W (it
-    stands for ``W + delta``), or the arrays its uplink method decodes to (GradiVeQ's coefficients,
-    DEFT's ``W + delta``), whichever the method gives."""
-
-    delta: dict[str, _Term] | None = None
-    arrays: dict[str, torch.Tensor] | None = None
-
-
-class _WeightedSum:
-    """The running weighted sum of the replies, in float64, one tensor per name allocated on its
-    first use; a delta reply adds ``weight * delta`` (a scatter-add for SBC) and ``weight`` to the
-    weight of the base ``W``. In float64 the order and number of replies change the mean by no
-    more than float64 rounding, far below the float32 the model is kept in."""
-
-    def __init__(self, base: dict[str, torch.Tensor]) -> None:
-        self.base = base
-        self.sums: dict[str, torch.Tensor] = {}
-        self.base_weight = 0.0
-        self.weight = 0.0
-
-    def _sum(self, name: str, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
-        out = self.sums.get(name)
-        if out is None:
-            out = self.sums[name] = torch.zeros(shape, dtype=torch.float64)
-        return out
-
-    def add(self, part: _Contribution, weight: float) -> None:
-        if part.delta is not None:
-            for name, term in part.delta.items():
-                acc = self._sum(name, self.base[name].shape)
-                if isinstance(term, tuple):
-                    idx, value = term
-                    if idx.numel():  # the decoder's positions are strictly ascending, so unique:
-                        acc.view(-1).numpy()[idx.numpy()] += weight * value  # a fancy add, not add.at
-                else:
-                    acc.add_(term.reshape(acc.shape), alpha=weight)
-            self.base_weight += weight
-        if part.arrays is not None:
-            for name, t in part.arrays.items():
-                self._sum(name, t.shape).add_(t, alpha=weight)
-        self.weight += weight
-
-    def mean(self) -> dict[str, torch.Tensor]:
-        """The weighted mean, float32, in the base's order (then any other names); the sums are
-        released as it goes."""
-        names = dict.fromkeys([*(self.base if self.base_weight else ()), *self.sums])
-        share = self.base_weight / self.weight  # exactly 1.0 when every reply was a delta
-        out = {}
-        for name in names:
-            acc = self.sums.pop(name, None)
-            m = acc.div_(self.weight) if acc is not None else torch.zeros(self.base[name].shape, dtype=torch.float64)
-            if share:
-                m.add_(self.base[name], alpha=share)
-            out[name] = m.to(torch.float32)
-        return out
-
-
-def _sbc_positions(codec: SBC, enc: Any, spec: TensorSpec) -> tuple[torch.Tensor, float]:
-    """SBC's decoder without its dense output, after the same checks as ``SBC.decode``."""
-    codec.check_envelope(enc, spec)
-    return codec.positions(enc.payload, spec, torch.device("cpu"))
 
 
 def _well_formed(msg: Message, check: Callable[[RecordDict], None]) -> bool:

@@ -1,0 +1,78 @@
+"""Adding received payloads into float64 sums without a dense tensor per payload: SBC's kept
+positions (Golomb-coded, one value) and float32 values, checked for a whole update in one C call
+and added in another. What a server summing replies needs (:mod:`fedcomp.flower.weighted_sum`);
+CPU only. :func:`available` says whether the kernel is built: without it, callers sum per tensor
+(``SBC.positions`` and a fancy add; a decoded tensor and ``add_``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from fedcomp import _native
+from fedcomp.codecs.golomb import decode_positions
+from fedcomp.errors import PayloadError
+
+_KERNEL = _native.load("sbc")
+
+#: One tensor for the kernel: (kind, buffer, nnz, golomb_b, numel, offset, value); kind 0 is
+#: Golomb-coded positions decoded into the scratch at ``offset``, kind 1 float32 values.
+Task = tuple[int, bytes | memoryview, int, int, int, int, float]
+
+
+def available() -> bool:
+    """Whether :class:`ScatterSum` can run (the C kernel is built and enabled)."""
+    return _KERNEL is not None
+
+
+class ScatterSum:
+    """A whole update's tensors, gathered by :meth:`positions` and :meth:`values`, then
+    :meth:`check` ed once (every position stream decoded, every value finite, the squared norm)
+    and :meth:`add_into` float64 sums. Each tensor's arguments must have passed the checks that
+    need no decoding (``SBC.checked_positions``, ``checked_payload`` of the dense codecs)."""
+
+    def __init__(self) -> None:
+        self.tasks: list[Task] = []
+        #: The tensors' names, in the order they were given.
+        self.names: list[str] = []
+        self._nnz = 0
+        self._scratch: np.ndarray | None = None
+
+    def positions(self, name: str, bits: bytes, nnz: int, b: int, numel: int, value: float) -> None:
+        """SBC's kept positions of tensor ``name`` (``nnz`` >= 1 of ``numel``) and their value."""
+        self.tasks.append((0, bits, nnz, b, numel, self._nnz, value))
+        self.names.append(name)
+        self._nnz += nnz
+
+    def values(self, name: str, data: bytes | memoryview, numel: int) -> None:
+        """Tensor ``name``'s ``numel`` float32 values, little-endian (at any alignment)."""
+        self.tasks.append((1, data, 0, 0, numel, 0, 0.0))
+        self.names.append(name)
+
+    def check(self) -> float:
+        """Decode every position stream (into a scratch of the update's total ``nnz`` positions,
+        the only allocation) and check every value is finite; the update's squared norm. Raise
+        :class:`PayloadError` naming the first tensor that fails, worded as the per-tensor
+        decoders word it."""
+        assert _KERNEL is not None, "check available() first"
+        self._scratch = np.empty(self._nnz, dtype=np.int64)
+        bad, squares = _KERNEL.reply_check(self.tasks, self._scratch)
+        if bad >= 0:
+            self._scratch = None
+            kind, buf, nnz, b, numel = self.tasks[bad][:5]
+            name = self.names[bad]
+            if kind == 0:
+                decode_positions(bytes(buf), nnz, b, numel, name)  # raises, naming what is wrong
+                raise PayloadError(name, "invalid position stream")
+            raise PayloadError(name, "decoded values are not all finite")
+        return float(squares)
+
+    def add_into(self, weight: float, outs: Sequence[np.ndarray]) -> None:
+        """``outs[i] += weight * tensor i`` (flat float64 arrays in the order of :attr:`names`),
+        after :meth:`check`."""
+        if self._scratch is None:
+            raise RuntimeError("ScatterSum.add_into before a successful check()")
+        assert _KERNEL is not None
+        _KERNEL.reply_add(self.tasks, self._scratch, weight, list(outs))

@@ -1,0 +1,83 @@
+"""fedcomp/codecs/scatter_sum.py and its two kernels (reply_check, reply_add in
+fedcomp/_native/sbc.c): what they decode, check, add and refuse. The sums against the per-tensor
+path, on real replies, are tests/flower/test_weighted_sum.py's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from fedcomp.codecs import scatter_sum
+from fedcomp.codecs.golomb import encode_positions
+from fedcomp.errors import PayloadError
+
+needs_kernel = pytest.mark.skipif(
+    not scatter_sum.available(), reason="fedcomp._native._sbc is not built or FEDCOMP_NATIVE=0"
+)
+
+
+@needs_kernel
+def test_a_scatter_sum_checks_then_adds():
+    s = scatter_sum.ScatterSum()
+    s.positions("a", encode_positions(torch.tensor([0, 2, 7]), 1), 3, 1, 8, -0.5)
+    s.values("b", np.array([1.0, 2.0], dtype=np.float32).tobytes(), 2)
+    s.positions("c", encode_positions(torch.tensor([4]), 0), 1, 0, 5, 3.0)
+    with pytest.raises(RuntimeError, match="before a successful check"):
+        s.add_into(1.0, [np.zeros(8), np.zeros(2), np.zeros(5)])
+    assert s.check() == 3 * 0.25 + 1 + 4 + 9
+    outs = [np.zeros(8), np.ones(2), np.zeros(5)]
+    s.add_into(2.0, outs)
+    assert [o.tolist() for o in outs] == [[-1, 0, -1, 0, 0, 0, 0, -1], [3, 5], [0, 0, 0, 0, 6]]
+
+
+@needs_kernel
+def test_a_bad_tensor_is_named_and_nothing_can_be_added():
+    s = scatter_sum.ScatterSum()
+    s.positions("fine", encode_positions(torch.tensor([1]), 0), 1, 0, 4, 1.0)
+    s.values("bad", np.array([1.0, np.inf], dtype=np.float32).tobytes(), 2)
+    with pytest.raises(PayloadError, match="bad.*not all finite"):
+        s.check()
+    with pytest.raises(RuntimeError):
+        s.add_into(1.0, [np.zeros(4), np.zeros(2)])
+    s = scatter_sum.ScatterSum()
+    bits = encode_positions(torch.tensor([1, 6]), 1)
+    s.positions("past", bits, 2, 1, 5, 1.0)  # position 6 of a 5-element tensor
+    with pytest.raises(PayloadError, match="past"):
+        s.check()
+
+
+@needs_kernel
+def test_the_kernels_refuse_inconsistent_arguments():
+    k = scatter_sum._KERNEL
+    assert k is not None
+    bits = encode_positions(torch.tensor([1, 5, 9]), 1)
+    scratch = np.empty(3, dtype=np.int64)
+    assert k.reply_check([(0, bits, 3, 1, 10, 0, 0.5)], scratch) == (-1, 0.75)
+    assert scratch.tolist() == [1, 5, 9]
+    for task in [
+        (0, bits, 3, 1, 10, 1, 0.5),  # offset + nnz past the scratch
+        (0, bits, 3, 63, 10, 0, 0.5),  # b past 62
+        (0, bits, 11, 1, 10, 0, 0.5),  # nnz past numel
+        (1, b"\0" * 8, 0, 0, 3, 0, 0.0),  # 8 bytes are not 3 float32
+        (2, bits, 3, 1, 10, 0, 0.5),  # no such kind
+    ]:
+        with pytest.raises(ValueError, match="reply task 0"):
+            k.reply_check([task], scratch)
+    out = np.zeros(10)
+    k.reply_add([(0, bits, 3, 1, 10, 0, 0.5)], scratch, 2.0, [out])
+    assert out.tolist() == [0, 1, 0, 0, 0, 1, 0, 0, 0, 1]
+    with pytest.raises(ValueError, match="output 0"):
+        k.reply_add([(0, bits, 3, 1, 10, 0, 0.5)], scratch, 2.0, [np.zeros(9)])
+    with pytest.raises(ValueError, match="one output per task"):
+        k.reply_add([(0, bits, 3, 1, 10, 0, 0.5)], scratch, 2.0, [])
+    scratch[2] = 10  # a caller's scratch is not trusted: no write outside the tensor
+    with pytest.raises(ValueError, match="outside its tensor"):
+        k.reply_add([(0, bits, 3, 1, 10, 0, 0.5)], scratch, 2.0, [np.zeros(10)])
+    values = np.array([1.5, -2.0, 0.25], dtype=np.float32)
+    # float32 values at an odd offset of a buffer (a dense payload inside the update's bytes)
+    odd = memoryview(b"x" + values.tobytes())[1:]
+    assert k.reply_check([(1, odd, 0, 0, 3, 0, 0.0)], scratch) == (-1, 1.5**2 + 4 + 0.25**2)
+    out = np.ones(3)
+    k.reply_add([(1, odd, 0, 0, 3, 0, 0.0)], scratch, 0.5, [out])
+    assert out.tolist() == [1.75, 0.0, 1.125]
