@@ -21,7 +21,11 @@ interleaves Flower's INFO lines with the table. This command wraps the same simu
 
 Results go to ``--out DIR`` (results.json, final_model.pt and the plots), else to
 ``<results-dir>/<run-name>`` (``results-dir`` defaults to ``$FEDCOMP_RESULTS_DIR``, else
-``./results``; ``run-name`` to a UTC timestamp).
+``./results``; ``run-name`` to a UTC timestamp). The clients' saved state goes there too
+(``client-state/``, through ``FEDCOMP_STATE_DIR``), so a run that stopped (Ctrl-C, a crash, a
+timeout) continues bit-identically with the same command, ``--out`` its folder and ``resume=true``
+added to ``--run-config``; a completed run's client state is removed (a resume of it, for more
+rounds, then goes through full resyncs).
 
 ``python -m fedcomp plot RUN_DIR [RUN_DIR ...]`` is :func:`fedcomp.app.plots.main`.
 """
@@ -32,6 +36,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import sys
 import tomllib
 from collections.abc import Callable, Mapping
@@ -42,6 +47,8 @@ from fedcomp.errors import ConfigError
 
 #: Exit codes of ``python -m fedcomp run``.
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
+#: Folder of the clients' saved state inside a run's folder (what a resumed run reads).
+CLIENT_STATE = "client-state"
 
 #: The reference app: the folder holding this package (its pyproject.toml names the apps).
 REFERENCE_APP = Path(__file__).resolve().parent.parent
@@ -280,9 +287,13 @@ def run(argv: list[str]) -> int:
         print(f"CONFIG ERROR: {problem}\nresults: {results_path} (status failed)", file=err)
         return EXIT_CONFIG
 
+    from fedcomp.flower.persist import STATE_DIR_ENV
     from fedcomp.testing.flower import SimulationError, run_simulation
 
     overrides.update({"results-dir": str(root), "run-name": name})
+    # The clients' state goes to the run's folder, not to the simulation's temporary FLWR_HOME:
+    # a run that stops can be resumed (resume=true, same --out) bit-identically.
+    client_state = root / name / CLIENT_STATE
     show = OutputFilter(sys.stdout, verbose=args.verbose, color=args.verbose and sys.stdout.isatty())
     error: str | None = None
     work: Path | None = None
@@ -293,6 +304,7 @@ def run(argv: list[str]) -> int:
             num_supernodes=args.nodes,
             timeout_s=args.timeout,
             on_output=show,
+            env={STATE_DIR_ENV: str(client_state)},
         )
     except SimulationError as exc:
         first = str(exc).split("\n", 1)[0]
@@ -303,7 +315,16 @@ def run(argv: list[str]) -> int:
         error = f"interrupted ({exc or 'Ctrl-C'}); every process of the run was stopped"
     if error is not None:
         _finish_failed(results_path, error, overrides)
-    return _report(results_path, work, err)
+    code = _report(results_path, work, err)
+    if code == EXIT_OK:  # what a resume needs is gone with the run's end (a resume still works, by full resyncs)
+        shutil.rmtree(client_state, ignore_errors=True)
+    elif (results_path.parent / "checkpoint.pt").is_file():
+        print(
+            f"to continue from its last checkpoint: the same command with --out {results_path.parent} "
+            "and resume=true in --run-config",
+            file=err,
+        )
+    return code
 
 
 def _report(results_path: Path, work: Path | None, err: IO[str]) -> int:

@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -107,10 +108,10 @@ class ProcessWatch:
 
 
 def fedcomp_run(
-    args: list[str], timeout: float, sigterm_when: Path | None = None
+    args: list[str], timeout: float, sigterm_when: Callable[[], bool] | None = None
 ) -> tuple[subprocess.CompletedProcess[str], ProcessWatch]:
     """Run ``python -m fedcomp run ARGS`` with the marker set; with ``sigterm_when``, send it
-    SIGTERM once that file holds a results.json with at least one round."""
+    SIGTERM once that returns True (polled every 0.5 s)."""
     token = uuid.uuid4().hex
     env = {**os.environ, MARK: token}
     cmd = [sys.executable, "-m", "fedcomp", "run", *args]
@@ -121,7 +122,7 @@ def fedcomp_run(
         if sigterm_when is not None:
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline and proc.poll() is None:
-                if _rounds_in(sigterm_when) >= 1:
+                if sigterm_when():
                     proc.send_signal(signal.SIGTERM)
                     break
                 time.sleep(0.5)
@@ -134,13 +135,6 @@ def fedcomp_run(
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     watch.cpu_s = (after.ru_utime - usage.ru_utime) + (after.ru_stime - usage.ru_stime)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err), watch
-
-
-def _rounds_in(results: Path) -> int:
-    try:
-        return len(json.loads(results.read_text())["rounds"])
-    except (OSError, ValueError, KeyError):
-        return 0
 
 
 def _results(out_dir: Path) -> dict:
@@ -314,13 +308,38 @@ def test_every_client_failing_fails_the_run(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.flower
-def test_sigterm_stops_every_process_and_marks_the_run_failed(tmp_path: Path) -> None:
+def test_sigterm_stops_every_process_and_marks_the_run_failed_then_the_same_command_resumes_it(
+    tmp_path: Path,
+) -> None:
+    """SIGTERM once a round is checkpointed; the clients' state is in the run's folder, and the
+    same command with ``resume=true`` continues from the checkpoint, appending to results.json.
+    (Not bit-identically: a new simulation has new node ids, so the server resyncs every replica;
+    the residuals come back from the run's folder, tests/flower/test_persist.py.)"""
     out_dir = tmp_path / "run"
-    args = ["--nodes", "2", "--rounds", "20", "--run-config", "local-iters=2", "--out", str(out_dir)]
-    done, watch = fedcomp_run(args, timeout=300, sigterm_when=out_dir / "results.json")
+    config = "local-iters=1 dataset=digits"
+    args = ["--nodes", "2", "--rounds", "20", "--run-config", config, "--out", str(out_dir)]
+    done, watch = fedcomp_run(args, timeout=300, sigterm_when=lambda: (out_dir / "checkpoint.pt").exists())
     assert done.returncode == 1, done.stdout + done.stderr
     data = _results(out_dir)
     assert data["status"] == "failed" and "interrupted" in data["error"]
     assert len(data["rounds"]) < 21
     assert len(watch.ours - watch.before) >= 3, "the watch saw too few processes of the run to judge"
     assert watch.new_alive() == [], "processes of the run still alive"
+    assert f"the same command with --out {out_dir} and resume=true" in done.stderr
+    assert len({p.parent.name for p in (out_dir / "client-state").rglob("round-*.state")}) == 2  # both partitions
+
+    from fedcomp.app.checkpoint import load_checkpoint
+
+    done_rounds = load_checkpoint(out_dir).round + 1  # rounds 0..checkpoint: kept as they were
+    rounds = len(data["rounds"])  # at least one round left to the resumed run
+    resumed, watch = fedcomp_run(
+        ["--nodes", "2", "--rounds", str(rounds), "--run-config", f"{config} resume=true", "--out", str(out_dir)],
+        timeout=300,
+    )
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert watch.new_alive() == [], "processes of the resumed run still alive"
+    got = _results(out_dir)
+    assert got["status"] == "completed" and [r["round"] for r in got["rounds"]] == list(range(rounds + 1))
+    digests = [r["model_digest"] for r in got["rounds"][:done_rounds]]
+    assert digests == [r["model_digest"] for r in data["rounds"][:done_rounds]]
+    assert not (out_dir / "client-state").exists(), "a completed run keeps its clients' state"

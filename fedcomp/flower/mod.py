@@ -284,6 +284,7 @@ def _compression_mod(
         _restore(store, rnd_no, context)
     reply = _handle(msg, context, call_next, initial_model, dl, method)
     if store is not None and rnd_no is not None:
+        context.state[protocol.STATE_NODE] = ConfigRecord({"node-id": str(context.node_id)})
         try:  # after every message: a restarted server finds it
             store.save(context.state, rnd_no)
         except OSError as exc:  # a full or read-only disk costs resumability, never the reply
@@ -311,6 +312,23 @@ def _restore(store: ClientStore, server_round: int, context: Context) -> None:
     for key, value in state.items():
         context.state[key] = value
     log.info("fedcomp: resumed the client state of round %s from %s", saved_round, store.folder)
+    saved = context.state.config_records.get(protocol.STATE_NODE)
+    if saved is not None and saved.get("node-id") != str(context.node_id):
+        _forget_pending_of_another_node(context, saved.get("node-id"))
+
+
+def _forget_pending_of_another_node(context: Context, old_id: object) -> None:
+    """State saved under another node id: the server's outcomes are per node id, so it has no
+    record of the pending update and would call it lost (re-sending it would apply it twice if
+    it was aggregated, which is the common case: the snapshot loaded is of a round the resumed
+    server's checkpoint holds). Counted as aggregated, as :meth:`UpdateOutcome.verdict` counts an
+    update the server has no records of: dropping one it lacks costs what a dropout costs."""
+    if protocol.STATE_PENDING in context.state:
+        del context.state[protocol.STATE_PENDING]
+        log.info(
+            "fedcomp: this state was saved as node %s (now %s): its pending update counts as aggregated",
+            old_id, context.node_id,
+        )  # fmt: skip
 
 
 def _handle(

@@ -8,8 +8,9 @@ is on disk.
 
 **Where.** ``<state-dir>/<run-name>/<lineage>/partition-<partition-id>/round-<R>.state``.
 ``state-dir`` is a node-config key (``flower-supernode --node-config "state-dir='/var/lib/x'"``);
-by default ``$FLWR_HOME/fedcomp-state``, or ``fedcomp-state-<uid>`` in the temp folder when
-FLWR_HOME is not set; ``state-dir = "off"`` turns persistence off. ``run-name`` is the run
+by default ``$FEDCOMP_STATE_DIR`` (what ``python -m fedcomp run`` sets for its simulation:
+``<run folder>/client-state``), else ``$FLWR_HOME/fedcomp-state``, or ``fedcomp-state-<uid>`` in
+the temp folder when FLWR_HOME is not set; ``state-dir = "off"`` turns persistence off. ``run-name`` is the run
 config's (``unnamed`` when empty); the *lineage* is a token the server draws once per run and
 keeps in its checkpoint (``fedcomp.lineage`` in every train/evaluate config): a resumed run finds
 its clients' state, a new run with the same name starts clean. Nothing is keyed by the Flower
@@ -48,10 +49,13 @@ from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict  # type: ign
 
 log = logging.getLogger("flwr").getChild("fedcomp")
 
-__all__ = ["KEEP", "STATE_DIR_KEY", "ClientStore", "default_state_dir", "store_for"]
+__all__ = ["KEEP", "STATE_DIR_ENV", "STATE_DIR_KEY", "ClientStore", "default_state_dir", "store_for"]
 
 #: Node-config key of the folder holding the clients' state ("off": no persistence).
 STATE_DIR_KEY = "state-dir"
+#: Environment variable of that folder where the node config names none (a simulation's nodes
+#: cannot be given node-config keys of their own).
+STATE_DIR_ENV = "FEDCOMP_STATE_DIR"
 #: Snapshots kept per client: the server can be at most one round past its checkpoint.
 KEEP = 3
 #: Runs (lineages) of one run name whose client state is kept on a node.
@@ -65,7 +69,11 @@ _TOKEN = re.compile(r"[0-9a-f]{1,64}")
 
 
 def default_state_dir() -> Path:
-    """``$FLWR_HOME/fedcomp-state``, else ``fedcomp-state-<uid>`` in the temp folder."""
+    """``$FEDCOMP_STATE_DIR`` (``python -m fedcomp run`` sets it to the run's folder), else
+    ``$FLWR_HOME/fedcomp-state``, else ``fedcomp-state-<uid>`` in the temp folder."""
+    chosen = os.environ.get(STATE_DIR_ENV, "")
+    if chosen:
+        return Path(chosen).expanduser()
     home = os.environ.get("FLWR_HOME", "")
     if home:
         return Path(home) / "fedcomp-state"

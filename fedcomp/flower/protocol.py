@@ -48,6 +48,7 @@ __all__ = [
     "STATE_CODEC_SECONDS",
     "STATE_LATTICE",
     "STATE_META",
+    "STATE_NODE",
     "STATE_PENDING",
     "STATE_REPLICA",
     "STATE_RESIDUAL",
@@ -86,6 +87,10 @@ STATE_PENDING = "fedcomp.pending"
 STATE_LATTICE = "fedcomp.lattice"
 #: The mod's own measurements for the bandwidth policy (seconds per local iteration).
 STATE_BANDWIDTH = "fedcomp.bandwidth"
+#: The Flower node id the state was saved under (``node-id``, a string: ids are unsigned 64-bit),
+#: so that state restored under another id (a restarted SuperNode, a resumed simulation) knows
+#: the server has no record of its pending update.
+STATE_NODE = "fedcomp.node"
 #: context.state ConfigRecord: the client's fastest measured codec seconds (downlink apply, and
 #: encode per uplink codec id), for the bandwidth policy (``fedcomp.flower.mod``).
 STATE_CODEC_SECONDS = "fedcomp.codec-seconds"

@@ -23,12 +23,13 @@ __all__ = ["server_identity"]  # the autouse fixture, imported so it applies her
 NODES = (1, 2, 3)
 
 
-def _clients(state_dir: Path) -> dict[int, Client]:
+def _clients(state_dir: Path, ids: tuple[int, ...] = NODES) -> dict[int, Client]:
+    """Clients with node ids ``ids`` on partitions 0, 1, ... (new ids: restarted SuperNodes)."""
     out = {}
-    for n in NODES:
+    for partition, n in enumerate(ids):
         c = Client(n)
         c.ctx = Context(
-            run_id=n, node_id=n, node_config={"partition-id": n - 1, "state-dir": str(state_dir)},
+            run_id=n, node_id=n, node_config={"partition-id": partition, "state-dir": str(state_dir)},
             state=RecordDict(), run_config={"run-name": "r"},
         )  # fmt: skip
         out[n] = c
@@ -89,6 +90,27 @@ def test_without_the_clients_state_the_resumed_model_differs(tmp_path: Path) -> 
     resumed.load_state_dict(_copy_state(strategy))
     final = _run(resumed, _clients(tmp_path / "elsewhere"), range(4, 6), model)
     assert not all(torch.equal(final[k], full[k]) for k in full)
+
+
+def test_state_restored_under_new_node_ids_does_not_resend_an_aggregated_update(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SuperNodes that restart (or a resumed simulation) come back under new node ids, with their
+    state on disk: the server has no record of their pending updates (those of round 3, in the
+    model it resumes from). They count as aggregated, as they were, instead of going back into
+    the residual to be applied twice."""
+    strategy = make_strategy(**{"sbc-p": 0.1})
+    model = _run(strategy, _clients(tmp_path), range(1, 4), tiny_model())
+    resumed = make_strategy(**{"sbc-p": 0.1})
+    resumed.load_state_dict(_copy_state(strategy))
+    fresh = _clients(tmp_path, ids=(11, 12, 13))
+    with caplog.at_level("INFO", logger="flwr.fedcomp"):
+        new, _ = train_round(resumed, fresh, 4, model)
+    assert new is not None
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("resumed the client state of round 3" in m for m in messages) == 3
+    assert sum("its pending update counts as aggregated" in m for m in messages) == 3
+    assert not any("goes back into the residual" in m for m in messages), messages
 
 
 def test_a_new_run_with_the_same_name_starts_clean(tmp_path: Path) -> None:
