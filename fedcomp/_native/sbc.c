@@ -34,8 +34,9 @@
  *       tensor's Golomb-coded positions (kind 0, decoded into int64 `scratch` at `offset`) or its
  *       float32 values (kind 1, checked finite); `squares` the update's squared norm, `bad` the
  *       first failing task (-1: none; the caller reruns the Python check to raise its error).
- *   reply_add(tasks, scratch, weight, outs)   the checked reply into float64 sums: weight * value at
- *       each position of a kind 0 task (re-checked against numel), weight * each value of kind 1.
+ *   reply_add(tasks, scratch, weight, outs, threads, use_team)   the checked reply into float64 sums:
+ *       weight * value at each position of a kind 0 task (re-checked against numel), weight * each
+ *       value of kind 1; tasks largest first on `threads` threads (team.h), one output each.
  *   fill(out, begin, end, pos, p0, p1, value)  out[begin:end] = 0 but `value` at pos[p0:p1] (ascending,
  *       within [begin, end)): the decoder's dense output in one write pass, no zeroed allocation.
  *   scan_variant([name]) -> str         the scan in use, "base" (SSE2 or plain C) or "avx2" (chosen at
@@ -991,8 +992,6 @@ static int reply_tasks(PyObject *list, Py_ssize_t scratch_len, reply_task *tasks
     return 0;
 }
 
-#define REPLY_AHEAD 16
-
 static inline float load_f32(const uint8_t *p) {
     float x;
     memcpy(&x, p, 4);
@@ -1047,20 +1046,74 @@ done:
     return result;
 }
 
-/* reply_add(tasks, scratch, weight, outs): outs[i] (float64, numel entries) += weight * task i
- * (kind 0: weight * value at the positions reply_check decoded into `scratch`, each position
- * checked again against numel; kind 1: weight * each value). */
+typedef struct {
+    const reply_task *tasks;
+    const Py_ssize_t *order; /* task indices, largest first */
+    Py_ssize_t ntasks, next;
+    const int64_t *pos;
+    double weight;
+    double **outs;
+    int bad;
+} reply_job;
+
+static void reply_add_task(const reply_job *job, const reply_task *t, double *o, int *bad) {
+    if (t->kind == 0) {
+        double wv = job->weight * t->value;
+        const int64_t *p = job->pos + t->offset;
+        for (long long k = 0; k < t->nnz; k++) {
+            if (p[k] < 0 || p[k] >= t->numel) { /* scratch is the caller's: never trusted */
+                *bad = 1;
+                return;
+            }
+            o[p[k]] += wv;
+        }
+    } else {
+        for (Py_ssize_t j = 0; j < (Py_ssize_t)t->numel; j++) o[j] += job->weight * (double)load_f32(t->buf + 4 * j);
+    }
+}
+
+static void reply_body(void *arg) {
+    reply_job *job = arg;
+    int bad = 0;
+    for (;;) {
+        Py_ssize_t i = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
+        if (i >= job->ntasks) break;
+        Py_ssize_t at = job->order[i];
+        reply_add_task(job, &job->tasks[at], job->outs[at], &bad);
+    }
+    if (bad) __atomic_store_n(&job->bad, 1, __ATOMIC_RELAXED);
+}
+
+static const reply_task *SORT_TASKS; /* qsort's context (set and used under the GIL) */
+
+static long long reply_cost(const reply_task *t) { return t->kind == 0 ? t->nnz : t->numel / 4; }
+
+static int by_cost(const void *a, const void *b) {
+    long long ca = reply_cost(&SORT_TASKS[*(const Py_ssize_t *)a]), cb = reply_cost(&SORT_TASKS[*(const Py_ssize_t *)b]);
+    if (ca != cb) return ca > cb ? -1 : 1;
+    return *(const Py_ssize_t *)a < *(const Py_ssize_t *)b ? -1 : 1;
+}
+
+/* reply_add(tasks, scratch, weight, outs, threads, use_team): outs[i] (float64, numel entries) +=
+ * weight * task i (kind 0: weight * value at the positions reply_check decoded into `scratch`,
+ * each position checked again against numel; kind 1: weight * each value), the tasks largest
+ * first on `threads` threads (team.h; each output is one task's alone). */
 static PyObject *reply_add(PyObject *self, PyObject *args) {
     PyObject *list, *outs, *result = NULL;
     Py_buffer scratch;
     double weight;
+    int threads, use_team;
     (void)self;
-    if (!PyArg_ParseTuple(args, "O!y*dO!", &PyList_Type, &list, &scratch, &weight, &PyList_Type, &outs)) return NULL;
+    if (!PyArg_ParseTuple(args, "O!y*dO!ip", &PyList_Type, &list, &scratch, &weight, &PyList_Type, &outs, &threads, &use_team))
+        return NULL;
     Py_ssize_t ntasks = PyList_GET_SIZE(list), held = 0, nouts = 0;
-    reply_task *tasks = PyMem_Calloc(ntasks ? (size_t)ntasks : 1, sizeof(reply_task));
-    Py_buffer *views = PyMem_Calloc(ntasks ? (size_t)ntasks : 1, sizeof(Py_buffer));
-    Py_buffer *dst = PyMem_Calloc(ntasks ? (size_t)ntasks : 1, sizeof(Py_buffer));
-    if (tasks == NULL || views == NULL || dst == NULL) {
+    size_t room = ntasks ? (size_t)ntasks : 1;
+    reply_task *tasks = PyMem_Calloc(room, sizeof(reply_task));
+    Py_buffer *views = PyMem_Calloc(room, sizeof(Py_buffer));
+    Py_buffer *dst = PyMem_Calloc(room, sizeof(Py_buffer));
+    double **outp = PyMem_Calloc(room, sizeof(double *));
+    Py_ssize_t *order = PyMem_Calloc(room, sizeof(Py_ssize_t));
+    if (tasks == NULL || views == NULL || dst == NULL || outp == NULL || order == NULL) {
         PyErr_NoMemory();
         goto done;
     }
@@ -1071,39 +1124,27 @@ static PyObject *reply_add(PyObject *self, PyObject *args) {
     if (reply_tasks(list, scratch.len / 8, tasks, views, &held) < 0) goto done;
     for (; nouts < ntasks; nouts++) {
         if (PyObject_GetBuffer(PyList_GET_ITEM(outs, nouts), &dst[nouts], PyBUF_WRITABLE) < 0) goto done;
+        outp[nouts] = (double *)dst[nouts].buf;
         if (dst[nouts].len != (Py_ssize_t)tasks[nouts].numel * 8) {
             PyErr_Format(PyExc_ValueError, "reply_add: output %zd is not numel float64 values", nouts);
             nouts++;
             goto done;
         }
-    }
-    int bad = 0;
-    const int64_t *pos = (const int64_t *)scratch.buf;
-    Py_BEGIN_ALLOW_THREADS;
-    for (Py_ssize_t i = 0; i < ntasks; i++) {
-        const reply_task *t = &tasks[i];
-        double *o = (double *)dst[i].buf;
-        if (t->kind == 0) {
-            double wv = weight * t->value;
-            const int64_t *p = pos + t->offset;
-            for (long long k = 0; k < t->nnz; k++) {
-                if (p[k] < 0 || p[k] >= t->numel) { /* scratch is the caller's: never trusted */
-                    bad = 1;
-                    break;
-                }
-#if defined(__GNUC__) || defined(__clang__)
-                /* the positions are ~1/p apart: each add misses the cache, so ask for later ones early */
-                if (k + REPLY_AHEAD < t->nnz && p[k + REPLY_AHEAD] >= 0 && p[k + REPLY_AHEAD] < t->numel)
-                    __builtin_prefetch(o + p[k + REPLY_AHEAD], 1, 0);
-#endif
-                o[p[k]] += wv;
+        for (Py_ssize_t j = 0; j < nouts; j++) /* two tasks writing one output would race */
+            if (dst[j].buf == dst[nouts].buf) {
+                PyErr_Format(PyExc_ValueError, "reply_add: outputs %zd and %zd are the same buffer", j, nouts);
+                nouts++;
+                goto done;
             }
-        } else {
-            for (Py_ssize_t j = 0; j < (Py_ssize_t)t->numel; j++) o[j] += weight * (double)load_f32(t->buf + 4 * j);
-        }
     }
+    for (Py_ssize_t i = 0; i < ntasks; i++) order[i] = i;
+    SORT_TASKS = tasks;
+    qsort(order, (size_t)ntasks, sizeof(Py_ssize_t), by_cost);
+    reply_job job = {tasks, order, ntasks, 0, (const int64_t *)scratch.buf, weight, outp, 0};
+    Py_BEGIN_ALLOW_THREADS;
+    team_run(reply_body, &job, threads < 1 ? 1 : threads, use_team);
     Py_END_ALLOW_THREADS;
-    if (bad) PyErr_SetString(PyExc_ValueError, "reply_add: a position in scratch is outside its tensor");
+    if (job.bad) PyErr_SetString(PyExc_ValueError, "reply_add: a position in scratch is outside its tensor");
     else {
         Py_INCREF(Py_None);
         result = Py_None;
@@ -1115,6 +1156,8 @@ done:
     PyMem_Free(tasks);
     PyMem_Free(views);
     PyMem_Free(dst);
+    PyMem_Free(outp);
+    PyMem_Free(order);
     return result;
 }
 

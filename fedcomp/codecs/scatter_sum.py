@@ -7,15 +7,19 @@ CPU only. :func:`available` says whether the kernel is built: without it, caller
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import numpy as np
+import torch
 
 from fedcomp import _native
 from fedcomp.codecs.golomb import decode_positions
 from fedcomp.errors import PayloadError
 
 _KERNEL = _native.load("sbc")
+#: The process that loaded the kernel: a forked child must not use torch's OpenMP team (team.h).
+_KERNEL_PID = os.getpid()
 
 #: One tensor for the kernel: (kind, buffer, nnz, golomb_b, numel, offset, value); kind 0 is
 #: Golomb-coded positions decoded into the scratch at ``offset``, kind 1 float32 values.
@@ -69,10 +73,13 @@ class ScatterSum:
             raise PayloadError(name, "decoded values are not all finite")
         return float(squares)
 
-    def add_into(self, weight: float, outs: Sequence[np.ndarray]) -> None:
-        """``outs[i] += weight * tensor i`` (flat float64 arrays in the order of :attr:`names`),
-        after :meth:`check`."""
+    def add_into(self, weight: float, outs: Sequence[np.ndarray], threads: int | None = None) -> None:
+        """``outs[i] += weight * tensor i`` (flat float64 arrays in the order of :attr:`names`,
+        each a buffer of its own), after :meth:`check`; the tensors largest first on ``threads``
+        threads (default ``torch.get_num_threads()``: the scattered adds wait on memory, and two
+        threads keep twice as many of them in flight)."""
         if self._scratch is None:
             raise RuntimeError("ScatterSum.add_into before a successful check()")
         assert _KERNEL is not None
-        _KERNEL.reply_add(self.tasks, self._scratch, weight, list(outs))
+        threads = torch.get_num_threads() if threads is None else threads
+        _KERNEL.reply_add(self.tasks, self._scratch, weight, list(outs), threads, os.getpid() == _KERNEL_PID)

@@ -314,21 +314,34 @@ def _restore(store: ClientStore, server_round: int, context: Context) -> None:
     log.info("fedcomp: resumed the client state of round %s from %s", saved_round, store.folder)
     saved = context.state.config_records.get(protocol.STATE_NODE)
     if saved is not None and saved.get("node-id") != str(context.node_id):
-        _forget_pending_of_another_node(context, saved.get("node-id"))
+        _as_a_new_node(context, saved.get("node-id"))
 
 
-def _forget_pending_of_another_node(context: Context, old_id: object) -> None:
-    """State saved under another node id: the server's outcomes are per node id, so it has no
-    record of the pending update and would call it lost (re-sending it would apply it twice if
-    it was aggregated, which is the common case: the snapshot loaded is of a round the resumed
-    server's checkpoint holds). Counted as aggregated, as :meth:`UpdateOutcome.verdict` counts an
-    update the server has no records of: dropping one it lacks costs what a dropout costs."""
-    if protocol.STATE_PENDING in context.state:
-        del context.state[protocol.STATE_PENDING]
-        log.info(
-            "fedcomp: this state was saved as node %s (now %s): its pending update counts as aggregated",
-            old_id, context.node_id,
-        )  # fmt: skip
+#: What a client holds of the server's per-node records: its replica (the server sends what the
+#: node it knows holds lacks) and its pending update (whose outcome the server keeps per node id).
+_PER_NODE_STATE = (protocol.STATE_PENDING, protocol.STATE_REPLICA, protocol.STATE_META, protocol.STATE_LATTICE)
+
+
+def _as_a_new_node(context: Context, old_id: object) -> None:
+    """State saved under another node id (a restarted SuperNode, a resumed simulation): the server
+    has no record of this node, so it sends what a new node needs, and knows nothing of its
+    pending update. The client keeps its residual (and its method's state) and drops the rest:
+
+    * its replica, which the downlink for a new node does not start from (the client would ask
+      for a full resync and lose the round). A new node rebuilds it from the run's seed and the
+      server's catch-up, the replica an uninterrupted client holds.
+    * its pending update, counted as aggregated, as :meth:`UpdateOutcome.verdict` counts an
+      update the server has no record of: the snapshot loaded is of a round the resumed server's
+      checkpoint holds, so the update is in the model unless it was rejected; re-sending it would
+      apply it twice, dropping one the model lacks costs what a dropout costs."""
+    dropped = [k for k in _PER_NODE_STATE if k in context.state]
+    for key in dropped:
+        del context.state[key]
+    log.info(
+        "fedcomp: this state was saved as node %s (now %s): its replica is rebuilt as a new node's and "
+        "its pending update counts as aggregated (dropped %s)",
+        old_id, context.node_id, ", ".join(dropped) or "nothing",
+    )  # fmt: skip
 
 
 def _handle(

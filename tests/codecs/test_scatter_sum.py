@@ -65,19 +65,75 @@ def test_the_kernels_refuse_inconsistent_arguments():
         with pytest.raises(ValueError, match="reply task 0"):
             k.reply_check([task], scratch)
     out = np.zeros(10)
-    k.reply_add([(0, bits, 3, 1, 10, 0, 0.5)], scratch, 2.0, [out])
+    k.reply_add([(0, bits, 3, 1, 10, 0, 0.5)], scratch, 2.0, [out], 1, False)
     assert out.tolist() == [0, 1, 0, 0, 0, 1, 0, 0, 0, 1]
     with pytest.raises(ValueError, match="output 0"):
-        k.reply_add([(0, bits, 3, 1, 10, 0, 0.5)], scratch, 2.0, [np.zeros(9)])
+        k.reply_add([(0, bits, 3, 1, 10, 0, 0.5)], scratch, 2.0, [np.zeros(9)], 1, False)
     with pytest.raises(ValueError, match="one output per task"):
-        k.reply_add([(0, bits, 3, 1, 10, 0, 0.5)], scratch, 2.0, [])
+        k.reply_add([(0, bits, 3, 1, 10, 0, 0.5)], scratch, 2.0, [], 1, False)
     scratch[2] = 10  # a caller's scratch is not trusted: no write outside the tensor
     with pytest.raises(ValueError, match="outside its tensor"):
-        k.reply_add([(0, bits, 3, 1, 10, 0, 0.5)], scratch, 2.0, [np.zeros(10)])
+        k.reply_add([(0, bits, 3, 1, 10, 0, 0.5)], scratch, 2.0, [np.zeros(10)], 1, False)
     values = np.array([1.5, -2.0, 0.25], dtype=np.float32)
     # float32 values at an odd offset of a buffer (a dense payload inside the update's bytes)
     odd = memoryview(b"x" + values.tobytes())[1:]
     assert k.reply_check([(1, odd, 0, 0, 3, 0, 0.0)], scratch) == (-1, 1.5**2 + 4 + 0.25**2)
     out = np.ones(3)
-    k.reply_add([(1, odd, 0, 0, 3, 0, 0.0)], scratch, 0.5, [out])
+    k.reply_add([(1, odd, 0, 0, 3, 0, 0.0)], scratch, 0.5, [out], 1, False)
     assert out.tolist() == [1.75, 0.0, 1.125]
+
+
+def _many(seed: int) -> tuple[scatter_sum.ScatterSum, list[int]]:
+    """A reply of 40 tensors (position streams of many sizes, and values) with their sizes."""
+    rng = np.random.default_rng(seed)
+    s, sizes = scatter_sum.ScatterSum(), []
+    for i in range(40):
+        n = int(rng.integers(1, 50_000))
+        if i % 3 == 0:
+            s.values(f"v{i}", rng.standard_normal(n).astype(np.float32).tobytes(), n)
+        else:
+            idx = np.sort(rng.choice(n, size=max(1, n // 50), replace=False))
+            s.positions(
+                f"p{i}", encode_positions(torch.from_numpy(idx), 3), len(idx), 3, n, float(rng.standard_normal())
+            )
+        sizes.append(n)
+    s.check()
+    return s, sizes
+
+
+@needs_kernel
+def test_the_adds_are_the_same_on_any_number_of_threads():
+    s, sizes = _many(7)
+    want = [np.full(n, 0.5) for n in sizes]
+    s.add_into(1.25, want, threads=1)
+    for threads in (2, 3, 8):
+        got = [np.full(n, 0.5) for n in sizes]
+        s.add_into(1.25, got, threads=threads)
+        assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True)), threads
+    # and each output is its own tensor's: two tasks may not share one (they would race)
+    two = scatter_sum.ScatterSum()
+    two.values("a", np.ones(4, dtype=np.float32).tobytes(), 4)
+    two.values("b", np.ones(4, dtype=np.float32).tobytes(), 4)
+    two.check()
+    same = np.zeros(4)
+    with pytest.raises(ValueError, match="outputs 0 and 1 are the same buffer"):
+        two.add_into(1.0, [same, same], threads=2)
+
+
+def _add_in_child(queue) -> None:  # type: ignore[no-untyped-def]
+    s, sizes = _many(8)
+    outs = [np.zeros(n) for n in sizes]
+    s.add_into(2.0, outs, threads=2)  # torch's team is gone in a forked child: threads of our own
+    queue.put([float(o.sum()) for o in outs])
+
+
+@needs_kernel
+def test_a_forked_child_adds_on_threads_of_its_own():
+    from tests.forking import result_in_fork
+
+    torch.ones(1 << 16).add_(1)  # torch's OpenMP team has run in this process
+    got, code = result_in_fork(_add_in_child)
+    s, sizes = _many(8)
+    outs = [np.zeros(n) for n in sizes]
+    s.add_into(2.0, outs, threads=1)
+    assert code == 0 and got == [float(o.sum()) for o in outs]

@@ -96,9 +96,10 @@ def test_state_restored_under_new_node_ids_does_not_resend_an_aggregated_update(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """SuperNodes that restart (or a resumed simulation) come back under new node ids, with their
-    state on disk: the server has no record of their pending updates (those of round 3, in the
-    model it resumes from). They count as aggregated, as they were, instead of going back into
-    the residual to be applied twice."""
+    state on disk: the server has no record of them. Their pending updates (those of round 3, in
+    the model it resumes from) count as aggregated, as they were, instead of going back into the
+    residual to be applied twice; their replicas are rebuilt as a new node's, from what the server
+    sends a node it does not know (a stale one would make it ask for a resync and lose the round)."""
     strategy = make_strategy(**{"sbc-p": 0.1})
     model = _run(strategy, _clients(tmp_path), range(1, 4), tiny_model())
     resumed = make_strategy(**{"sbc-p": 0.1})
@@ -106,7 +107,7 @@ def test_state_restored_under_new_node_ids_does_not_resend_an_aggregated_update(
     fresh = _clients(tmp_path, ids=(11, 12, 13))
     with caplog.at_level("INFO", logger="flwr.fedcomp"):
         new, _ = train_round(resumed, fresh, 4, model)
-    assert new is not None
+    assert new is not None and resumed.traffic[4].accepted == 3  # no client lost the round to a resync
     messages = [r.getMessage() for r in caplog.records]
     assert sum("resumed the client state of round 3" in m for m in messages) == 3
     assert sum("its pending update counts as aggregated" in m for m in messages) == 3
