@@ -25,7 +25,7 @@ Results go to ``--out DIR`` (results.json, final_model.pt and the plots), else t
 (``client-state/``, through ``FEDCOMP_STATE_DIR``), so a run that stopped (Ctrl-C, a crash, a
 timeout) continues bit-identically with the same command, ``--out`` its folder and ``resume=true``
 added to ``--run-config``; a completed run's client state is removed (a resume of it, for more
-rounds, then goes through full resyncs).
+rounds, starts its clients as new ones, without their residuals: not bit-identical).
 
 ``python -m fedcomp plot RUN_DIR [RUN_DIR ...]`` is :func:`fedcomp.app.plots.main`.
 """
@@ -316,7 +316,7 @@ def run(argv: list[str]) -> int:
     if error is not None:
         _finish_failed(results_path, error, overrides)
     code = _report(results_path, work, err)
-    if code == EXIT_OK:  # what a resume needs is gone with the run's end (a resume still works, by full resyncs)
+    if code == EXIT_OK:  # a run's worth of client snapshots: kept for a run that may resume only
         shutil.rmtree(client_state, ignore_errors=True)
     elif (results_path.parent / "checkpoint.pt").is_file():
         print(
