@@ -111,6 +111,7 @@ def test_state_restored_under_new_node_ids_does_not_resend_an_aggregated_update(
     messages = [r.getMessage() for r in caplog.records]
     assert sum("resumed the client state of round 3" in m for m in messages) == 3
     assert sum("its pending update counts as aggregated" in m for m in messages) == 3
+    assert sum("dropped fedcomp.pending, fedcomp.replica, fedcomp.meta" in m for m in messages) == 3
     assert not any("goes back into the residual" in m for m in messages), messages
 
 
