@@ -287,6 +287,7 @@ def run(argv: list[str]) -> int:
         print(f"CONFIG ERROR: {problem}\nresults: {results_path} (status failed)", file=err)
         return EXIT_CONFIG
 
+    from fedcomp.app.checkpoint import CHECKPOINT_FILE
     from fedcomp.flower.persist import STATE_DIR_ENV
     from fedcomp.testing.flower import SimulationError, run_simulation
 
@@ -318,7 +319,7 @@ def run(argv: list[str]) -> int:
     code = _report(results_path, work, err)
     if code == EXIT_OK:  # a run's worth of client snapshots: kept for a run that may resume only
         shutil.rmtree(client_state, ignore_errors=True)
-    elif (results_path.parent / "checkpoint.pt").is_file():
+    elif (results_path.parent / CHECKPOINT_FILE).is_file():
         print(
             f"to continue from its last checkpoint: the same command with --out {results_path.parent} "
             "and resume=true in --run-config",

@@ -36,7 +36,7 @@
  *       first failing task (-1: none; the caller reruns the Python check to raise its error).
  *   reply_add(tasks, scratch, weight, outs, threads, use_team)   the checked reply into float64 sums:
  *       weight * value at each position of a kind 0 task (re-checked against numel), weight * each
- *       value of kind 1; tasks largest first on `threads` threads (team.h), one output each.
+ *       value of kind 1; tasks in list order on `threads` threads (team.h), one output each.
  *   fill(out, begin, end, pos, p0, p1, value)  out[begin:end] = 0 but `value` at pos[p0:p1] (ascending,
  *       within [begin, end)): the decoder's dense output in one write pass, no zeroed allocation.
  *   scan_variant([name]) -> str         the scan in use, "base" (SSE2 or plain C) or "avx2" (chosen at
@@ -1048,7 +1048,6 @@ done:
 
 typedef struct {
     const reply_task *tasks;
-    const Py_ssize_t *order; /* task indices, largest first */
     Py_ssize_t ntasks, next;
     const int64_t *pos;
     double weight;
@@ -1078,26 +1077,15 @@ static void reply_body(void *arg) {
     for (;;) {
         Py_ssize_t i = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
         if (i >= job->ntasks) break;
-        Py_ssize_t at = job->order[i];
-        reply_add_task(job, &job->tasks[at], job->outs[at], &bad);
+        reply_add_task(job, &job->tasks[i], job->outs[i], &bad);
     }
     if (bad) __atomic_store_n(&job->bad, 1, __ATOMIC_RELAXED);
 }
 
-static const reply_task *SORT_TASKS; /* qsort's context (set and used under the GIL) */
-
-static long long reply_cost(const reply_task *t) { return t->kind == 0 ? t->nnz : t->numel / 4; }
-
-static int by_cost(const void *a, const void *b) {
-    long long ca = reply_cost(&SORT_TASKS[*(const Py_ssize_t *)a]), cb = reply_cost(&SORT_TASKS[*(const Py_ssize_t *)b]);
-    if (ca != cb) return ca > cb ? -1 : 1;
-    return *(const Py_ssize_t *)a < *(const Py_ssize_t *)b ? -1 : 1;
-}
-
 /* reply_add(tasks, scratch, weight, outs, threads, use_team): outs[i] (float64, numel entries) +=
  * weight * task i (kind 0: weight * value at the positions reply_check decoded into `scratch`,
- * each position checked again against numel; kind 1: weight * each value), the tasks largest
- * first on `threads` threads (team.h; each output is one task's alone). */
+ * each position checked again against numel; kind 1: weight * each value), the tasks taken in
+ * list order by whichever of `threads` threads is free (team.h; each output is one task's alone). */
 static PyObject *reply_add(PyObject *self, PyObject *args) {
     PyObject *list, *outs, *result = NULL;
     Py_buffer scratch;
@@ -1112,8 +1100,7 @@ static PyObject *reply_add(PyObject *self, PyObject *args) {
     Py_buffer *views = PyMem_Calloc(room, sizeof(Py_buffer));
     Py_buffer *dst = PyMem_Calloc(room, sizeof(Py_buffer));
     double **outp = PyMem_Calloc(room, sizeof(double *));
-    Py_ssize_t *order = PyMem_Calloc(room, sizeof(Py_ssize_t));
-    if (tasks == NULL || views == NULL || dst == NULL || outp == NULL || order == NULL) {
+    if (tasks == NULL || views == NULL || dst == NULL || outp == NULL) {
         PyErr_NoMemory();
         goto done;
     }
@@ -1137,10 +1124,7 @@ static PyObject *reply_add(PyObject *self, PyObject *args) {
                 goto done;
             }
     }
-    for (Py_ssize_t i = 0; i < ntasks; i++) order[i] = i;
-    SORT_TASKS = tasks;
-    qsort(order, (size_t)ntasks, sizeof(Py_ssize_t), by_cost);
-    reply_job job = {tasks, order, ntasks, 0, (const int64_t *)scratch.buf, weight, outp, 0};
+    reply_job job = {tasks, ntasks, 0, (const int64_t *)scratch.buf, weight, outp, 0};
     Py_BEGIN_ALLOW_THREADS;
     team_run(reply_body, &job, threads < 1 ? 1 : threads, use_team);
     Py_END_ALLOW_THREADS;
@@ -1157,7 +1141,6 @@ done:
     PyMem_Free(views);
     PyMem_Free(dst);
     PyMem_Free(outp);
-    PyMem_Free(order);
     return result;
 }
 
