@@ -338,6 +338,10 @@ def main(argv: list[str] | None = None) -> int:
         from fedcomp.bench.deft import main as deft_main
 
         return deft_main(argv[1:])
+    if argv[:1] == ["device-work"]:  # its own options: fedcomp/bench/device_work.py
+        from fedcomp.bench.device_work import main as device_work_main
+
+        return device_work_main(argv[1:])
     if argv[:1] == ["server"]:  # its own options: fedcomp/bench/server.py
         from fedcomp.bench.server import main as server_main
 
@@ -348,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("netns", help="dense FedAvg vs SBC+3LC over real tc-shaped links in network namespaces (root)")
     sub.add_parser("deft", help="DEFT vs per-client top-k: aggregate density and selection time (see --help after it)")
     sub.add_parser("server", help="N clients' SBC payloads through the wrapper's aggregation: time, peak RSS, error")
+    sub.add_parser("device-work", help="a whole update's operators, syncs and copies on a device, by number of tensors")
     sub.add_parser("gradiveq", help="GradiVeQ on real LeNet5-Caffe updates: d, k, ratio, held-out loss, timings")
     c = sub.add_parser("codecs", help="encode/decode time vs a warm copy_ of a ResNet-50-shaped update")
     c.add_argument("--device", choices=["cpu", "cuda"], default="cpu")

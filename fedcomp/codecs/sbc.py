@@ -848,6 +848,26 @@ def _choose(
     """Keep the side with the larger mean magnitude (the positive side on a tie): its positions
     (a tensor on ``flat``'s device) and its mean rounded to float32. None if a value is not
     finite. ``stats``: each side's ``sum_stats``, when the kernel already computed them."""
+    chosen = choose_side(hi, hi_vals, lo, lo_vals, stats)
+    if chosen is None:
+        return None
+    idx, mean = chosen
+    if isinstance(idx, np.ndarray):
+        idx = torch.from_numpy(idx)
+    return idx.to(flat.device), mean
+
+
+def choose_side(
+    hi: Positions,
+    hi_vals: np.ndarray,
+    lo: Positions,
+    lo_vals: np.ndarray,
+    stats: tuple[Sequence[float], Sequence[float]] | None = None,
+) -> tuple[Positions, float] | None:
+    """:func:`_choose` where the positions stay what they are (a NumPy array stays one): the
+    side's positions and its mean rounded to float32, or None if a value is not finite. The
+    whole-update engine (:mod:`fedcomp.codecs.sbc_device`) calls it with the candidates it
+    brought to the host."""
     s_hi = _exact_sum(hi_vals, None if stats is None else stats[0])
     s_lo = _exact_sum(lo_vals, None if stats is None else stats[1])
     if s_hi is None or s_lo is None:
@@ -855,9 +875,5 @@ def _choose(
     c_hi, c_lo = len(hi_vals), len(lo_vals)
     # mu+ = s_hi / c_hi, mu- = -s_lo / c_lo (units of 2**-149)
     if s_hi * c_lo >= -s_lo * c_hi:
-        idx, mean = hi, _round_f32(s_hi, c_hi << 149)
-    else:
-        idx, mean = lo, _round_f32(s_lo, c_lo << 149)
-    if isinstance(idx, np.ndarray):
-        idx = torch.from_numpy(idx)
-    return idx.to(flat.device), mean
+        return hi, _round_f32(s_hi, c_hi << 149)
+    return lo, _round_f32(s_lo, c_lo << 149)

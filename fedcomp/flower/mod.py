@@ -469,8 +469,14 @@ def _handle(
 
 
 def _not_finite(tensors: Mapping[str, torch.Tensor]) -> list[str]:
-    """The first few tensors holding NaN or inf (empty: all finite)."""
-    return [k for k, t in tensors.items() if not bool(torch.isfinite(t).all())][:3]
+    """The first few tensors holding NaN or inf (empty: all finite). One wait for the device
+    for all of them (on a GPU, a wait per tensor cost a ResNet-50 update 161 syncs per check)."""
+    if not tensors:
+        return []
+    if len({t.device for t in tensors.values()}) != 1:
+        return [k for k, t in tensors.items() if not bool(torch.isfinite(t).all())][:3]
+    finite = torch.stack([torch.isfinite(t).all() for t in tensors.values()]).tolist()
+    return [k for k, ok in zip(tensors, finite, strict=True) if not ok][:3]
 
 
 def _local_update_rejected(msg: Message, why: str) -> Message:

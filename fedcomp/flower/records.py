@@ -9,30 +9,53 @@ from collections.abc import Mapping
 import torch
 from flwr.app import ArrayRecord
 
+from fedcomp.codecs.flat import Layout, to_host
 from fedcomp.errors import ConfigError
 
 
 def tensors_from_record(record: ArrayRecord, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """Float32 tensors of an ArrayRecord, in its order. Only floating-point arrays are supported."""
-    out: dict[str, torch.Tensor] = {}
+    """Float32 tensors of an ArrayRecord, in its order. Only floating-point arrays are supported.
+    On a device other than the CPU the tensors are views of one buffer, copied there at once."""
+    host: dict[str, torch.Tensor] = {}
     for name, t in record.to_torch_state_dict().items():
         if not t.is_floating_point():
             raise ConfigError(f"array {name!r} has dtype {t.dtype}: fedcomp compresses floating-point arrays only")
-        out[name] = t.to(device=device, dtype=torch.float32)
-    return out
+        host[name] = t.to(dtype=torch.float32)
+    device = torch.device(device)
+    if device.type == "cpu" or not host:
+        return host
+    layout = Layout.of(host)
+    return layout.views(torch.cat([t.reshape(-1) for t in host.values()]).to(device))
+
+
+def _on_host(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors on the CPU: those on one other device in one copy (float32 ones: a copy per
+    tensor, and a wait for each, would cost a GPU client hundreds per round)."""
+    devices = {t.device for t in tensors.values()}
+    if len(devices) != 1 or next(iter(devices)).type == "cpu":
+        return {k: v.detach().cpu() for k, v in tensors.items()}
+    if any(t.dtype != torch.float32 for t in tensors.values()):
+        return {k: v.detach().cpu() for k, v in tensors.items()}
+    layout = Layout.of(tensors)
+    return layout.views(to_host_tensor(torch.cat([t.detach().reshape(-1) for t in tensors.values()])))
+
+
+def to_host_tensor(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the CPU, its copy counted as :func:`fedcomp.codecs.flat.to_host` counts."""
+    return torch.from_numpy(to_host(t))
 
 
 def record_from_tensors(tensors: Mapping[str, torch.Tensor]) -> ArrayRecord:
-    return ArrayRecord(OrderedDict((k, v.detach().cpu()) for k, v in tensors.items()))
+    return ArrayRecord(OrderedDict(_on_host(tensors)))
 
 
 def digest(tensors: Mapping[str, torch.Tensor]) -> str:
     """SHA-256 over names, shapes and float32 bytes, in order: equal iff bit-identical."""
     h = hashlib.sha256()
-    for name, t in tensors.items():
+    for name, t in _on_host({k: v.detach().to(torch.float32) for k, v in tensors.items()}).items():
         h.update(name.encode())
         h.update(repr(tuple(t.shape)).encode())
-        h.update(t.detach().to(torch.float32).contiguous().cpu().numpy().data)  # in place, no copy
+        h.update(t.contiguous().numpy().data)  # in place, no copy
     return h.hexdigest()[:32]
 
 

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from fedcomp.codecs.base import Codec
+from fedcomp.codecs.flat import Layout
 from fedcomp.wire.payloads import EncodedTensor
 
 
@@ -75,6 +76,8 @@ class ErrorFeedback:
     def __init__(self, codec: Codec, stale: StaleResidual | None = None) -> None:
         self.codec = codec
         self._residuals: dict[str, torch.Tensor] = {}
+        #: The buffer :meth:`keep_flat` kept last: its layout, itself, and the views handed out.
+        self._flat: tuple[Layout, torch.Tensor, dict[str, torch.Tensor]] | None = None
         #: The stale-residual remedy (None: residuals are added back whole, the classic rule).
         self.stale = stale
         #: Rounds since this client last sent (set by the caller each round; 1 = every round).
@@ -152,6 +155,39 @@ class ErrorFeedback:
 
     def residual(self, name: str) -> torch.Tensor | None:
         return self._residuals.get(name)
+
+    def flat_residual(self, layout: Layout, device: torch.device) -> torch.Tensor | None:
+        """The residuals of ``layout``'s tensors back to back in one float32 buffer on ``device``
+        (zeros where a tensor has none), or None when none has one. The buffer :meth:`keep_flat`
+        kept last is returned as it is (no copy, no kernel) while every residual is still its view;
+        else one is assembled. Raises ``ValueError`` as :meth:`encode` does on a residual of
+        another shape."""
+        kept = self._flat
+        if (
+            kept is not None
+            and kept[0] == layout
+            and all(self._residuals.get(name) is view for name, view in kept[2].items())
+        ):
+            return kept[1] if kept[1].device == device else kept[1].to(device)
+        found = [self._residuals.get(name) for name in layout.names]
+        if all(r is None for r in found):
+            return None
+        parts = []
+        for name, shape, n, r in zip(layout.names, layout.shapes, layout.numels, found, strict=True):
+            if r is None:
+                parts.append(torch.zeros(n, dtype=torch.float32, device=device))
+                continue
+            if tuple(r.shape) != tuple(shape):
+                raise ValueError(f"residual for {name!r} has shape {list(r.shape)}, tensor has {list(shape)}")
+            parts.append(r.reshape(-1).to(device=device, dtype=torch.float32))
+        return torch.cat(parts)
+
+    def keep_flat(self, layout: Layout, flat: torch.Tensor) -> None:
+        """Make ``flat`` (``layout``'s tensors back to back) the residuals: each becomes its view,
+        so :meth:`flat_residual` hands the buffer back next round without assembling it."""
+        views = layout.views(flat)
+        self._residuals.update(views)
+        self._flat = (layout, flat, views)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Residuals by tensor name (the tensors themselves, on their device, like PyTorch)."""

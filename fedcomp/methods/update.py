@@ -19,6 +19,7 @@ from fedcomp.codecs.dense import DenseFP16, DenseFP32, Identity
 from fedcomp.codecs.sbc import run_jobs
 from fedcomp.errors import PayloadError
 from fedcomp.methods.feedback import ErrorFeedback
+from fedcomp.methods.flat_update import decode_on_device, encode_on_device
 from fedcomp.wire.payloads import TORCH_DTYPES, DensePayload, EncodedTensor, EncodedUpdate
 from fedcomp.wire.serde import DenseFrames, update_from_bytes_deferred, update_to_bytes
 
@@ -109,6 +110,13 @@ class UpdateEncoder:
         if unknown:
             raise ValueError(f"codecs: no tensor named {sorted(unknown)!r} in the update")
         fb = self.feedback
+        if not codecs:  # on a GPU: the whole update at once (fedcomp.methods.flat_update)
+            whole = encode_on_device(
+                tensors, self._codec, self.small_codec, self.min_numel, fb, base_model_version, keep_sent=keep_sent
+            )
+            if whole is not None:
+                update, self.sent = whole
+                return update
         jobs: list[Callable[[], tuple[EncodedTensor, torch.Tensor | None]]] = []
         chosen: list[Codec] = []
         numels = [t.numel() for t in tensors.values()]
@@ -230,6 +238,11 @@ def decode_update(
     :class:`UpdateEncoder` encodes them); every tensor is then decoded even when one fails, and
     the error raised is the first failing tensor's in order, as a loop's.
     """
+    codecs = list(codecs)
+    if out is None and per_tensor is None and device is not None and torch.device(device).type != "cpu":
+        whole = decode_on_device(update, specs, codecs, torch.device(device))  # on a GPU: all at once
+        if whole is not None:
+            return whole
     accepted = {c.codec_id: c for c in codecs}
     if len(update.tensors) != len(specs):
         raise PayloadError("", f"update has {len(update.tensors)} tensors, expected {len(specs)}")

@@ -1,0 +1,158 @@
+"""What a whole update costs a device: operators, syncs and copies, by path and number of tensors.
+
+    python -m fedcomp.bench device-work [--device cpu|cuda] [--p 0.01] [--copies 1,2,4]
+                                        [--repeat N] [--json PATH]
+
+Issue #13 measured one SBC encode of a ResNet-50 update on an H100 at 2,433 kernel launches,
+1,035 host-device copies and 278 ``.item()`` syncs: a cost per tensor, not per value. This
+command encodes (with error feedback, as a client does: :class:`UpdateEncoder`) and decodes an
+update of ResNet-50's tensors (Student-t values, as ``bench codecs --values student-t``), repeated
+``--copies`` times under new names (161, 322, 644 tensors), and counts inside one call
+(:func:`fedcomp.codecs.flat.count_device_work`): ``ops``, torch operators that compute (each one
+or more kernel launches on CUDA; views and bare allocations left out), ``syncs``, those the host
+waits for (``.item()``, ``nonzero``, copies to the host), and ``to_host`` / ``to_device``, the
+copies the engine makes. Paths:
+
+- ``whole-update``: :mod:`fedcomp.methods.flat_update` (what :class:`UpdateEncoder` and
+  :func:`decode_update` run on a GPU). On ``--device cpu`` it is run on the CPU on purpose (the
+  library's CPU path is the C kernels, which launch nothing): the same operators as on CUDA, so
+  the counts are CUDA's; the times are not.
+- ``per-tensor`` (``--device cuda`` only): the path before it, a codec call per tensor, whose
+  copies are counted as torch operators (``aten._to_copy``) rather than by the engine's helpers.
+
+``seconds`` is the median wall time of ``--repeat`` calls after a warm-up (CUDA synchronized);
+``same_bytes`` says whether the bytes equal the CPU path's. Counts are the second round's (the
+residual buffer and the sample positions are kept from round to round).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fedcomp.bench import int_at_least, int_list, write_rows
+from fedcomp.codecs import SBC, Codec, DenseFP32, TensorSpec
+from fedcomp.codecs.flat import DeviceWork, count_device_work
+from fedcomp.methods.flat_update import decode_on_device, encode_on_device
+from fedcomp.methods.update import UpdateEncoder, decode_update, specs_of
+from fedcomp.wire.payloads import EncodedUpdate
+
+
+def _update(copies: int, seed: int) -> dict[str, torch.Tensor]:
+    from fedcomp.bench.__main__ import make_update  # (the codecs bench's update)
+
+    base = make_update("student-t", torch.device("cpu"), 1, seed)
+    return {f"c{c}.{name}": t.clone() for c in range(copies) for name, t in base.items()}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _row(work: DeviceWork, **fields: Any) -> dict[str, Any]:
+    return {
+        **fields,
+        "ops": work.ops,
+        "syncs": work.syncs,
+        "to_host": work.to_host,
+        "to_device": work.to_device,
+        "top_ops": dict(sorted(work.by_op.items(), key=lambda kv: -kv[1])[:6]),
+    }
+
+
+def _encode(
+    path: str, enc: UpdateEncoder, update: dict[str, torch.Tensor], device: torch.device, version: int
+) -> EncodedUpdate | None:
+    if path == "per-tensor":  # a per-tensor codec for each large tensor: the path before the engine
+        large = {n: enc.codec for n, t in update.items() if t.numel() >= enc.min_numel}
+        return enc.encode(update, version, codecs=large)
+    found = encode_on_device(update, enc.codec, enc.small_codec, enc.min_numel, enc.feedback, version, device=device)
+    return None if found is None else found[0]
+
+
+def _decode(
+    path: str, update: EncodedUpdate, specs: list[TensorSpec], codecs: list[Codec], device: torch.device
+) -> dict[str, torch.Tensor] | None:
+    if path == "per-tensor":
+        by_id = {c.codec_id: c for c in codecs}
+        return {s.name: by_id[e.codec_id].decode(e, s, device) for s, e in zip(specs, update.tensors, strict=True)}
+    return decode_on_device(update, specs, codecs, device)
+
+
+def _median_seconds(fn: Callable[[], object], device: torch.device, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bench_device_work(device: torch.device, p: float, copies: list[int], repeat: int, seed: int) -> list[dict]:
+    codec = SBC(p)
+    codecs: list[Codec] = [codec, DenseFP32()]
+    rows = []
+    for c in copies:
+        host = _update(c, seed)
+        update = {k: v.to(device) for k, v in host.items()}
+        specs = specs_of(host)
+        reference = UpdateEncoder(codec)  # the CPU path, for the bytes
+        ref = [reference.encode(host, 0), reference.encode(host, 1)]
+        shape = {"device": str(device), "tensors": len(update), "numel": sum(t.numel() for t in host.values()), "p": p}
+        for path in ["whole-update"] + (["per-tensor"] if device.type == "cuda" else []):
+            enc = UpdateEncoder(codec)
+            first = _encode(path, enc, update, device, 0)
+            with count_device_work() as work:
+                second = _encode(path, enc, update, device, 1)
+            assert second is not None
+            # (later rounds: the residuals move on; the work is the same)
+            seconds = _median_seconds(functools.partial(_encode, path, enc, update, device, 2), device, repeat)
+            rows.append(_row(work, op="encode", path=path, **shape, seconds=seconds, same_bytes=[first, second] == ref))
+            print(_line(rows[-1]), file=sys.stderr)
+
+            decode = functools.partial(_decode, path, second, specs, codecs, device)
+            decode()
+            with count_device_work() as work:
+                got = decode()
+            assert got is not None
+            want = decode_update(second, specs, codecs, "cpu")
+            equal = all(torch.equal(got[k].cpu(), want[k]) for k in want)
+            seconds = _median_seconds(decode, device, repeat)
+            rows.append(_row(work, op="decode", path=path, **shape, seconds=seconds, same_bytes=equal))
+            print(_line(rows[-1]), file=sys.stderr)
+    return rows
+
+
+def _line(r: dict[str, Any]) -> str:
+    return (
+        f"{r['op']:<7}{r['path']:<13}{r['device']:<6}{r['tensors']:>6} tensors  ops {r['ops']:>5}  syncs "
+        f"{r['syncs']:>4}  to host {r['to_host']:>4}  to device {r['to_device']:>4}  {r['seconds'] * 1e3:9.1f} ms  "
+        f"same as CPU: {r['same_bytes']}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m fedcomp.bench device-work", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--p", type=float, default=0.01)
+    ap.add_argument("--copies", type=int_list(1), default=[1, 2, 4], help="the update this many times (1,2,4)")
+    ap.add_argument("--repeat", type=int_at_least(1), default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device is available")
+    rows = bench_device_work(torch.device(args.device), args.p, args.copies, args.repeat, args.seed)
+    write_rows(args.json, rows)
+    return 0

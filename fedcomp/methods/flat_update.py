@@ -1,0 +1,192 @@
+"""Whole updates on a device other than the CPU, in a number of kernel launches, syncs and copies
+that does not grow with the number of tensors (issue #13's whole-update engine).
+
+:class:`fedcomp.methods.update.UpdateEncoder` and :func:`fedcomp.methods.update.decode_update`
+hand their work here when the tensors (or the decoded ones) live on a CUDA device and the case
+is one this module covers; everything else keeps the per-tensor path, whose bytes these equal
+(tested on CPU, where the same torch operators run):
+
+- **Encode** (:func:`encode_on_device`): the SBC tensors in one
+  :func:`fedcomp.codecs.sbc_device.encode_update`, their error-feedback residuals kept as one flat
+  float32 buffer on the device (:meth:`ErrorFeedback.flat_residual`: the accumulator is one
+  ``cat`` and one ``add_``; the new residual is the accumulator less the mean at the kept
+  positions, one ``index_put_``); the small tensors, which go dense, in one copy to the host.
+- **Decode** (:func:`decode_on_device`): every payload is checked and decoded on the host (the CPU
+  kernels); on the device one buffer of zeros, the SBC positions and values copied over and written
+  by one ``index_put_``, the dense tensors' values by one more. The tensors returned are views of
+  that buffer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+from fedcomp.codecs.base import Codec, TensorSpec
+from fedcomp.codecs.flat import Layout, host_side, to_device, to_host
+from fedcomp.codecs.sbc import SBC
+from fedcomp.codecs.sbc_device import encode_update
+from fedcomp.errors import PayloadError
+from fedcomp.methods.feedback import ErrorFeedback
+from fedcomp.wire.payloads import EncodedTensor, EncodedUpdate
+
+
+def _one_device(tensors: Iterable[torch.Tensor]) -> torch.device | None:
+    """The one non-CPU device every tensor is on, else None."""
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        return None
+    (device,) = devices
+    return None if device.type == "cpu" else device
+
+
+def encode_on_device(
+    tensors: Mapping[str, torch.Tensor],
+    codec: Codec,
+    small_codec: Codec,
+    min_numel: int,
+    feedback: ErrorFeedback | None,
+    base_model_version: int,
+    *,
+    keep_sent: bool = False,
+    device: torch.device | None = None,
+) -> tuple[EncodedUpdate, dict[str, torch.Tensor] | None] | None:
+    """:meth:`UpdateEncoder.encode` (no per-tensor codecs) of ``tensors`` on one non-CPU device
+    with an SBC ``codec``, and with ``keep_sent`` what the receiver decodes of it (float32, on the
+    device: :attr:`UpdateEncoder.sent`), or None where this is not that case (then the per-tensor
+    path runs): the same bytes, residuals and reconstructions. ``device``: run on that device even
+    when it is the CPU (what the tests do to compare with the per-tensor path)."""
+    if not tensors or not isinstance(codec, SBC):
+        return None
+    dev = device if device is not None else _one_device(tensors.values())
+    if dev is None or any(t.device != dev for t in tensors.values()):
+        return None
+    if feedback is not None and feedback.stale is not None and feedback.stale.active:
+        return None
+    large: list[tuple[str, torch.Tensor]] = []
+    small: list[tuple[str, torch.Tensor]] = []
+    for name, t in tensors.items():
+        if t.numel() >= min_numel:
+            large.append((name, t))
+        elif feedback is not None and feedback.residual(name) is not None:
+            return None  # a small tensor with a residual goes through the error feedback dense
+        else:
+            small.append((name, t))
+    if any(t.dtype != torch.float32 or t.numel() == 0 for _, t in large):
+        return None
+    done: dict[str, EncodedTensor] = {}
+    sent: dict[str, torch.Tensor] = {}
+    if large:
+        layout = Layout.of(large)
+        acc = torch.cat([t.detach().reshape(-1) for _, t in large])
+        residual = feedback.flat_residual(layout, dev) if feedback is not None else None
+        if residual is not None:
+            acc.add_(residual)
+        found = encode_update(codec, large, flat=acc)
+        if found is None:
+            return None  # a value that is not finite: the per-tensor path says which
+        if feedback is not None or keep_sent:
+            kept, value = to_device(found.kept, dev), to_device(found.value, dev)
+            if keep_sent:
+                recon = torch.zeros(layout.total, dtype=torch.float32, device=dev)
+                recon.index_put_((kept,), value)
+                sent.update(layout.views(recon))
+            if feedback is not None:  # acc - reconstruction, at the only positions where it is not 0
+                acc.index_put_((kept,), value.neg_(), accumulate=True)
+                feedback.keep_flat(layout, acc)
+        done.update(zip(layout.names, found.encoded, strict=True))
+    if small:
+        host = to_host(torch.cat([t.detach().reshape(-1).to(torch.float32) for _, t in small]))
+        at, recons = 0, []
+        with host_side():
+            for name, t in small:
+                n = t.numel()
+                on_host = torch.from_numpy(host[at : at + n]).view(t.shape).to(t.dtype)
+                if keep_sent:
+                    done[name], r = small_codec.encode_with_reconstruction(on_host, name)
+                    recons.append(r.reshape(-1).to(torch.float32).numpy())
+                else:
+                    done[name] = small_codec.encode(on_host, name)
+                at += n
+        if keep_sent:
+            small_layout = Layout.of(small)
+            sent.update(small_layout.views(to_device(np.concatenate(recons), dev)))
+    update = EncodedUpdate(base_model_version=base_model_version, tensors=tuple(done[name] for name in tensors))
+    return update, ({name: sent[name] for name in tensors} if keep_sent else None)
+
+
+def decode_on_device(
+    update: EncodedUpdate, specs: Sequence[TensorSpec], codecs: Iterable[Codec], device: torch.device
+) -> dict[str, torch.Tensor] | None:
+    """:func:`decode_update` (no ``per_tensor``, no ``out``) onto ``device``: the same checks,
+    errors and values; the tensors are views of one buffer. None where a spec is not float32 or
+    has no values (then the per-tensor path runs)."""
+    if not specs or any(spec.dtype != torch.float32 or spec.numel == 0 for spec in specs):
+        return None
+    accepted = {c.codec_id: c for c in codecs}
+    if len(update.tensors) != len(specs):
+        raise PayloadError("", f"update has {len(update.tensors)} tensors, expected {len(specs)}")
+    layout = Layout(
+        tuple(s.name for s in specs),
+        tuple(tuple(s.shape) for s in specs),
+        tuple(int(x) for x in np.cumsum([0, *[s.numel for s in specs[:-1]]])),
+        tuple(s.numel for s in specs),
+    )
+    kept: list[np.ndarray] = []
+    values: list[np.ndarray] = []
+    dense: list[np.ndarray] = []
+    dense_rows: list[int] = []
+    with host_side():
+        _decode_on_host(update, specs, accepted, layout, kept, values, dense_rows, dense)
+    if len(dense_rows) == len(specs):
+        flat = to_device(np.concatenate(dense), device)
+    else:
+        flat = torch.zeros(layout.total, dtype=torch.float32, device=device)
+        if kept:
+            flat.index_put_((to_device(np.concatenate(kept), device),), to_device(np.concatenate(values), device))
+        if dense_rows:
+            where = _dense_positions(layout.offsets, layout.numels, tuple(dense_rows), str(device))
+            flat.index_put_((where,), to_device(np.concatenate(dense), device))
+    return layout.views(flat)
+
+
+def _decode_on_host(
+    update: EncodedUpdate,
+    specs: Sequence[TensorSpec],
+    accepted: dict[str, Codec],
+    layout: Layout,
+    kept: list[np.ndarray],
+    values: list[np.ndarray],
+    dense_rows: list[int],
+    dense: list[np.ndarray],
+) -> None:
+    """Check and decode every tensor on the host, in order (the first error is raised): an SBC
+    tensor's flat positions into ``kept`` and its value at each into ``values``, every other
+    tensor's values into ``dense`` (its index into ``dense_rows``)."""
+    for row, (spec, enc) in enumerate(zip(specs, update.tensors, strict=True)):
+        if enc.name != spec.name:
+            raise PayloadError(spec.name, f"found tensor {enc.name!r} in its place")
+        codec = accepted.get(enc.codec_id)
+        if codec is None:
+            raise PayloadError(spec.name, f"codec {enc.codec_id!r} is not accepted here ({sorted(accepted)})")
+        if isinstance(codec, SBC):
+            codec.check_envelope(enc, spec)
+            idx, mean = codec.positions(enc.payload, spec, torch.device("cpu"))
+            kept.append(idx.numpy() + layout.offsets[row])
+            values.append(np.full(idx.shape[0], mean, dtype=np.float32))
+        else:
+            dense_rows.append(row)
+            dense.append(codec.decode(enc, spec, "cpu").reshape(-1).numpy())
+
+
+@lru_cache(maxsize=8)
+def _dense_positions(
+    offsets: tuple[int, ...], numels: tuple[int, ...], rows: tuple[int, ...], device: str
+) -> torch.Tensor:
+    """The flat positions of the tensors ``rows``, in order, on ``device`` (kept: a receiver
+    decodes the same layout every round)."""
+    where = np.concatenate([np.arange(offsets[r], offsets[r] + numels[r], dtype=np.int64) for r in rows])
+    return to_device(where, torch.device(device))

@@ -1,0 +1,206 @@
+"""Whole updates on a device (``fedcomp.methods.flat_update``): the bytes, residuals and decoded
+values of the per-tensor path, in a count of operators, syncs and copies that does not grow with
+the number of tensors. Run here on the CPU (``device=cpu``), where the same torch operators run
+as on CUDA; on a CUDA machine the last tests go through :class:`UpdateEncoder` and
+:func:`decode_update` themselves."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from fedcomp.codecs import SBC, DenseFP16, DenseFP32, ThreeLC
+from fedcomp.codecs.flat import count_device_work
+from fedcomp.errors import PayloadError
+from fedcomp.methods.feedback import ErrorFeedback, StaleResidual
+from fedcomp.methods.flat_update import decode_on_device, encode_on_device
+from fedcomp.methods.update import UpdateEncoder, decode_update, specs_of
+from fedcomp.wire.payloads import EncodedUpdate, SBCPayload
+
+CPU = torch.device("cpu")
+SAMPLE = 1500
+
+
+def _model(seed: int, layers: int = 6) -> dict[str, torch.Tensor]:
+    """A model-shaped update: weights in fast mode, some in exact mode, small dense tensors."""
+    g, shapes = np.random.default_rng(seed), np.random.default_rng(layers)  # one model, new values
+    out: dict[str, torch.Tensor] = {}
+    for i in range(layers):
+        rows = int(shapes.integers(8, 60))
+        out[f"l{i}.weight"] = torch.from_numpy((g.standard_t(3, (rows, 97)) * 1e-2).astype(np.float32))
+        out[f"l{i}.bias"] = torch.from_numpy((g.standard_normal(rows) * 1e-3).astype(np.float32))
+    out["head.weight"] = torch.from_numpy((g.standard_normal((10, 120)) * 1e-2).astype(np.float32))
+    return out
+
+
+def _encoder(codec: SBC, feedback: bool = True) -> UpdateEncoder:
+    return UpdateEncoder(codec, min_numel=200, error_feedback=feedback)
+
+
+@pytest.mark.parametrize("codec", [SBC(0.02, "fast", sample_size=SAMPLE), SBC(0.1, "exact")], ids=repr)
+def test_rounds_with_error_feedback_give_the_per_tensor_bytes_and_residuals(codec: SBC) -> None:
+    flat, loop = _encoder(codec), _encoder(codec)
+    works = []
+    for rnd in range(4):
+        update = _model(rnd)
+        with count_device_work() as work:
+            got = encode_on_device(update, codec, flat.small_codec, 200, flat.feedback, rnd, device=CPU)
+        want = loop.encode(update, rnd)
+        assert got == (want, None), rnd
+        assert flat.feedback is not None and loop.feedback is not None
+        for name in update:
+            a, b = flat.feedback.residual(name), loop.feedback.residual(name)
+            assert (a is None) == (b is None), name
+            if a is not None:
+                assert torch.equal(a, b), (rnd, name)
+        works.append((work.ops, work.syncs, work.to_host, work.to_device))
+    # From the second round on the residual buffer is reused as it is: the same work every round.
+    assert works[1] == works[2] == works[3], works
+    assert works[1][1] <= 8 and works[1][2] <= 6 and works[1][3] <= 2, works[1]
+
+
+def test_without_error_feedback_and_with_fp16_small_tensors() -> None:
+    codec = SBC(0.02, "fast", sample_size=SAMPLE)
+    update = _model(9)
+    update["l0.bias"] = update["l0.bias"].half()
+    got = encode_on_device(update, codec, DenseFP16(), 200, None, 3, device=CPU)
+    want = UpdateEncoder(codec, min_numel=200, small_codec=DenseFP16(), error_feedback=False).encode(update, 3)
+    assert got == (want, None)
+
+
+@pytest.mark.parametrize("small_codec", [DenseFP32(), DenseFP16()], ids=repr)
+@pytest.mark.parametrize("feedback", [True, False])
+def test_keep_sent_gives_what_the_receiver_decodes_as_the_per_tensor_path(small_codec, feedback: bool) -> None:
+    codec = SBC(0.02, "fast", sample_size=SAMPLE)
+    flat = UpdateEncoder(codec, min_numel=200, small_codec=small_codec, error_feedback=feedback)
+    loop = UpdateEncoder(codec, min_numel=200, small_codec=small_codec, error_feedback=feedback)
+    for rnd in range(3):
+        update = _model(20 + rnd)
+        found = encode_on_device(update, codec, small_codec, 200, flat.feedback, rnd, keep_sent=True, device=CPU)
+        assert found is not None
+        got, sent = found
+        assert got == loop.encode(update, rnd, keep_sent=True)
+        assert sent is not None and loop.sent is not None and list(sent) == list(loop.sent)
+        for name, want in loop.sent.items():
+            assert sent[name].dtype == want.dtype and torch.equal(sent[name], want), name
+        assert flat.state_dict().keys() == loop.state_dict().keys()
+        assert all(torch.equal(flat.state_dict()[k], v) for k, v in loop.state_dict().items())
+
+
+def test_work_does_not_grow_with_the_number_of_tensors() -> None:
+    codec = SBC(0.02, "fast", sample_size=SAMPLE)
+    counts = []
+    for layers in (3, 12, 48):
+        update = _model(1, layers)
+        enc = _encoder(codec)
+        for _ in range(2):  # the second round: the residual buffer and the plan are kept
+            with count_device_work() as work:
+                got = encode_on_device(update, codec, enc.small_codec, 200, enc.feedback, 0, device=CPU)
+        assert got is not None
+        counts.append((work.ops, work.syncs, work.to_host, work.to_device))
+    assert counts[0] == counts[1] == counts[2], counts
+
+
+def test_residuals_loaded_from_a_state_dict_are_assembled_once_then_kept() -> None:
+    codec = SBC(0.02, "fast", sample_size=SAMPLE)
+    first = _encoder(codec)
+    encode_on_device(_model(0), codec, first.small_codec, 200, first.feedback, 0, device=CPU)
+    saved = {k: v.clone() for k, v in first.state_dict().items()}
+    resumed, loop = _encoder(codec), _encoder(codec)
+    resumed.load_state_dict(saved)
+    loop.load_state_dict(saved)
+    for rnd in (1, 2):
+        got = encode_on_device(_model(rnd), codec, resumed.small_codec, 200, resumed.feedback, rnd, device=CPU)
+        assert got == (loop.encode(_model(rnd), rnd), None)
+    assert resumed.feedback is not None
+    kept = resumed.feedback._flat
+    assert kept is not None and all(resumed.feedback.residual(n) is v for n, v in kept[2].items())
+
+
+def test_a_residual_of_another_shape_is_refused_as_the_per_tensor_path_does() -> None:
+    codec = SBC(0.02, "fast", sample_size=SAMPLE)
+    enc = _encoder(codec)
+    enc.load_state_dict({"l0.weight": torch.zeros(3, 3)})
+    with pytest.raises(ValueError, match="residual for 'l0.weight' has shape"):
+        encode_on_device(_model(0), codec, enc.small_codec, 200, enc.feedback, 0, device=CPU)
+
+
+def test_cases_left_to_the_per_tensor_path_change_nothing() -> None:
+    codec = SBC(0.02, "fast", sample_size=SAMPLE)
+    update = _model(2)
+    enc = _encoder(codec)
+    assert encode_on_device(update, codec, enc.small_codec, 200, enc.feedback, 0) is None  # CPU tensors
+    assert encode_on_device(update, ThreeLC(), enc.small_codec, 200, enc.feedback, 0, device=CPU) is None
+    stale = ErrorFeedback(codec, StaleResidual(decay=0.5))
+    assert encode_on_device(update, codec, enc.small_codec, 200, stale, 0, device=CPU) is None
+    bad = dict(update)
+    bad["l1.weight"] = bad["l1.weight"].clone()
+    bad["l1.weight"][0, 3] = float("inf")
+    assert encode_on_device(bad, codec, enc.small_codec, 200, enc.feedback, 0, device=CPU) is None
+    assert enc.feedback is not None and enc.feedback.state_dict() == {}  # no residual was written
+    with pytest.raises(ValueError, match="l1.weight"):
+        enc.encode(bad)
+
+
+def _sbc_update(seed: int) -> tuple[dict[str, torch.Tensor], EncodedUpdate]:
+    update = _model(seed)
+    return update, UpdateEncoder(SBC(0.02, "fast", sample_size=SAMPLE), min_numel=200).encode(update, 1)
+
+
+def test_decode_gives_the_per_tensor_values_as_views_of_one_buffer() -> None:
+    update, encoded = _sbc_update(4)
+    specs = specs_of(update)
+    codecs = [SBC(0.02, "fast", sample_size=SAMPLE), DenseFP32()]
+    with count_device_work() as work:
+        got = decode_on_device(encoded, specs, codecs, CPU)
+    want = decode_update(encoded, specs, codecs, CPU)
+    assert got is not None and list(got) == list(want)
+    assert all(torch.equal(got[k], want[k]) and got[k].shape == want[k].shape for k in want)
+    assert len({t.untyped_storage().data_ptr() for t in got.values()}) == 1
+    assert work.to_device <= 4 and work.syncs == 0, work
+    dense = EncodedUpdate(1, tuple(DenseFP32().encode(t, n) for n, t in update.items()))
+    got = decode_on_device(dense, specs, codecs, CPU)
+    assert got is not None and all(torch.equal(got[k], update[k]) for k in update)
+
+
+def test_decode_refuses_what_the_per_tensor_path_refuses_with_its_words() -> None:
+    update, encoded = _sbc_update(5)
+    specs = specs_of(update)
+    codecs = [SBC(0.02, "fast", sample_size=SAMPLE), DenseFP32()]
+    first = encoded.tensors[0]
+    assert isinstance(first.payload, SBCPayload)
+    wrong = [
+        EncodedUpdate(1, encoded.tensors[:-1]),
+        EncodedUpdate(1, (encoded.tensors[1], *encoded.tensors[1:])),
+        EncodedUpdate(1, (first.__class__(**{**first.__dict__, "codec_id": "3lc"}), *encoded.tensors[1:])),
+        EncodedUpdate(1, (first.__class__(**{**first.__dict__, "shape": (1, 2)}), *encoded.tensors[1:])),
+        EncodedUpdate(
+            1,
+            (
+                first.__class__(**{**first.__dict__, "payload": SBCPayload(first.payload.mean, 3, 7, b"\xff")}),
+                *encoded.tensors[1:],
+            ),
+        ),
+    ]
+    for bad in wrong:
+        with pytest.raises(PayloadError) as per_tensor:
+            decode_update(bad, specs, codecs, CPU)
+        with pytest.raises(PayloadError) as whole:
+            decode_on_device(bad, specs, codecs, CPU)
+        assert str(whole.value) == str(per_tensor.value)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (the tests above run the same operators)")
+def test_cuda_update_encoder_and_decoder_take_the_whole_update_path() -> None:
+    codec = SBC(0.02, "fast", sample_size=SAMPLE)
+    on_gpu, on_cpu = _encoder(codec), _encoder(codec)
+    for rnd in range(3):
+        update = _model(rnd)
+        with count_device_work() as work:
+            got = on_gpu.encode({k: v.cuda() for k, v in update.items()}, rnd)
+        assert got == on_cpu.encode(update, rnd)
+        assert work.to_host <= 6, work
+        decoded = decode_update(got, specs_of(update), [codec, DenseFP32()], "cuda")
+        want = decode_update(got, specs_of(update), [codec, DenseFP32()], "cpu")
+        assert all(torch.equal(decoded[k].cpu(), want[k]) for k in want)
