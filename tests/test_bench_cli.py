@@ -276,3 +276,41 @@ def test_netns_bad_options(argv: list[str], message: str) -> None:
     from fedcomp.bench.netns import main
 
     assert message in _usage_error(main, argv)
+
+
+# --- device-work: the whole-update engines' count of a device's work ---------------------------------
+
+
+def test_device_work_rows_count_the_engine_and_equal_the_cpu_bytes(tmp_path: Path) -> None:
+    import json
+
+    from fedcomp.bench.device_work import main
+
+    out = tmp_path / "rows.json"
+    assert main(["--codec", "sbc", "--copies", "1", "--repeat", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["op"], r["path"], r["tensors"]) for r in rows] == [
+        ("encode", "whole-update", 161),
+        ("decode", "whole-update", 161),
+    ]
+    assert all(r["same_bytes"] and r["device"] == "cpu" and r["codec"]["id"] == "sbc" for r in rows)
+    encode, decode = rows
+    assert 0 < encode["ops"] < 161 and 0 < encode["syncs"] < 161 and encode["to_host"] + encode["to_device"] < 161
+    assert decode["syncs"] == 0 and decode["to_host"] == 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--codec", "zfp"], "--codec: invalid choice"),
+        (["--copies", "0"], "--copies"),
+        (["--repeat", "0"], "--repeat"),
+    ],
+)
+def test_device_work_bad_options(argv: list[str], message: str) -> None:
+    from fedcomp.bench.device_work import main
+
+    err = io.StringIO()
+    with redirect_stderr(err), pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2 and message in err.getvalue()

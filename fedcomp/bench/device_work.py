@@ -1,6 +1,6 @@
 """What a whole update costs a device: operators, syncs and copies, by path and number of tensors.
 
-    python -m fedcomp.bench device-work [--device cpu|cuda] [--p 0.01] [--copies 1,2,4]
+    python -m fedcomp.bench device-work [--device cpu|cuda] [--codec sbc|3lc|both] [--p 0.01] [--copies 1,2,4]
                                         [--repeat N] [--json PATH]
 
 Issue #13 measured one SBC encode of a ResNet-50 update on an H100 at 2,433 kernel launches,
@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from fedcomp.bench import int_at_least, int_list, write_rows
-from fedcomp.codecs import SBC, Codec, DenseFP32, TensorSpec
+from fedcomp.codecs import SBC, Codec, DenseFP32, TensorSpec, ThreeLC
 from fedcomp.codecs.flat import DeviceWork, count_device_work
 from fedcomp.methods.flat_update import decode_on_device, encode_on_device
 from fedcomp.methods.update import UpdateEncoder, decode_update, specs_of
@@ -99,8 +99,17 @@ def _median_seconds(fn: Callable[[], object], device: torch.device, repeat: int)
     return statistics.median(times)
 
 
-def bench_device_work(device: torch.device, p: float, copies: list[int], repeat: int, seed: int) -> list[dict]:
-    codec = SBC(p)
+def bench_device_work(
+    device: torch.device, p: float, copies: list[int], repeat: int, seed: int, codec_ids: list[str]
+) -> list[dict]:
+    rows = []
+    for codec_id in codec_ids:
+        codec: Codec = SBC(p) if codec_id == "sbc" else ThreeLC(1.0)
+        rows += _bench_codec(device, codec, copies, repeat, seed)
+    return rows
+
+
+def _bench_codec(device: torch.device, codec: Codec, copies: list[int], repeat: int, seed: int) -> list[dict]:
     codecs: list[Codec] = [codec, DenseFP32()]
     rows = []
     for c in copies:
@@ -109,7 +118,12 @@ def bench_device_work(device: torch.device, p: float, copies: list[int], repeat:
         specs = specs_of(host)
         reference = UpdateEncoder(codec)  # the CPU path, for the bytes
         ref = [reference.encode(host, 0), reference.encode(host, 1)]
-        shape = {"device": str(device), "tensors": len(update), "numel": sum(t.numel() for t in host.values()), "p": p}
+        shape = {
+            "codec": codec.get_config(),
+            "device": str(device),
+            "tensors": len(update),
+            "numel": sum(t.numel() for t in host.values()),
+        }
         for path in ["whole-update"] + (["per-tensor"] if device.type == "cuda" else []):
             enc = UpdateEncoder(codec)
             first = _encode(path, enc, update, device, 0)
@@ -136,7 +150,7 @@ def bench_device_work(device: torch.device, p: float, copies: list[int], repeat:
 
 def _line(r: dict[str, Any]) -> str:
     return (
-        f"{r['op']:<7}{r['path']:<13}{r['device']:<6}{r['tensors']:>6} tensors  ops {r['ops']:>5}  syncs "
+        f"{r['codec']['id']:<5}{r['op']:<7}{r['path']:<13}{r['device']:<6}{r['tensors']:>6} tensors  ops {r['ops']:>5}  syncs "
         f"{r['syncs']:>4}  to host {r['to_host']:>4}  to device {r['to_device']:>4}  {r['seconds'] * 1e3:9.1f} ms  "
         f"same as CPU: {r['same_bytes']}"
     )
@@ -145,7 +159,8 @@ def _line(r: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m fedcomp.bench device-work", description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    ap.add_argument("--p", type=float, default=0.01)
+    ap.add_argument("--codec", choices=["sbc", "3lc", "both"], default="both", help="SBC (--p), 3LC (s = 1), or both")
+    ap.add_argument("--p", type=float, default=0.01, help="SBC's p")
     ap.add_argument("--copies", type=int_list(1), default=[1, 2, 4], help="the update this many times (1,2,4)")
     ap.add_argument("--repeat", type=int_at_least(1), default=3)
     ap.add_argument("--seed", type=int, default=0)
@@ -153,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device is available")
-    rows = bench_device_work(torch.device(args.device), args.p, args.copies, args.repeat, args.seed)
+    codec_ids = ["sbc", "3lc"] if args.codec == "both" else [args.codec]
+    rows = bench_device_work(torch.device(args.device), args.p, args.copies, args.repeat, args.seed, codec_ids)
     write_rows(args.json, rows)
     return 0

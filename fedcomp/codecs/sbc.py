@@ -28,8 +28,10 @@ What runs where:
   compare and nonzero are several times faster than torch's on CPU; torch's CPU kernels run
   OpenMP regions that slow down many-fold when the machine is busy, NumPy's run on the calling
   thread or on :func:`split_run`'s). Both CPU paths give the same bytes, tested.
-- **Other devices** (CUDA): the selection in torch; the selected values come back to the host
-  for the means, as on CPU.
+- **Other devices** (CUDA), one tensor: the selection in torch; the selected values come back
+  to the host for the means, as on CPU. A whole update on such a device goes through
+  :mod:`fedcomp.codecs.sbc_device` instead (what :class:`fedcomp.methods.update.UpdateEncoder`
+  runs there): every step once for all tensors, the same bytes.
 """
 
 from __future__ import annotations

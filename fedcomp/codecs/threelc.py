@@ -82,7 +82,10 @@ then quantize), the float32 reconstruction or output is written once, and no tem
 tensor's size is made. Zero-run encoding works on the positions of the bytes that are not 121
 (few, for sparse updates); decoding on the compressed bytes. The module-level helpers
 (:func:`quantize`, :func:`pack_base243`, :func:`unpack_base243`, :func:`zero_run_encode`,
-:func:`zero_run_decode`) are the unfused steps, for tests and benchmarks.
+:func:`zero_run_decode`) are the unfused steps, for tests and benchmarks. A whole update on such a
+device goes through :mod:`fedcomp.codecs.threelc_device` instead (what
+:class:`fedcomp.methods.update.UpdateEncoder` and :func:`fedcomp.methods.update.decode_update`
+run there): each step once for all tensors, the same bytes and values.
 """
 
 from __future__ import annotations
@@ -899,7 +902,9 @@ class ThreeLC(Codec):
         recon = None if rec is None else torch.from_numpy(rec)
         return ThreeLCPayload(scale=m, numel=n, zero_run=self.zero_run, data=data), recon
 
-    def _decode(self, payload: Payload, spec: TensorSpec, device: torch.device) -> torch.Tensor:
+    def _checked(self, payload: Payload, spec: TensorSpec) -> tuple[bytes | bytearray, float]:
+        """``(data, scale)`` of a 3LC payload after the checks that need no decoding (types,
+        ``numel``, a finite scale >= 0, the length of ``data``); raise :class:`PayloadError`."""
         name = spec.name
         expect_payload(payload, ThreeLCPayload, name)
         assert isinstance(payload, ThreeLCPayload)
@@ -917,6 +922,31 @@ class ThreeLC(Codec):
             raise PayloadError(name, f"data is {len(data)} bytes, expected {g}")
         if len(data) > g:  # a zero-run stream is never longer than its expansion
             raise PayloadError(name, f"data is {len(data)} bytes, more than the {g} groups it codes")
+        return data, float(scale)
+
+    def literals(self, payload: Payload, spec: TensorSpec) -> tuple[np.ndarray, np.ndarray, float]:
+        """The decoder without its dense output: after every check of :meth:`decode` but the
+        envelope's, the groups other than 121 (their indices, ascending, and their bytes, all
+        <= 242) and the scale; every other group decodes to five zeros. What the whole-update
+        engine (:mod:`fedcomp.codecs.threelc_device`) unpacks on a device."""
+        data, scale = self._checked(payload, spec)
+        raw = np.frombuffer(data, dtype=np.uint8)
+        assert isinstance(payload, ThreeLCPayload)
+        if payload.zero_run:
+            pos, vals = _literals_np(raw, groups(spec.numel), spec.name)
+            return pos, vals, scale
+        top = int(raw.max()) if raw.shape[0] else 0
+        if top >= RUN_BASE:
+            raise PayloadError(spec.name, f"byte {top} is not a base-3^5 code (0..242) without zero runs")
+        pos = np.flatnonzero(raw != ZERO_GROUP)
+        return pos, raw[pos], scale
+
+    def _decode(self, payload: Payload, spec: TensorSpec, device: torch.device) -> torch.Tensor:
+        name = spec.name
+        data, scale = self._checked(payload, spec)
+        assert isinstance(payload, ThreeLCPayload)
+        numel = spec.numel
+        g = groups(numel)
         if g == 0:
             return torch.zeros(0, dtype=torch.float32, device=device)
         if device.type == "cpu":

@@ -20,15 +20,18 @@ is one this module covers; everything else keeps the per-tensor path, whose byte
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import numpy as np
 import torch
 
+from fedcomp.codecs import threelc_device
 from fedcomp.codecs.base import Codec, TensorSpec
 from fedcomp.codecs.flat import Layout, host_side, to_device, to_host
 from fedcomp.codecs.sbc import SBC
 from fedcomp.codecs.sbc_device import encode_update
+from fedcomp.codecs.threelc import ThreeLC
 from fedcomp.errors import PayloadError
 from fedcomp.methods.feedback import ErrorFeedback
 from fedcomp.wire.payloads import EncodedTensor, EncodedUpdate
@@ -59,7 +62,7 @@ def encode_on_device(
     device: :attr:`UpdateEncoder.sent`), or None where this is not that case (then the per-tensor
     path runs): the same bytes, residuals and reconstructions. ``device``: run on that device even
     when it is the CPU (what the tests do to compare with the per-tensor path)."""
-    if not tensors or not isinstance(codec, SBC):
+    if not tensors or not isinstance(codec, SBC | ThreeLC):
         return None
     dev = device if device is not None else _one_device(tensors.values())
     if dev is None or any(t.device != dev for t in tensors.values()):
@@ -85,19 +88,21 @@ def encode_on_device(
         residual = feedback.flat_residual(layout, dev) if feedback is not None else None
         if residual is not None:
             acc.add_(residual)
-        found = encode_update(codec, large, flat=acc)
-        if found is None:
-            return None  # a value that is not finite: the per-tensor path says which
-        if feedback is not None or keep_sent:
-            kept, value = to_device(found.kept, dev), to_device(found.value, dev)
+        if isinstance(codec, ThreeLC):
+            coded = threelc_device.encode_update(codec, large, flat=acc, want_recon=feedback is not None or keep_sent)
+            if coded is None:
+                return None  # a value that is not finite: the per-tensor path says which
+            encoded, recon = coded
             if keep_sent:
-                recon = torch.zeros(layout.total, dtype=torch.float32, device=dev)
-                recon.index_put_((kept,), value)
+                assert recon is not None
                 sent.update(layout.views(recon))
-            if feedback is not None:  # acc - reconstruction, at the only positions where it is not 0
-                acc.index_put_((kept,), value.neg_(), accumulate=True)
-                feedback.keep_flat(layout, acc)
-        done.update(zip(layout.names, found.encoded, strict=True))
+            if feedback is not None:
+                assert recon is not None
+                feedback.keep_flat(layout, acc.sub_(recon))
+            done.update(zip(layout.names, encoded, strict=True))
+        else:
+            if not _sbc_on_device(codec, large, layout, acc, feedback, keep_sent, dev, done, sent):
+                return None
     if small:
         host = to_host(torch.cat([t.detach().reshape(-1).to(torch.float32) for _, t in small]))
         at, recons = 0, []
@@ -118,6 +123,34 @@ def encode_on_device(
     return update, ({name: sent[name] for name in tensors} if keep_sent else None)
 
 
+def _sbc_on_device(
+    codec: SBC,
+    large: list[tuple[str, torch.Tensor]],
+    layout: Layout,
+    acc: torch.Tensor,
+    feedback: ErrorFeedback | None,
+    keep_sent: bool,
+    dev: torch.device,
+    done: dict[str, EncodedTensor],
+    sent: dict[str, torch.Tensor],
+) -> bool:
+    """The SBC part of :func:`encode_on_device`: False where a value is not finite."""
+    found = encode_update(codec, large, flat=acc)
+    if found is None:
+        return False  # the per-tensor path says which tensor
+    if feedback is not None or keep_sent:
+        kept, value = to_device(found.kept, dev), to_device(found.value, dev)
+        if keep_sent:
+            recon = torch.zeros(layout.total, dtype=torch.float32, device=dev)
+            recon.index_put_((kept,), value)
+            sent.update(layout.views(recon))
+        if feedback is not None:  # acc - reconstruction, at the only positions where it is not 0
+            acc.index_put_((kept,), value.neg_(), accumulate=True)
+            feedback.keep_flat(layout, acc)
+    done.update(zip(layout.names, found.encoded, strict=True))
+    return True
+
+
 def decode_on_device(
     update: EncodedUpdate, specs: Sequence[TensorSpec], codecs: Iterable[Codec], device: torch.device
 ) -> dict[str, torch.Tensor] | None:
@@ -135,22 +168,32 @@ def decode_on_device(
         tuple(int(x) for x in np.cumsum([0, *[s.numel for s in specs[:-1]]])),
         tuple(s.numel for s in specs),
     )
-    kept: list[np.ndarray] = []
-    values: list[np.ndarray] = []
-    dense: list[np.ndarray] = []
-    dense_rows: list[int] = []
+    found = _Decoded()
     with host_side():
-        _decode_on_host(update, specs, accepted, layout, kept, values, dense_rows, dense)
-    if len(dense_rows) == len(specs):
-        flat = to_device(np.concatenate(dense), device)
-    else:
-        flat = torch.zeros(layout.total, dtype=torch.float32, device=device)
-        if kept:
-            flat.index_put_((to_device(np.concatenate(kept), device),), to_device(np.concatenate(values), device))
-        if dense_rows:
-            where = _dense_positions(layout.offsets, layout.numels, tuple(dense_rows), str(device))
-            flat.index_put_((where,), to_device(np.concatenate(dense), device))
-    return layout.views(flat)
+        _decode_on_host(update, specs, accepted, layout, found)
+    if len(found.dense_rows) == len(specs):
+        return layout.views(to_device(np.concatenate(found.dense), device))
+    flat = torch.zeros(layout.total + 1, dtype=torch.float32, device=device)  # (a spare value at the end)
+    if found.kept:
+        flat.index_put_(
+            (to_device(np.concatenate(found.kept), device),), to_device(np.concatenate(found.values), device)
+        )
+    if found.dense_rows:
+        where = _dense_positions(layout.offsets, layout.numels, tuple(found.dense_rows), str(device))
+        flat.index_put_((where,), to_device(np.concatenate(found.dense), device))
+    threelc_device.decode_into(flat, found.literals)
+    return layout.views(flat[: layout.total])
+
+
+@dataclass
+class _Decoded:
+    """What the host made of an update for :func:`decode_on_device`."""
+
+    kept: list[np.ndarray] = field(default_factory=list)  # SBC: flat positions
+    values: list[np.ndarray] = field(default_factory=list)  # SBC: the value at each
+    literals: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=list)  # 3LC
+    dense: list[np.ndarray] = field(default_factory=list)  # any other codec: the values
+    dense_rows: list[int] = field(default_factory=list)  # ... of these tensors
 
 
 def _decode_on_host(
@@ -158,14 +201,11 @@ def _decode_on_host(
     specs: Sequence[TensorSpec],
     accepted: dict[str, Codec],
     layout: Layout,
-    kept: list[np.ndarray],
-    values: list[np.ndarray],
-    dense_rows: list[int],
-    dense: list[np.ndarray],
+    found: _Decoded,
 ) -> None:
     """Check and decode every tensor on the host, in order (the first error is raised): an SBC
-    tensor's flat positions into ``kept`` and its value at each into ``values``, every other
-    tensor's values into ``dense`` (its index into ``dense_rows``)."""
+    tensor to its positions and value, a 3LC tensor to its groups other than 121, any other to
+    its values."""
     for row, (spec, enc) in enumerate(zip(specs, update.tensors, strict=True)):
         if enc.name != spec.name:
             raise PayloadError(spec.name, f"found tensor {enc.name!r} in its place")
@@ -175,11 +215,17 @@ def _decode_on_host(
         if isinstance(codec, SBC):
             codec.check_envelope(enc, spec)
             idx, mean = codec.positions(enc.payload, spec, torch.device("cpu"))
-            kept.append(idx.numpy() + layout.offsets[row])
-            values.append(np.full(idx.shape[0], mean, dtype=np.float32))
-        else:
-            dense_rows.append(row)
-            dense.append(codec.decode(enc, spec, "cpu").reshape(-1).numpy())
+            found.kept.append(idx.numpy() + layout.offsets[row])
+            found.values.append(np.full(idx.shape[0], mean, dtype=np.float32))
+            continue
+        if isinstance(codec, ThreeLC):
+            codec.check_envelope(enc, spec)
+            lit = threelc_device.literals_of(codec, enc.payload, spec, layout.offsets[row])
+            if lit is not None:
+                found.literals.append(lit)
+                continue
+        found.dense_rows.append(row)
+        found.dense.append(codec.decode(enc, spec, "cpu").reshape(-1).numpy())
 
 
 @lru_cache(maxsize=8)

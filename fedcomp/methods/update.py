@@ -65,6 +65,11 @@ class UpdateEncoder:
     (:func:`fedcomp.codecs.sbc.run_jobs`), the others on the calling thread meanwhile. Either
     way the bytes, reconstructions and residuals are those of a loop (tested). With one torch
     thread (the reference app's setting) the kernel runs on that thread and the rest is a loop.
+
+    On a GPU (every tensor on one CUDA device), an SBC or 3LC update without per-tensor
+    ``codecs`` is encoded whole (:func:`fedcomp.methods.flat_update.encode_on_device`): a number
+    of kernel launches, syncs and copies that does not grow with the number of tensors, the
+    residuals kept as one flat buffer on the device; the same bytes, residuals and ``sent``.
     """
 
     def __init__(
@@ -236,7 +241,10 @@ def decode_update(
     accepted, or when any payload is malformed. Nothing is allocated beyond the specs' sizes.
     On CPU the large tensors of ``tensor_parallel`` codecs are decoded several at once (as
     :class:`UpdateEncoder` encodes them); every tensor is then decoded even when one fails, and
-    the error raised is the first failing tensor's in order, as a loop's.
+    the error raised is the first failing tensor's in order, as a loop's. Onto a GPU (without
+    ``out`` and ``per_tensor``) the payloads are checked and decoded on the host and written to
+    the device all at once (:func:`fedcomp.methods.flat_update.decode_on_device`; the tensors are
+    views of one buffer); the errors are the loop's.
     """
     codecs = list(codecs)
     if out is None and per_tensor is None and device is not None and torch.device(device).type != "cpu":

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedcomp.codecs import SBC, DenseFP16, DenseFP32, ThreeLC
+from fedcomp.codecs import SBC, DenseFP16, DenseFP32, ThreeLC, TopK
 from fedcomp.codecs.flat import count_device_work
 from fedcomp.errors import PayloadError
 from fedcomp.methods.feedback import ErrorFeedback, StaleResidual
@@ -34,12 +34,14 @@ def _model(seed: int, layers: int = 6) -> dict[str, torch.Tensor]:
     return out
 
 
-def _encoder(codec: SBC, feedback: bool = True) -> UpdateEncoder:
+def _encoder(codec: SBC | ThreeLC, feedback: bool = True) -> UpdateEncoder:
     return UpdateEncoder(codec, min_numel=200, error_feedback=feedback)
 
 
-@pytest.mark.parametrize("codec", [SBC(0.02, "fast", sample_size=SAMPLE), SBC(0.1, "exact")], ids=repr)
-def test_rounds_with_error_feedback_give_the_per_tensor_bytes_and_residuals(codec: SBC) -> None:
+@pytest.mark.parametrize(
+    "codec", [SBC(0.02, "fast", sample_size=SAMPLE), SBC(0.1, "exact"), ThreeLC(1.0), ThreeLC(1.5, False)], ids=repr
+)
+def test_rounds_with_error_feedback_give_the_per_tensor_bytes_and_residuals(codec: SBC | ThreeLC) -> None:
     flat, loop = _encoder(codec), _encoder(codec)
     works = []
     for rnd in range(4):
@@ -69,10 +71,10 @@ def test_without_error_feedback_and_with_fp16_small_tensors() -> None:
     assert got == (want, None)
 
 
+@pytest.mark.parametrize("codec", [SBC(0.02, "fast", sample_size=SAMPLE), ThreeLC(1.25)], ids=repr)
 @pytest.mark.parametrize("small_codec", [DenseFP32(), DenseFP16()], ids=repr)
 @pytest.mark.parametrize("feedback", [True, False])
-def test_keep_sent_gives_what_the_receiver_decodes_as_the_per_tensor_path(small_codec, feedback: bool) -> None:
-    codec = SBC(0.02, "fast", sample_size=SAMPLE)
+def test_keep_sent_gives_what_the_receiver_decodes_as_the_per_tensor_path(codec, small_codec, feedback: bool) -> None:
     flat = UpdateEncoder(codec, min_numel=200, small_codec=small_codec, error_feedback=feedback)
     loop = UpdateEncoder(codec, min_numel=200, small_codec=small_codec, error_feedback=feedback)
     for rnd in range(3):
@@ -131,7 +133,7 @@ def test_cases_left_to_the_per_tensor_path_change_nothing() -> None:
     update = _model(2)
     enc = _encoder(codec)
     assert encode_on_device(update, codec, enc.small_codec, 200, enc.feedback, 0) is None  # CPU tensors
-    assert encode_on_device(update, ThreeLC(), enc.small_codec, 200, enc.feedback, 0, device=CPU) is None
+    assert encode_on_device(update, TopK(0.1), enc.small_codec, 200, enc.feedback, 0, device=CPU) is None
     stale = ErrorFeedback(codec, StaleResidual(decay=0.5))
     assert encode_on_device(update, codec, enc.small_codec, 200, stale, 0, device=CPU) is None
     bad = dict(update)
@@ -189,6 +191,54 @@ def test_decode_refuses_what_the_per_tensor_path_refuses_with_its_words() -> Non
         with pytest.raises(PayloadError) as whole:
             decode_on_device(bad, specs, codecs, CPU)
         assert str(whole.value) == str(per_tensor.value)
+
+
+def test_decode_of_3lc_and_mixed_updates_gives_the_per_tensor_values() -> None:
+    update = _model(6)
+    codecs = [ThreeLC(1.5), ThreeLC(1.0, False), SBC(0.02, "fast", sample_size=SAMPLE), DenseFP32(), DenseFP16()]
+    specs = specs_of(update)
+    three = UpdateEncoder(ThreeLC(1.5), min_numel=200).encode(update, 1)
+    names = list(update)
+    mixed = EncodedUpdate(
+        1,
+        tuple(
+            (codecs[i % len(codecs)] if update[n].numel() >= 200 else DenseFP16()).encode(update[n], n)
+            for i, n in enumerate(names)
+        ),
+    )
+    for encoded in (three, mixed):
+        with count_device_work() as work:
+            got = decode_on_device(encoded, specs, codecs, CPU)
+        want = decode_update(encoded, specs, codecs, CPU)
+        assert got is not None
+        assert all(got[k].view(torch.int32).equal(want[k].view(torch.int32)) for k in want)
+        assert work.syncs == 0 and work.to_device <= 7, work
+
+
+def test_hostile_3lc_payloads_are_refused_with_the_per_tensor_words() -> None:
+    update = _model(7)
+    specs = specs_of(update)
+    codecs = [ThreeLC(1.5), DenseFP32()]
+    encoded = UpdateEncoder(ThreeLC(1.5), min_numel=200).encode(update, 1)
+    first = encoded.tensors[0]
+    payload = first.payload
+    changes = [
+        {"data": payload.data + b"\x79"},  # expands past the groups
+        {"data": payload.data[:-1]},  # too short
+        {"data": b"\xff" * len(payload.data)},  # runs past the end
+        {"scale": float("nan")},
+        {"scale": -1.0},
+        {"numel": 3},
+        {"zero_run": False},  # the stream's run bytes are not codes
+    ]
+    for change in changes:
+        bad_payload = payload.__class__(**{**payload.__dict__, **change})
+        bad = EncodedUpdate(1, (first.__class__(**{**first.__dict__, "payload": bad_payload}), *encoded.tensors[1:]))
+        with pytest.raises(PayloadError) as per_tensor:
+            decode_update(bad, specs, codecs, CPU)
+        with pytest.raises(PayloadError) as whole:
+            decode_on_device(bad, specs, codecs, CPU)
+        assert str(whole.value) == str(per_tensor.value), change
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (the tests above run the same operators)")

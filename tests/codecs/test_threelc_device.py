@@ -1,0 +1,131 @@
+"""The whole-update 3LC engine (``fedcomp.codecs.threelc_device``): the bytes and reconstruction of
+:meth:`ThreeLC.encode_with_reconstruction` and the values of :meth:`ThreeLC.decode`, tensor by
+tensor, in a count of operators, syncs and copies that does not grow with the number of tensors.
+The same torch operators run on any device, so the CPU checks what CUDA runs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fedcomp.codecs import TensorSpec, ThreeLC
+from fedcomp.codecs.flat import Layout, count_device_work
+from fedcomp.codecs.threelc_device import decode_into, encode_update, literals_of
+
+F32_MAX = float(np.finfo(np.float32).max)
+U = 2.0**-149
+
+
+def _f32(a) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))
+
+
+def _kinds(seed: int) -> list[tuple[str, torch.Tensor]]:
+    g = np.random.default_rng(seed)
+    return [
+        *[(f"tiny{n}", _f32(g.standard_normal(n))) for n in range(1, 8)],  # every padding of the parts
+        ("student", _f32(g.standard_t(3, 70_001) * 1e-3)),
+        ("sparse", _f32(np.where(g.random(9_999) < 0.01, g.standard_normal(9_999), 0.0))),
+        ("zeros", _f32(np.zeros(1_234))),
+        ("negative_zeros", _f32(np.full(55, -0.0))),
+        ("huge", _f32([3e38, -3e38, 1.0, 2e38, -1.6e38])),  # m clamped to the float32 maximum
+        ("subnormal", _f32([U, -2 * U, 3 * U, 0.0])),
+        ("tie", _f32([U, -2 * U])),  # u / 2u is a tie: 0
+        ("matrix", _f32(g.standard_normal((64, 33)))),
+    ]
+
+
+def _per_tensor(codec: ThreeLC, items):
+    return [codec.encode_with_reconstruction(t, n) for n, t in items]
+
+
+@pytest.mark.parametrize("codec", [ThreeLC(1.0), ThreeLC(1.5), ThreeLC(1.9, zero_run=False)], ids=repr)
+def test_engine_gives_the_per_tensor_bytes_reconstruction_and_decoded_values(codec: ThreeLC) -> None:
+    for seed in range(2):
+        items = _kinds(seed)
+        found = encode_update(codec, items, want_recon=True)
+        assert found is not None
+        encoded, recon = found
+        want = _per_tensor(codec, items)
+        assert encoded == [e for e, _ in want]
+        assert recon is not None
+        want_recon = torch.cat([r.reshape(-1) for _, r in want])
+        assert torch.equal(recon, want_recon)
+        assert recon.view(torch.int32).equal(want_recon.view(torch.int32))  # +0.0, never -0.0
+        # decoding on the "device": into zeros with a spare value at the end
+        layout = Layout.of(items)
+        flat = torch.zeros(layout.total + 1)
+        lits = []
+        for (name, t), enc, off in zip(items, encoded, layout.offsets, strict=True):
+            lit = literals_of(codec, enc.payload, TensorSpec.of(name, t), off)
+            assert lit is not None
+            lits.append(lit)
+        decode_into(flat, lits)
+        want_dec = torch.cat([codec.decode(e, TensorSpec.of(n, t)).reshape(-1) for (n, t), e in zip(items, encoded)])
+        assert flat[: layout.total].view(torch.int32).equal(want_dec.view(torch.int32))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    sizes=st.lists(st.integers(1, 300), min_size=1, max_size=6),
+    s=st.sampled_from([1.0, 1.25, 1.75]) | st.floats(1.0, 2.0, exclude_max=True),
+    scale_exp=st.integers(-140, 120),
+    seed=st.integers(0, 2**31),
+)
+def test_any_layout_and_scale_gives_the_per_tensor_bytes(sizes, s, scale_exp, seed) -> None:
+    g = np.random.default_rng(seed)
+    codec = ThreeLC(s)
+    items = [(f"t{i}", _f32(g.standard_t(2, n) * 2.0**scale_exp)) for i, n in enumerate(sizes)]
+    found = encode_update(codec, items, want_recon=True)
+    assert found is not None
+    want = _per_tensor(codec, items)
+    assert found[0] == [e for e, _ in want]
+    assert found[1] is not None and torch.equal(found[1], torch.cat([r.reshape(-1) for _, r in want]))
+
+
+def test_work_does_not_grow_with_the_number_of_tensors() -> None:
+    codec = ThreeLC(1.5)
+    g = np.random.default_rng(3)
+    pool = [(f"t{i}", _f32(g.standard_t(3, int(g.integers(10, 5_000))))) for i in range(96)]
+    counts = []
+    for many in (6, 24, 96):
+        items = pool[:many]
+        encode_update(codec, items, want_recon=True)  # (the layout's tables are kept)
+        with count_device_work() as work:
+            found = encode_update(codec, items, want_recon=True)
+        assert found is not None
+        layout = Layout.of(items)
+        lits = [
+            literals_of(codec, e.payload, TensorSpec.of(n, t), off)
+            for (n, t), e, off in zip(items, found[0], layout.offsets)
+        ]
+        with count_device_work() as dec:
+            decode_into(torch.zeros(layout.total + 1), lits)  # type: ignore[arg-type]
+        counts.append((work.ops, work.syncs, work.to_host, work.to_device, dec.ops, dec.syncs, dec.to_device))
+    assert counts[0] == counts[1] == counts[2], counts
+    assert counts[0][1] <= 3 and counts[0][2] <= 2 and counts[0][3] <= 1 and counts[0][5] == 0, counts[0]
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_a_value_that_is_not_finite_leaves_the_update_to_encode(value: float) -> None:
+    items = _kinds(0)
+    bad = items[7][1].clone()
+    bad[123] = value
+    items[7] = (items[7][0], bad)
+    assert encode_update(ThreeLC(), items) is None
+    with pytest.raises(ValueError, match="non-finite"):
+        ThreeLC().encode(bad, items[7][0])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (the CPU runs the same operators above)")
+def test_cuda_gives_the_cpu_bytes_and_values() -> None:
+    for codec in (ThreeLC(1.0), ThreeLC(1.5, zero_run=False)):
+        items = _kinds(1)
+        found = encode_update(codec, [(n, t.cuda()) for n, t in items], want_recon=True)
+        assert found is not None and found[1] is not None
+        want = _per_tensor(codec, items)
+        assert found[0] == [e for e, _ in want]
+        assert torch.equal(found[1].cpu(), torch.cat([r.reshape(-1) for _, r in want]))
