@@ -27,6 +27,7 @@ from flwr.app import ConfigRecord
 
 from fedcomp.codecs import TensorSpec
 from fedcomp.errors import PayloadError
+from fedcomp.flower.records import tensors_on_host, tensors_to_device
 
 __all__ = ["PendingUpdate"]
 
@@ -44,8 +45,9 @@ class PendingUpdate:
     def to_record(self) -> ConfigRecord:
         """The ``STATE_PENDING`` record: each tensor dense or sparse, whichever is smaller."""
         out: dict[str, Any] = {_ROUND: int(self.round), _NAMES: list(self.tensors)}
-        for name, t in self.tensors.items():
-            flat = t.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
+        on_host = tensors_on_host({k: v.detach().to(torch.float32) for k, v in self.tensors.items()})
+        for name, t in on_host.items():
+            flat = t.reshape(-1)
             out[_SHAPE + name] = [int(d) for d in t.shape]
             nz = flat.nonzero().view(-1)
             index_dtype = _index_dtype(flat.numel())
@@ -102,11 +104,11 @@ class PendingUpdate:
                     raise PayloadError(name, "pending update: a position is outside the tensor")
                 flat = torch.zeros(n, dtype=torch.float32)
                 flat[idx] = vals
-            tensors[name] = flat.reshape(shape).to(device)
+            tensors[name] = flat.reshape(shape)
         unexpected = sorted(set(rec) - expected)
         if unexpected:
             raise PayloadError("", f"pending update: unexpected field(s) {unexpected[:3]}")
-        return cls(rnd, tensors)
+        return cls(rnd, tensors_to_device(tensors, device))
 
 
 def _index_dtype(numel: int) -> torch.dtype:

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 import torch
 from flwr.app import ArrayRecord
 
-from fedcomp.codecs.flat import Layout, to_host
+from fedcomp.codecs.flat import Layout, to_device, to_host
 from fedcomp.errors import ConfigError
 
 
@@ -21,14 +21,25 @@ def tensors_from_record(record: ArrayRecord, device: torch.device | str = "cpu")
         if not t.is_floating_point():
             raise ConfigError(f"array {name!r} has dtype {t.dtype}: fedcomp compresses floating-point arrays only")
         host[name] = t.to(dtype=torch.float32)
+    return tensors_to_device(host, device)
+
+
+def tensors_to_device(tensors: Mapping[str, torch.Tensor], device: torch.device | str) -> dict[str, torch.Tensor]:
+    """Float32 CPU ``tensors`` on ``device``: as they are on the CPU, else views of one buffer
+    copied there at once (a copy per tensor cost a GPU client hundreds per round)."""
     device = torch.device(device)
-    if device.type == "cpu" or not host:
-        return host
-    layout = Layout.of(host)
-    return layout.views(torch.cat([t.reshape(-1) for t in host.values()]).to(device))
+    if device.type == "cpu" or not tensors:
+        return dict(tensors)
+    layout = Layout.of(tensors)
+    return layout.views(to_device_tensor(torch.cat([t.reshape(-1) for t in tensors.values()]), device))
 
 
-def _on_host(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def to_device_tensor(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """CPU ``t`` on ``device``, its copy counted as :func:`fedcomp.codecs.flat.to_device` counts."""
+    return to_device(t.numpy(), device)
+
+
+def tensors_on_host(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The tensors on the CPU: those on one other device in one copy (float32 ones: a copy per
     tensor, and a wait for each, would cost a GPU client hundreds per round)."""
     devices = {t.device for t in tensors.values()}
@@ -46,13 +57,13 @@ def to_host_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def record_from_tensors(tensors: Mapping[str, torch.Tensor]) -> ArrayRecord:
-    return ArrayRecord(OrderedDict(_on_host(tensors)))
+    return ArrayRecord(OrderedDict(tensors_on_host(tensors)))
 
 
 def digest(tensors: Mapping[str, torch.Tensor]) -> str:
     """SHA-256 over names, shapes and float32 bytes, in order: equal iff bit-identical."""
     h = hashlib.sha256()
-    for name, t in _on_host({k: v.detach().to(torch.float32) for k, v in tensors.items()}).items():
+    for name, t in tensors_on_host({k: v.detach().to(torch.float32) for k, v in tensors.items()}).items():
         h.update(name.encode())
         h.update(repr(tuple(t.shape)).encode())
         h.update(t.contiguous().numpy().data)  # in place, no copy
