@@ -51,6 +51,7 @@ import fedcomp._native as native
 from fedcomp.bench import int_at_least, write_rows
 from fedcomp.codecs import Codec, get_codec
 from fedcomp.codecs.base import TensorSpec
+from fedcomp.codecs.flat import Layout
 from fedcomp.methods.update import UpdateEncoder, decode_update_bytes, specs_of
 from fedcomp.wire import serde
 from fedcomp.wire.payloads import EncodedUpdate
@@ -237,7 +238,10 @@ def bench_codecs(
     numel = sum(t.numel() for t in update.values())
     specs = specs_of(update)
     base = _Baselines(list(update.values()))
-    buffers = {s.name: torch.empty(s.shape, dtype=s.dtype, device=device) for s in specs}  # a receiver's own
+    if device.type == "cpu":  # a receiver's own
+        buffers = {s.name: torch.empty(s.shape, dtype=s.dtype, device=device) for s in specs}
+    else:  # one buffer, as a GPU client keeps its replica (fedcomp.flower.records.tensors_to_device)
+        buffers = Layout.of(update).views(torch.empty(numel, dtype=torch.float32, device=device))
 
     rows = []
     for cfg, target in CASES:

@@ -152,13 +152,61 @@ def _sbc_on_device(
 
 
 def decode_on_device(
-    update: EncodedUpdate, specs: Sequence[TensorSpec], codecs: Iterable[Codec], device: torch.device
+    update: EncodedUpdate,
+    specs: Sequence[TensorSpec],
+    codecs: Iterable[Codec],
+    device: torch.device,
+    out: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor] | None:
-    """:func:`decode_update` (no ``per_tensor``, no ``out``) onto ``device``: the same checks,
-    errors and values; the tensors are views of one buffer. None where a spec is not float32 or
-    has no values (then the per-tensor path runs)."""
+    """:func:`decode_update` (no ``per_tensor``) onto ``device``: the same checks, errors and
+    values; the tensors are views of one buffer, or, with ``out`` (a buffer for every tensor, on
+    ``device``), those buffers, written by one copy (one fused copy when they are not one
+    buffer). None where a spec is not float32 or has no values, or ``out`` does not fit (then
+    the per-tensor path runs)."""
     if not specs or any(spec.dtype != torch.float32 or spec.numel == 0 for spec in specs):
         return None
+    if out is not None and not _fits(out, specs, device):
+        return None
+    layout, flat = _decode_flat(update, specs, codecs, device)
+    views = layout.views(flat)
+    if out is None:
+        return views
+    targets = [out[spec.name] for spec in specs]
+    region = _one_region(targets)
+    if region is not None:
+        region.copy_(flat)
+    else:
+        torch._foreach_copy_(targets, list(views.values()))
+    return {spec.name: t for spec, t in zip(specs, targets, strict=True)}
+
+
+def _fits(out: Mapping[str, torch.Tensor], specs: Sequence[TensorSpec], device: torch.device) -> bool:
+    return all(
+        (t := out.get(spec.name)) is not None
+        and tuple(t.shape) == tuple(spec.shape)
+        and t.dtype == spec.dtype
+        and t.is_contiguous()
+        and t.device == device
+        for spec in specs
+    )
+
+
+def _one_region(targets: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The one flat buffer ``targets`` are back to back in, in order, or None."""
+    first = targets[0]
+    storage = first.untyped_storage()
+    at = first.storage_offset()
+    for t in targets:
+        if t.untyped_storage().data_ptr() != storage.data_ptr() or t.storage_offset() != at:
+            return None
+        at += t.numel()
+    return first.new_empty(0).set_(storage, first.storage_offset(), (at - first.storage_offset(),), (1,))
+
+
+def _decode_flat(
+    update: EncodedUpdate, specs: Sequence[TensorSpec], codecs: Iterable[Codec], device: torch.device
+) -> tuple[Layout, torch.Tensor]:
+    """The decoded tensors back to back in one new buffer on ``device``, and their layout."""
     accepted = {c.codec_id: c for c in codecs}
     if len(update.tensors) != len(specs):
         raise PayloadError("", f"update has {len(update.tensors)} tensors, expected {len(specs)}")
@@ -172,7 +220,7 @@ def decode_on_device(
     with host_side():
         _decode_on_host(update, specs, accepted, layout, found)
     if len(found.dense_rows) == len(specs):
-        return layout.views(to_device(np.concatenate(found.dense), device))
+        return layout, to_device(np.concatenate(found.dense), device)
     flat = torch.zeros(layout.total + 1, dtype=torch.float32, device=device)  # (a spare value at the end)
     if found.kept:
         flat.index_put_(
@@ -182,7 +230,7 @@ def decode_on_device(
         where = _dense_positions(layout.offsets, layout.numels, tuple(found.dense_rows), str(device))
         flat.index_put_((where,), to_device(np.concatenate(found.dense), device))
     threelc_device.decode_into(flat, found.literals)
-    return layout.views(flat[: layout.total])
+    return layout, flat[: layout.total]
 
 
 @dataclass

@@ -242,13 +242,14 @@ def decode_update(
     On CPU the large tensors of ``tensor_parallel`` codecs are decoded several at once (as
     :class:`UpdateEncoder` encodes them); every tensor is then decoded even when one fails, and
     the error raised is the first failing tensor's in order, as a loop's. Onto a GPU (without
-    ``out`` and ``per_tensor``) the payloads are checked and decoded on the host and written to
-    the device all at once (:func:`fedcomp.methods.flat_update.decode_on_device`; the tensors are
-    views of one buffer); the errors are the loop's.
+    ``per_tensor``; with ``out`` when it holds every tensor) the payloads are checked and decoded
+    on the host and written to the device all at once
+    (:func:`fedcomp.methods.flat_update.decode_on_device`; new tensors are views of one buffer);
+    the errors are the loop's.
     """
     codecs = list(codecs)
-    if out is None and per_tensor is None and device is not None and torch.device(device).type != "cpu":
-        whole = decode_on_device(update, specs, codecs, torch.device(device))  # on a GPU: all at once
+    if per_tensor is None and device is not None and torch.device(device).type != "cpu":
+        whole = decode_on_device(update, specs, codecs, torch.device(device), out)  # on a GPU: all at once
         if whole is not None:
             return whole
     accepted = {c.codec_id: c for c in codecs}

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fedcomp.codecs import SBC, DenseFP16, DenseFP32, ThreeLC, TopK
-from fedcomp.codecs.flat import count_device_work
+from fedcomp.codecs.flat import Layout, count_device_work
 from fedcomp.errors import PayloadError
 from fedcomp.methods.feedback import ErrorFeedback, StaleResidual
 from fedcomp.methods.flat_update import decode_on_device, encode_on_device
@@ -254,3 +254,26 @@ def test_cuda_update_encoder_and_decoder_take_the_whole_update_path() -> None:
         decoded = decode_update(got, specs_of(update), [codec, DenseFP32()], "cuda")
         want = decode_update(got, specs_of(update), [codec, DenseFP32()], "cpu")
         assert all(torch.equal(decoded[k].cpu(), want[k]) for k in want)
+
+
+@pytest.mark.parametrize("one_buffer", [True, False])
+def test_decode_into_the_receivers_buffers(one_buffer: bool) -> None:
+    update = _model(8)
+    specs = specs_of(update)
+    codecs = [ThreeLC(1.5), SBC(0.02, "fast", sample_size=SAMPLE), DenseFP32()]
+    encoded = UpdateEncoder(ThreeLC(1.5), min_numel=200).encode(update, 1)
+    if one_buffer:  # as a GPU client keeps its replica: views of one buffer, in order
+        total = sum(s.numel for s in specs)
+        backing = torch.full((total,), 7.0)
+        out = Layout.of(update).views(backing)
+    else:
+        out = {s.name: torch.full(s.shape, 7.0) for s in specs}
+    got = decode_on_device(encoded, specs, codecs, CPU, out=out)
+    want = decode_update(encoded, specs, codecs, CPU)
+    assert got is not None and all(got[k] is out[k] for k in want)
+    assert all(torch.equal(out[k], want[k]) for k in want)
+    # a buffer missing, of another shape, or elsewhere: the per-tensor path decodes instead
+    partial = dict(out)
+    partial.pop(specs[0].name)
+    assert decode_on_device(encoded, specs, codecs, CPU, out=partial) is None
+    assert decode_on_device(encoded, specs, codecs, CPU, out={**out, specs[0].name: torch.zeros(3)}) is None
