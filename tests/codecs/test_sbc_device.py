@@ -103,6 +103,7 @@ def test_a_value_that_is_not_finite_anywhere_leaves_the_update_to_encode(codec: 
     assert encode_update(codec, items) is None
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (the CPU runs the same operators above)")
 def test_cuda_gives_the_cpu_bytes() -> None:
     for codec in CODECS:

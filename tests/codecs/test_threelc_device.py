@@ -120,6 +120,7 @@ def test_a_value_that_is_not_finite_leaves_the_update_to_encode(value: float) ->
         ThreeLC().encode(bad, items[7][0])
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (the CPU runs the same operators above)")
 def test_cuda_gives_the_cpu_bytes_and_values() -> None:
     for codec in (ThreeLC(1.0), ThreeLC(1.5, zero_run=False)):

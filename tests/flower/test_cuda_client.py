@@ -13,7 +13,7 @@ from fedcomp.flower import protocol
 from fedcomp.flower.records import digest, tensors_from_record
 from tests.flower.helpers import Client, make_strategy, payloads_of, tiny_model, train_round
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 
 
 @pytest.mark.parametrize("error_feedback", [True, False])

@@ -241,6 +241,7 @@ def test_hostile_3lc_payloads_are_refused_with_the_per_tensor_words() -> None:
         assert str(whole.value) == str(per_tensor.value), change
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (the tests above run the same operators)")
 def test_cuda_update_encoder_and_decoder_take_the_whole_update_path() -> None:
     codec = SBC(0.02, "fast", sample_size=SAMPLE)
