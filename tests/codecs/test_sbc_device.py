@@ -8,6 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from fedcomp.codecs import SBC, TensorSpec, sbc_device
 from fedcomp.codecs.flat import count_device_work
@@ -112,3 +114,23 @@ def test_cuda_gives_the_cpu_bytes() -> None:
         found = encode_update(codec, on_gpu)
         assert found is not None
         assert found.encoded == [codec.encode(t, n) for n, t in items]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    sizes=st.lists(st.integers(1, 4_000), min_size=1, max_size=6),
+    p=st.sampled_from([0.001, 0.01, 0.1, 0.5]) | st.floats(0.0005, 0.5),
+    mode=st.sampled_from(["fast", "exact"]),
+    levels=st.sampled_from([0, 3, 7]),  # 0: continuous values; else few levels (ties everywhere)
+    seed=st.integers(0, 2**31),
+)
+def test_any_layout_gives_encodes_bytes(sizes, p, mode, levels, seed) -> None:
+    g = np.random.default_rng(seed)
+    codec = SBC(p, mode, sample_size=max(2, min(SAMPLE, round(64 / p))))
+    items = []
+    for i, n in enumerate(sizes):
+        values = g.standard_t(2, n) if not levels else g.integers(-levels, levels + 1, n) * 0.25
+        items.append((f"t{i}", _f32(values * 2.0 ** int(g.integers(-30, 30)))))
+    found = encode_update(codec, items)
+    assert found is not None
+    assert found.encoded == [codec.encode(t, n) for n, t in items]
