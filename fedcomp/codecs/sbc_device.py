@@ -131,7 +131,8 @@ class _Plan:
 def _plan(numels: tuple[int, ...], p: float, s: int, mode: str, device: str) -> _Plan:
     ks = tuple(max(1, round(p * n)) for n in numels)
     fast = tuple(i for i, n in enumerate(numels) if mode == "fast" and n > s)
-    exact = tuple(i for i in range(len(numels)) if i not in set(fast))
+    fast_set = set(fast)
+    exact = tuple(i for i in range(len(numels)) if i not in fast_set)
     dev = torch.device(device)
     where = fast_rows = None
     if fast:

@@ -157,9 +157,9 @@ def decode_on_device(
     codecs: Iterable[Codec],
     device: torch.device,
     out: Mapping[str, torch.Tensor] | None = None,
+    per_tensor: Mapping[str, Codec] | None = None,
 ) -> dict[str, torch.Tensor] | None:
-    """:func:`decode_update` (no ``per_tensor``) onto ``device``: the same checks, errors and
-    values; the tensors are views of one buffer, or, with ``out`` (a buffer for every tensor, on
+    """:func:`decode_update` onto ``device``: the same checks, errors and values; the tensors are views of one buffer, or, with ``out`` (a buffer for every tensor, on
     ``device``), those buffers, written by one copy (one fused copy when they are not one
     buffer). None where a spec is not float32 or has no values, or ``out`` does not fit (then
     the per-tensor path runs)."""
@@ -167,7 +167,7 @@ def decode_on_device(
         return None
     if out is not None and not _fits(out, specs, device):
         return None
-    layout, flat = _decode_flat(update, specs, codecs, device)
+    layout, flat = _decode_flat(update, specs, codecs, device, per_tensor or {})
     views = layout.views(flat)
     if out is None:
         return views
@@ -204,7 +204,11 @@ def _one_region(targets: Sequence[torch.Tensor]) -> torch.Tensor | None:
 
 
 def _decode_flat(
-    update: EncodedUpdate, specs: Sequence[TensorSpec], codecs: Iterable[Codec], device: torch.device
+    update: EncodedUpdate,
+    specs: Sequence[TensorSpec],
+    codecs: Iterable[Codec],
+    device: torch.device,
+    per_tensor: Mapping[str, Codec],
 ) -> tuple[Layout, torch.Tensor]:
     """The decoded tensors back to back in one new buffer on ``device``, and their layout."""
     accepted = {c.codec_id: c for c in codecs}
@@ -218,7 +222,7 @@ def _decode_flat(
     )
     found = _Decoded()
     with host_side():
-        _decode_on_host(update, specs, accepted, layout, found)
+        _decode_on_host(update, specs, accepted, per_tensor, layout, found)
     if len(found.dense_rows) == len(specs):
         return layout, to_device(np.concatenate(found.dense), device)
     flat = torch.zeros(layout.total + 1, dtype=torch.float32, device=device)  # (a spare value at the end)
@@ -248,6 +252,7 @@ def _decode_on_host(
     update: EncodedUpdate,
     specs: Sequence[TensorSpec],
     accepted: dict[str, Codec],
+    per_tensor: Mapping[str, Codec],
     layout: Layout,
     found: _Decoded,
 ) -> None:
@@ -257,7 +262,7 @@ def _decode_on_host(
     for row, (spec, enc) in enumerate(zip(specs, update.tensors, strict=True)):
         if enc.name != spec.name:
             raise PayloadError(spec.name, f"found tensor {enc.name!r} in its place")
-        codec = accepted.get(enc.codec_id)
+        codec = per_tensor.get(spec.name) or accepted.get(enc.codec_id)
         if codec is None:
             raise PayloadError(spec.name, f"codec {enc.codec_id!r} is not accepted here ({sorted(accepted)})")
         if isinstance(codec, SBC):

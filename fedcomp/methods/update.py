@@ -241,15 +241,15 @@ def decode_update(
     accepted, or when any payload is malformed. Nothing is allocated beyond the specs' sizes.
     On CPU the large tensors of ``tensor_parallel`` codecs are decoded several at once (as
     :class:`UpdateEncoder` encodes them); every tensor is then decoded even when one fails, and
-    the error raised is the first failing tensor's in order, as a loop's. Onto a GPU (without
-    ``per_tensor``; with ``out`` when it holds every tensor) the payloads are checked and decoded
+    the error raised is the first failing tensor's in order, as a loop's. Onto a GPU (with ``out``
+    when it holds every tensor) the payloads are checked and decoded
     on the host and written to the device all at once
     (:func:`fedcomp.methods.flat_update.decode_on_device`; new tensors are views of one buffer);
     the errors are the loop's.
     """
     codecs = list(codecs)
-    if per_tensor is None and device is not None and torch.device(device).type != "cpu":
-        whole = decode_on_device(update, specs, codecs, torch.device(device), out)  # on a GPU: all at once
+    if device is not None and torch.device(device).type != "cpu":
+        whole = decode_on_device(update, specs, codecs, torch.device(device), out, per_tensor)  # on a GPU: at once
         if whole is not None:
             return whole
     accepted = {c.codec_id: c for c in codecs}

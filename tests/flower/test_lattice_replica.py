@@ -240,6 +240,33 @@ def test_cpu_merge_equals_the_device_generic_lines(e: int) -> None:
         _merge_cpu(nan, d.clone(), h, "w", e)
 
 
+def test_the_device_merge_of_many_tensors_equals_the_cpu_one_and_checks_them_all_first() -> None:
+    # apply_lattice's merge on other devices (_merge_torch: every tensor merged, one wait for the
+    # grid check) against the NumPy merge, tensor by tensor; run here on CPU tensors.
+    from fedcomp.flower.replica import _merge_cpu, _merge_torch
+
+    gen = torch.Generator().manual_seed(9)
+    items = {}
+    for i, e in enumerate([-12, -4, 0, 3, -7]):
+        h = math.ldexp(1.0, e)
+        current = torch.randn(500 + i, generator=gen) * 40 * h
+        d = torch.randint(-5, 6, (500 + i,), generator=gen).to(torch.float32) * h
+        items[f"t{i}"] = (current, d, e)
+    items["empty"] = (torch.zeros(0), torch.zeros(0), 1)
+    got = _merge_torch(items)
+    assert list(got) == list(items)
+    for k, (current, d, e) in items.items():
+        assert torch.equal(got[k], _merge_cpu(current, d.clone(), math.ldexp(1.0, e), k, e)), k
+    for bad in (2.0**24 + 10, math.nan):
+        far = dict(items)
+        current, d, e = items["t3"]
+        off = current.clone()
+        off[7] = bad * math.ldexp(1.0, e)
+        far["t3"] = (off, d, e)
+        with pytest.raises(PayloadError, match=r"^tensor 't3': the replica leaves the grid 2\*\*3 "):
+            _merge_torch(far)
+
+
 @pytest.mark.parametrize("e", [-12, -4, 2])
 def test_cpu_lattice_step_equals_the_device_generic_lines(e: int) -> None:
     from fedcomp.errors import ConfigError

@@ -278,3 +278,22 @@ def test_decode_into_the_receivers_buffers(one_buffer: bool) -> None:
     partial.pop(specs[0].name)
     assert decode_on_device(encoded, specs, codecs, CPU, out=partial) is None
     assert decode_on_device(encoded, specs, codecs, CPU, out={**out, specs[0].name: torch.zeros(3)}) is None
+
+
+def test_decode_with_per_tensor_codecs_gives_the_per_tensor_values_and_errors() -> None:
+    from fedcomp.codecs import Lattice
+
+    update = _model(11)
+    specs = specs_of(update)
+    exponents = {name: -12 + i % 3 for i, name in enumerate(update)}
+    encoded = EncodedUpdate(1, tuple(Lattice(exponent=exponents[n]).encode(t, n) for n, t in update.items()))
+    per_tensor = {n: Lattice(exponent=e) for n, e in exponents.items()}
+    got = decode_on_device(encoded, specs, [Lattice()], CPU, per_tensor=per_tensor)
+    want = decode_update(encoded, specs, [Lattice()], CPU, per_tensor=per_tensor)
+    assert got is not None and all(got[k].view(torch.int32).equal(want[k].view(torch.int32)) for k in want)
+    wrong_grid = {**per_tensor, specs[2].name: Lattice(exponent=exponents[specs[2].name] + 1)}
+    with pytest.raises(PayloadError) as per_tensor_error:
+        decode_update(encoded, specs, [Lattice()], CPU, per_tensor=wrong_grid)
+    with pytest.raises(PayloadError) as whole_error:
+        decode_on_device(encoded, specs, [Lattice()], CPU, per_tensor=wrong_grid)
+    assert str(whole_error.value) == str(per_tensor_error.value)
