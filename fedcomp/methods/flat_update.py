@@ -6,15 +6,17 @@ hand their work here when the tensors (or the decoded ones) live on a CUDA devic
 is one this module covers; everything else keeps the per-tensor path, whose bytes these equal
 (tested on CPU, where the same torch operators run):
 
-- **Encode** (:func:`encode_on_device`): the SBC tensors in one
-  :func:`fedcomp.codecs.sbc_device.encode_update`, their error-feedback residuals kept as one flat
-  float32 buffer on the device (:meth:`ErrorFeedback.flat_residual`: the accumulator is one
-  ``cat`` and one ``add_``; the new residual is the accumulator less the mean at the kept
-  positions, one ``index_put_``); the small tensors, which go dense, in one copy to the host.
+- **Encode** (:func:`encode_on_device`): the SBC or 3LC tensors in one call
+  (:func:`fedcomp.codecs.sbc_device.encode_update`, :func:`fedcomp.codecs.threelc_device.encode_update`),
+  their error-feedback residuals kept as one flat float32 buffer on the device
+  (:meth:`ErrorFeedback.flat_residual`: the accumulator is one ``cat`` and one ``add_``; the new
+  residual is the accumulator less the reconstruction: for SBC the mean at the kept positions, one
+  ``index_put_``); the small tensors, which go dense, in one copy to the host.
 - **Decode** (:func:`decode_on_device`): every payload is checked and decoded on the host (the CPU
   kernels); on the device one buffer of zeros, the SBC positions and values copied over and written
-  by one ``index_put_``, the dense tensors' values by one more. The tensors returned are views of
-  that buffer.
+  by one ``index_put_``, the 3LC groups other than 121 by five scatters, every other tensor's values
+  by one more ``index_put_``. The tensors returned are views of that buffer (or the receiver's
+  buffers, written by one copy).
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def encode_on_device(
     device: torch.device | None = None,
 ) -> tuple[EncodedUpdate, dict[str, torch.Tensor] | None] | None:
     """:meth:`UpdateEncoder.encode` (no per-tensor codecs) of ``tensors`` on one non-CPU device
-    with an SBC ``codec``, and with ``keep_sent`` what the receiver decodes of it (float32, on the
+    with an SBC or 3LC ``codec``, and with ``keep_sent`` what the receiver decodes of it (float32, on the
     device: :attr:`UpdateEncoder.sent`), or None where this is not that case (then the per-tensor
     path runs): the same bytes, residuals and reconstructions. ``device``: run on that device even
     when it is the CPU (what the tests do to compare with the per-tensor path)."""
@@ -79,6 +81,8 @@ def encode_on_device(
         else:
             small.append((name, t))
     if any(t.dtype != torch.float32 or t.numel() == 0 for _, t in large):
+        return None
+    if any(t.dtype not in _EXACT_IN_FLOAT32 for _, t in small):  # (they travel as float32)
         return None
     done: dict[str, EncodedTensor] = {}
     sent: dict[str, torch.Tensor] = {}
@@ -123,6 +127,10 @@ def encode_on_device(
     return update, ({name: sent[name] for name in tensors} if keep_sent else None)
 
 
+#: The dtypes whose every value float32 holds exactly.
+_EXACT_IN_FLOAT32 = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def _sbc_on_device(
     codec: SBC,
     large: list[tuple[str, torch.Tensor]],
@@ -159,10 +167,10 @@ def decode_on_device(
     out: Mapping[str, torch.Tensor] | None = None,
     per_tensor: Mapping[str, Codec] | None = None,
 ) -> dict[str, torch.Tensor] | None:
-    """:func:`decode_update` onto ``device``: the same checks, errors and values; the tensors are views of one buffer, or, with ``out`` (a buffer for every tensor, on
-    ``device``), those buffers, written by one copy (one fused copy when they are not one
-    buffer). None where a spec is not float32 or has no values, or ``out`` does not fit (then
-    the per-tensor path runs)."""
+    """:func:`decode_update` onto ``device``: the same checks, errors and values; the tensors are
+    views of one buffer, or, with ``out`` (a buffer for every tensor, on ``device``), those
+    buffers, written by one copy (one fused copy when they are not one buffer). None where a spec
+    is not float32 or has no values, or ``out`` does not fit (then the per-tensor path runs)."""
     if not specs or any(spec.dtype != torch.float32 or spec.numel == 0 for spec in specs):
         return None
     if out is not None and not _fits(out, specs, device):

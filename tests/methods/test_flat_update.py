@@ -297,3 +297,16 @@ def test_decode_with_per_tensor_codecs_gives_the_per_tensor_values_and_errors() 
     with pytest.raises(PayloadError) as whole_error:
         decode_on_device(encoded, specs, [Lattice()], CPU, per_tensor=wrong_grid)
     assert str(whole_error.value) == str(per_tensor_error.value)
+
+
+def test_a_small_tensor_float32_cannot_hold_is_left_to_the_per_tensor_path() -> None:
+    from fedcomp.codecs import Identity
+
+    codec = SBC(0.02, "fast", sample_size=SAMPLE)
+    update = _model(12)
+    update["l2.bias"] = update["l2.bias"].double() + 1e-12  # identity sends float64 as it is
+    assert encode_on_device(update, codec, Identity(), 200, None, 0, device=CPU) is None
+    update["l2.bias"] = update["l2.bias"].to(torch.bfloat16)
+    got = encode_on_device(update, codec, Identity(), 200, None, 0, device=CPU)
+    want = UpdateEncoder(codec, min_numel=200, small_codec=Identity(), error_feedback=False).encode(update, 0)
+    assert got == (want, None)
