@@ -305,6 +305,7 @@ def test_device_work_rows_count_the_engine_and_equal_the_cpu_bytes(tmp_path: Pat
         (["--codec", "zfp"], "--codec: invalid choice"),
         (["--copies", "0"], "--copies"),
         (["--repeat", "0"], "--repeat"),
+        (["--p", "0.7"], "--p"),
     ],
 )
 def test_device_work_bad_options(argv: list[str], message: str) -> None:

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from fedcomp.bench import int_at_least, int_list, write_rows
+from fedcomp.bench import float_in, int_at_least, int_list, write_rows
 from fedcomp.codecs import SBC, Codec, DenseFP32, TensorSpec, ThreeLC
 from fedcomp.codecs.flat import DeviceWork, count_device_work
 from fedcomp.methods.flat_update import decode_on_device, encode_on_device
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m fedcomp.bench device-work", description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--codec", choices=["sbc", "3lc", "both"], default="both", help="SBC (--p), 3LC (s = 1), or both")
-    ap.add_argument("--p", type=float, default=0.01, help="SBC's p")
+    ap.add_argument("--p", type=float_in(0.0, 0.5, lo_open=True), default=0.01, help="SBC's p, in (0, 0.5]")
     ap.add_argument("--copies", type=int_list(1), default=[1, 2, 4], help="the update this many times (1,2,4)")
     ap.add_argument("--repeat", type=int_at_least(1), default=3)
     ap.add_argument("--seed", type=int, default=0)

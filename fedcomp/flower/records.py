@@ -31,10 +31,10 @@ def tensors_to_device(tensors: Mapping[str, torch.Tensor], device: torch.device 
     if device.type == "cpu" or not tensors:
         return dict(tensors)
     layout = Layout.of(tensors)
-    return layout.views(to_device_tensor(torch.cat([t.reshape(-1) for t in tensors.values()]), device))
+    return layout.views(_to_device_tensor(torch.cat([t.reshape(-1) for t in tensors.values()]), device))
 
 
-def to_device_tensor(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+def _to_device_tensor(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """CPU ``t`` on ``device``, its copy counted as :func:`fedcomp.codecs.flat.to_device` counts."""
     return to_device(t.numpy(), device)
 
@@ -48,10 +48,10 @@ def tensors_on_host(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tens
     if any(t.dtype != torch.float32 for t in tensors.values()):
         return {k: v.detach().cpu() for k, v in tensors.items()}
     layout = Layout.of(tensors)
-    return layout.views(to_host_tensor(torch.cat([t.detach().reshape(-1) for t in tensors.values()])))
+    return layout.views(_to_host_tensor(torch.cat([t.detach().reshape(-1) for t in tensors.values()])))
 
 
-def to_host_tensor(t: torch.Tensor) -> torch.Tensor:
+def _to_host_tensor(t: torch.Tensor) -> torch.Tensor:
     """``t`` on the CPU, its copy counted as :func:`fedcomp.codecs.flat.to_host` counts."""
     return torch.from_numpy(to_host(t))
 
