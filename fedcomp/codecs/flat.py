@@ -3,13 +3,14 @@
 The per-tensor codec paths cost a CUDA device per tensor, not per value: issue #13 counted 2,433
 kernel launches, 1,035 host-device copies and 278 ``.item()`` syncs for one SBC encode of a
 161-tensor ResNet-50 update. The whole-update engines (:mod:`fedcomp.codecs.sbc_device`,
-:mod:`fedcomp.methods.flat_update`) lay the update out in one buffer (:class:`Layout`: each
-tensor's offset) and spend a number of launches, syncs and copies that does not depend on how
-many tensors there are. Every copy between host and device goes through :func:`to_host` and
-:func:`to_device`, so :func:`count_device_work` can count them on any device, CPU included:
-that is how the tests and ``python -m fedcomp.bench codecs --engine device`` check the claim on a
-machine without a GPU (the same torch operators run on CPU; each one is one or more kernel
-launches on CUDA).
+:mod:`fedcomp.codecs.threelc_device`, :mod:`fedcomp.methods.flat_update`) lay the update out in
+one buffer (:class:`Layout`: each tensor's offset) and spend a number of launches, syncs and
+copies that does not depend on how many tensors there are. Every copy between host and device
+goes through :func:`to_host` and :func:`to_device`, so :func:`count_device_work` can count them on
+any device, CPU included: that is how the tests and ``python -m fedcomp.bench device-work`` check
+the claim on a machine without a GPU (the same torch operators run on CPU; each one is one or
+more kernel launches on CUDA). The counter is a ``TorchDispatchMode`` (torch's documented hook
+for seeing every operator, from a private module path).
 """
 
 from __future__ import annotations
