@@ -88,8 +88,6 @@ def test_work_does_not_grow_with_the_number_of_tensors() -> None:
     # One fast pass and one exact chunk: a few dozen operators, the waits of the copies, nonzero
     # and the finiteness flag; no copy to the device once the plan is kept.
     assert ops <= 60 and syncs <= 6 and to_host <= 5 and to_device <= 1, counts[0]
-    # The per-tensor path on the same 128 tensors, for scale (CPU: the NumPy / C paths, so
-    # count only the copies a device would make: none here; the claim is the engine's).
 
 
 @pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
