@@ -31,7 +31,6 @@ import argparse
 import functools
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -39,6 +38,7 @@ from typing import Any
 import torch
 
 from fedcomp.bench import float_in, int_at_least, int_list, write_rows
+from fedcomp.bench.__main__ import _clock, make_update  # (the codecs bench's update and clock)
 from fedcomp.codecs import SBC, Codec, DenseFP32, TensorSpec, ThreeLC
 from fedcomp.codecs.flat import DeviceWork, count_device_work
 from fedcomp.methods.flat_update import decode_on_device, encode_on_device
@@ -47,15 +47,8 @@ from fedcomp.wire.payloads import EncodedUpdate
 
 
 def _update(copies: int, seed: int) -> dict[str, torch.Tensor]:
-    from fedcomp.bench.__main__ import make_update  # (the codecs bench's update)
-
     base = make_update("student-t", torch.device("cpu"), 1, seed)
     return {f"c{c}.{name}": t.clone() for c in range(copies) for name, t in base.items()}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def _row(work: DeviceWork, **fields: Any) -> dict[str, Any]:
@@ -89,14 +82,7 @@ def _decode(
 
 
 def _median_seconds(fn: Callable[[], object], device: torch.device, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(_clock(fn, device)[0] for _ in range(repeat))
 
 
 def bench_device_work(

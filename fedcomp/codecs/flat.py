@@ -16,6 +16,8 @@ for seeing every operator, from a private module path).
 from __future__ import annotations
 
 import contextlib
+import itertools
+import math
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,12 +40,14 @@ class Layout:
     @classmethod
     def of(cls, tensors: Sequence[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> Layout:
         items = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
-        numels = tuple(int(t.numel()) for _, t in items)
-        offsets, at = [], 0
-        for n in numels:
-            offsets.append(at)
-            at += n
-        return cls(tuple(n for n, _ in items), tuple(tuple(t.shape) for _, t in items), tuple(offsets), numels)
+        return cls.of_shapes([n for n, _ in items], [tuple(t.shape) for _, t in items])
+
+    @classmethod
+    def of_shapes(cls, names: Sequence[str], shapes: Sequence[Sequence[int]]) -> Layout:
+        """The layout of tensors of these names and shapes (a receiver's specs, say)."""
+        dims = tuple(tuple(int(d) for d in shape) for shape in shapes)
+        numels = tuple(math.prod(d) for d in dims)
+        return cls(tuple(names), dims, tuple(itertools.accumulate(numels[:-1], initial=0)) if numels else (), numels)
 
     @property
     def total(self) -> int:
@@ -148,3 +152,27 @@ def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
     if work is not None and not getattr(_COUNTING, "host", False):
         work.to_device += 1
     return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+
+def tensors_on_host(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors on the CPU: float32 ones on one other device in one copy, as views of one
+    buffer (a copy per tensor, and a wait for each, would cost a GPU client hundreds per round)."""
+    devices = {t.device for t in tensors.values()}
+    if (
+        len(devices) != 1
+        or next(iter(devices)).type == "cpu"
+        or any(t.dtype != torch.float32 for t in tensors.values())
+    ):
+        return {k: v.detach().cpu() for k, v in tensors.items()}
+    host = to_host(torch.cat([t.detach().reshape(-1) for t in tensors.values()]))
+    return Layout.of(tensors).views(torch.from_numpy(host))
+
+
+def tensors_to_device(tensors: Mapping[str, torch.Tensor], device: torch.device | str) -> dict[str, torch.Tensor]:
+    """Float32 CPU ``tensors`` on ``device``: as they are on the CPU, else views of one buffer
+    copied there at once."""
+    device = torch.device(device)
+    if device.type == "cpu" or not tensors:
+        return dict(tensors)
+    flat = torch.cat([t.reshape(-1) for t in tensors.values()])
+    return Layout.of(tensors).views(to_device(flat.numpy(), device))

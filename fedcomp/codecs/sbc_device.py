@@ -66,7 +66,7 @@ def encode_update(
     if flat is None:
         flat = torch.cat([t.detach().reshape(-1) for _, t in tensors])
     device = flat.device
-    plan = _plan(layout.numels, codec.p, codec.sample_size, codec.mode, str(device))
+    plan = _plan(layout.numels, layout.offsets, codec.p, codec.sample_size, codec.mode, str(device))
     finite = torch.isfinite(flat).all()
     fast: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
     exact_rows = list(plan.exact)
@@ -128,7 +128,7 @@ class _Plan:
 
 
 @lru_cache(maxsize=16)
-def _plan(numels: tuple[int, ...], p: float, s: int, mode: str, device: str) -> _Plan:
+def _plan(numels: tuple[int, ...], offsets: tuple[int, ...], p: float, s: int, mode: str, device: str) -> _Plan:
     ks = tuple(max(1, round(p * n)) for n in numels)
     fast = tuple(i for i, n in enumerate(numels) if mode == "fast" and n > s)
     fast_set = set(fast)
@@ -136,7 +136,6 @@ def _plan(numels: tuple[int, ...], p: float, s: int, mode: str, device: str) -> 
     dev = torch.device(device)
     where = fast_rows = None
     if fast:
-        offsets = np.cumsum((0, *numels[:-1]), dtype=np.int64)
         where = to_device(np.stack([_sample_positions_np(numels[i], s) + offsets[i] for i in fast]), dev)
         fast_rows = to_device(np.array(fast, dtype=np.int64), dev)
     lengths = to_device(np.array(numels, dtype=np.int64), dev)
@@ -233,6 +232,6 @@ def _exact_chunk(
     vals = to_host(torch.stack([picked[1], picked[3]]))
     out = {}
     for j, i in enumerate(chunk):
-        kk = ks[i] if ks[i] < layout.numels[i] else layout.numels[i]
+        kk = min(ks[i], layout.numels[i])
         out[i] = (positions[0, j, :kk], vals[0, j, :kk], positions[1, j, :kk], vals[1, j, :kk])
     return out

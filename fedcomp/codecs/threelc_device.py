@@ -46,15 +46,15 @@ class _Groups:
 
 
 @lru_cache(maxsize=8)
-def _groups(numels: tuple[int, ...], device: str) -> _Groups:
+def _groups(numels: tuple[int, ...], offsets: tuple[int, ...], device: str) -> _Groups:
     """:class:`_Groups` of a layout (kept: a sender meets the same layout every round)."""
     g = np.array([groups(n) for n in numels], dtype=np.int64)
-    offsets = np.cumsum((0, *numels[:-1]), dtype=np.int64)
+    starts = np.array(offsets, dtype=np.int64)
     byte_starts = np.cumsum(np.concatenate(([0], g[:-1])))
     seg = np.repeat(np.arange(len(numels)), g)
     j = np.arange(int(g.sum()), dtype=np.int64) - byte_starts[seg]
     dev = torch.device(device)
-    table = to_device(np.stack([offsets[seg] + j, g[seg], offsets[seg] + np.array(numels, dtype=np.int64)[seg]]), dev)
+    table = to_device(np.stack([starts[seg] + j, g[seg], starts[seg] + np.array(numels, dtype=np.int64)[seg]]), dev)
     first, step, end = table.unbind(0)
     return _Groups(first, step, end)
 
@@ -88,7 +88,7 @@ def encode_update(
     recon = None
     if want_recon:
         recon = q * m.repeat_interleave(lengths, output_size=layout.total)
-    plan = _groups(layout.numels, str(dev))
+    plan = _groups(layout.numels, layout.offsets, str(dev))
     packed = torch.zeros(plan.first.shape[0], dtype=torch.float32, device=dev)
     for k, w in enumerate(WEIGHTS):
         at = plan.first + plan.step * k

@@ -411,7 +411,7 @@ def _handle(
             raise ConfigError(f"the ClientApp's train reply has no ArrayRecord {dl.arrays_key!r}")
         trained = tensors_from_record(trained_rec, device)
         delta = {k: trained[k] - st.replica[k] for k in st.replica}
-        bad = _not_finite(delta)
+        bad, update_norm = _not_finite_and_norm(delta)
         if bad:
             # Local training diverged: send nothing, keep the stored residual and replica as they
             # were (the server keeps counting this client at its last reported version).
@@ -437,7 +437,8 @@ def _handle(
         seconds = time.perf_counter() - t0
         if plan is not None and plan.choice is not None:
             _time_codecs(context, base_codec, seconds, delta, dl.min_compress_numel, st.version)
-        bad = _not_finite(encoder.state_dict()) or _not_finite(encoder.sent or {})
+        bad, residual_norm = _not_finite_and_norm(encoder.state_dict())
+        bad = bad or _not_finite_and_norm(encoder.sent or {})[0]
         if bad:
             # The codec could not represent it (a dense-fp16 value beyond 65504): the same as a
             # diverged update, rather than a residual poisoned with inf for every later round.
@@ -455,8 +456,8 @@ def _handle(
             train_seconds=float(train_seconds),
             device=str(device),
             codec=base_codec.codec_id,
-            residual_norm=_norm(st.residual),
-            update_norm=_norm(delta),
+            residual_norm=residual_norm,
+            update_norm=update_norm,
             status=status,
             update_round=dl.outcome.round if dl.outcome is not None else None,
             **_bandwidth_report(context, plan, method, train_seconds),
@@ -469,21 +470,25 @@ def _handle(
     return reply
 
 
-def _not_finite(tensors: Mapping[str, torch.Tensor]) -> list[str]:
-    """The first few tensors holding NaN or inf (empty: all finite), from each tensor's L2 norm
-    in float64 (no float32 value squared overflows it, so the norm is finite exactly when every
-    value is): one fused operator and one wait for the device for all of them (a check and a
-    wait per tensor cost a GPU client hundreds per round)."""
-    ts = [t.detach() for t in tensors.values()]
+def _not_finite_and_norm(tensors: Mapping[str, torch.Tensor]) -> tuple[list[str], float]:
+    """The first few tensors holding NaN or inf (empty: all finite), and the L2 norm of all of
+    them together (float64; the uplink report's). From each tensor's L2 norm in float64: no
+    float32 value squared overflows it, so it is finite exactly when every value is; one fused
+    operator and one wait for the device for all of them (a check and a wait per tensor cost a
+    GPU client hundreds per round)."""
+    names, ts = list(tensors), [t.detach() for t in tensors.values()]
     if not ts:
-        return []
-    if len({t.device for t in ts}) != 1 or not all(t.dtype in _NORM_DTYPES for t in ts):
-        return [k for k, t in tensors.items() if not bool(torch.isfinite(t).all())][:3]
-    norms = torch.stack(torch._foreach_norm(ts, 2, dtype=torch.float64)).tolist()
-    return [k for k, v in zip(tensors, norms, strict=True) if not math.isfinite(v)][:3]
+        return [], 0.0
+    if len({t.device for t in ts}) == 1 and all(t.dtype in _NORM_DTYPES for t in ts):
+        norms = torch.stack(torch._foreach_norm(ts, 2, dtype=torch.float64)).tolist()
+        bad = [k for k, v in zip(names, norms, strict=True) if not math.isfinite(v)]
+    else:
+        bad = [k for k, t in zip(names, ts, strict=True) if not bool(torch.isfinite(t).all())]
+        norms = [float(t.double().norm()) for t in ts]
+    return bad[:3], math.sqrt(math.fsum(v * v for v in norms))
 
 
-#: Dtypes whose squares cannot overflow a float64 sum (:func:`_not_finite`).
+#: Dtypes whose squares cannot overflow a float64 sum (:func:`_not_finite_and_norm`).
 _NORM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -491,17 +496,6 @@ def _local_update_rejected(msg: Message, why: str) -> Message:
     """The error reply for an update this client will not send; its stored state is untouched."""
     log.warning("fedcomp: %s; not sent", why)
     return Message(Error(code=int(ErrorCode.LOCAL_UPDATE_REJECTED), reason=f"fedcomp: {why}"), reply_to=msg)
-
-
-def _norm(tensors: Mapping[str, torch.Tensor]) -> float:
-    """The L2 norm of all the tensors together, in float64: one fused norm per tensor and one
-    wait for the device (a wait per tensor cost a GPU client hundreds per round)."""
-    ts = [t.detach() for t in tensors.values() if t.numel()]
-    if not ts:
-        return 0.0
-    if len({t.device for t in ts}) != 1:
-        return float(sum(float(t.double().pow(2).sum()) for t in ts)) ** 0.5
-    return float(torch.stack(torch._foreach_norm(ts, 2, dtype=torch.float64)).square().sum().sqrt())
 
 
 # --- bandwidth awareness (fedcomp.methods.bandwidth) ---------------------------------------------

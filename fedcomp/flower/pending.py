@@ -26,8 +26,8 @@ import torch
 from flwr.app import ConfigRecord
 
 from fedcomp.codecs import TensorSpec
+from fedcomp.codecs.flat import tensors_on_host, tensors_to_device
 from fedcomp.errors import PayloadError
-from fedcomp.flower.records import tensors_on_host, tensors_to_device
 
 __all__ = ["PendingUpdate"]
 

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 import torch
 from flwr.app import ArrayRecord
 
-from fedcomp.codecs.flat import Layout, to_device, to_host
+from fedcomp.codecs.flat import tensors_on_host, tensors_to_device
 from fedcomp.errors import ConfigError
 
 
@@ -22,38 +22,6 @@ def tensors_from_record(record: ArrayRecord, device: torch.device | str = "cpu")
             raise ConfigError(f"array {name!r} has dtype {t.dtype}: fedcomp compresses floating-point arrays only")
         host[name] = t.to(dtype=torch.float32)
     return tensors_to_device(host, device)
-
-
-def tensors_to_device(tensors: Mapping[str, torch.Tensor], device: torch.device | str) -> dict[str, torch.Tensor]:
-    """Float32 CPU ``tensors`` on ``device``: as they are on the CPU, else views of one buffer
-    copied there at once (a copy per tensor cost a GPU client hundreds per round)."""
-    device = torch.device(device)
-    if device.type == "cpu" or not tensors:
-        return dict(tensors)
-    layout = Layout.of(tensors)
-    return layout.views(_to_device_tensor(torch.cat([t.reshape(-1) for t in tensors.values()]), device))
-
-
-def _to_device_tensor(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """CPU ``t`` on ``device``, its copy counted as :func:`fedcomp.codecs.flat.to_device` counts."""
-    return to_device(t.numpy(), device)
-
-
-def tensors_on_host(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The tensors on the CPU: those on one other device in one copy (float32 ones: a copy per
-    tensor, and a wait for each, would cost a GPU client hundreds per round)."""
-    devices = {t.device for t in tensors.values()}
-    if len(devices) != 1 or next(iter(devices)).type == "cpu":
-        return {k: v.detach().cpu() for k, v in tensors.items()}
-    if any(t.dtype != torch.float32 for t in tensors.values()):
-        return {k: v.detach().cpu() for k, v in tensors.items()}
-    layout = Layout.of(tensors)
-    return layout.views(_to_host_tensor(torch.cat([t.detach().reshape(-1) for t in tensors.values()])))
-
-
-def _to_host_tensor(t: torch.Tensor) -> torch.Tensor:
-    """``t`` on the CPU, its copy counted as :func:`fedcomp.codecs.flat.to_host` counts."""
-    return torch.from_numpy(to_host(t))
 
 
 def record_from_tensors(tensors: Mapping[str, torch.Tensor]) -> ArrayRecord:

@@ -327,16 +327,15 @@ def _merge_torch(items: Mapping[str, tuple[torch.Tensor, torch.Tensor, int]]) ->
     """``h * (round(current / h) + d / h)`` of each ``name: (current, d, e)`` (``h = 2**e``), on
     any device; the grid checked for all of them with one wait for the device (a wait per tensor
     cost a GPU client hundreds per round), none returned when one leaves it."""
-    merged = {
-        k: torch.round(current / math.ldexp(1.0, e)) + d / math.ldexp(1.0, e) for k, (current, d, e) in items.items()
-    }
+    steps = {k: math.ldexp(1.0, e) for k, (_, _, e) in items.items()}
+    merged = {k: torch.round(current / steps[k]) + d / steps[k] for k, (current, d, _) in items.items()}
     if not merged:
         return {}
     largest = torch.stack([m.abs().max() if m.numel() else m.new_zeros(()) for m in merged.values()]).tolist()
     for k, top in zip(merged, largest, strict=True):
         if not top < K_LIMIT:
             raise PayloadError(k, f"the replica leaves the grid 2**{items[k][2]} (|K| >= 2**24)")
-    return {k: m * math.ldexp(1.0, items[k][2]) for k, m in merged.items()}
+    return {k: m * steps[k] for k, m in merged.items()}
 
 
 def _merge_cpu(current: torch.Tensor, d: torch.Tensor, h: float, name: str, e: int) -> torch.Tensor:

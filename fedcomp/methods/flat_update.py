@@ -93,35 +93,34 @@ def encode_on_device(
         if residual is not None:
             acc.add_(residual)
         if isinstance(codec, ThreeLC):
-            coded = threelc_device.encode_update(codec, large, flat=acc, want_recon=feedback is not None or keep_sent)
-            if coded is None:
-                return None  # a value that is not finite: the per-tensor path says which
-            encoded, recon = coded
-            if keep_sent:
-                assert recon is not None
-                sent.update(layout.views(recon))
-            if feedback is not None:
-                assert recon is not None
-                feedback.keep_flat(layout, acc.sub_(recon))
-            done.update(zip(layout.names, encoded, strict=True))
+            coded = _threelc_on_device(codec, large, layout, acc, feedback, keep_sent)
         else:
-            if not _sbc_on_device(codec, large, layout, acc, feedback, keep_sent, dev, done, sent):
-                return None
+            assert isinstance(codec, SBC)
+            coded = _sbc_on_device(codec, large, layout, acc, feedback, keep_sent)
+        if coded is None:
+            return None  # a value that is not finite: the per-tensor path says which
+        encoded, recon = coded
+        if keep_sent:
+            assert recon is not None
+            sent.update(layout.views(recon))
+        done.update(zip(layout.names, encoded, strict=True))
     if small:
-        host = to_host(torch.cat([t.detach().reshape(-1).to(torch.float32) for _, t in small]))
-        at, recons = 0, []
+        # One copy each way, also where ``device`` is the CPU (``tensors_on_host`` would copy
+        # nothing there): the operators a GPU runs, so that counting them on the CPU is faithful.
+        small_layout = Layout.of(small)
+        host = small_layout.views(
+            torch.from_numpy(to_host(torch.cat([t.detach().reshape(-1).float() for _, t in small])))
+        )
+        recons = []
         with host_side():
             for name, t in small:
-                n = t.numel()
-                on_host = torch.from_numpy(host[at : at + n]).view(t.shape).to(t.dtype)
+                on_host = host[name].to(t.dtype)
                 if keep_sent:
                     done[name], r = small_codec.encode_with_reconstruction(on_host, name)
                     recons.append(r.reshape(-1).to(torch.float32).numpy())
                 else:
                     done[name] = small_codec.encode(on_host, name)
-                at += n
         if keep_sent:
-            small_layout = Layout.of(small)
             sent.update(small_layout.views(to_device(np.concatenate(recons), dev)))
     update = EncodedUpdate(base_model_version=base_model_version, tensors=tuple(done[name] for name in tensors))
     return update, ({name: sent[name] for name in tensors} if keep_sent else None)
@@ -138,25 +137,42 @@ def _sbc_on_device(
     acc: torch.Tensor,
     feedback: ErrorFeedback | None,
     keep_sent: bool,
-    dev: torch.device,
-    done: dict[str, EncodedTensor],
-    sent: dict[str, torch.Tensor],
-) -> bool:
-    """The SBC part of :func:`encode_on_device`: False where a value is not finite."""
+) -> tuple[list[EncodedTensor], torch.Tensor | None] | None:
+    """The SBC part of :func:`encode_on_device`: the tensors encoded and, with ``keep_sent``, the
+    reconstruction (flat); the residual taken off ``acc`` and kept. None where a value is not
+    finite."""
     found = encode_update(codec, large, flat=acc)
     if found is None:
-        return False  # the per-tensor path says which tensor
+        return None
+    recon = None
     if feedback is not None or keep_sent:
-        kept, value = to_device(found.kept, dev), to_device(found.value, dev)
+        kept, value = to_device(found.kept, acc.device), to_device(found.value, acc.device)
         if keep_sent:
-            recon = torch.zeros(layout.total, dtype=torch.float32, device=dev)
+            recon = torch.zeros(layout.total, dtype=torch.float32, device=acc.device)
             recon.index_put_((kept,), value)
-            sent.update(layout.views(recon))
         if feedback is not None:  # acc - reconstruction, at the only positions where it is not 0
             acc.index_put_((kept,), value.neg_(), accumulate=True)
             feedback.keep_flat(layout, acc)
-    done.update(zip(layout.names, found.encoded, strict=True))
-    return True
+    return found.encoded, recon
+
+
+def _threelc_on_device(
+    codec: ThreeLC,
+    large: list[tuple[str, torch.Tensor]],
+    layout: Layout,
+    acc: torch.Tensor,
+    feedback: ErrorFeedback | None,
+    keep_sent: bool,
+) -> tuple[list[EncodedTensor], torch.Tensor | None] | None:
+    """The 3LC part of :func:`encode_on_device`, as :func:`_sbc_on_device`."""
+    coded = threelc_device.encode_update(codec, large, flat=acc, want_recon=feedback is not None or keep_sent)
+    if coded is None:
+        return None
+    encoded, recon = coded
+    if feedback is not None:
+        assert recon is not None
+        feedback.keep_flat(layout, acc.sub_(recon))
+    return encoded, recon
 
 
 def decode_on_device(
@@ -222,12 +238,7 @@ def _decode_flat(
     accepted = {c.codec_id: c for c in codecs}
     if len(update.tensors) != len(specs):
         raise PayloadError("", f"update has {len(update.tensors)} tensors, expected {len(specs)}")
-    layout = Layout(
-        tuple(s.name for s in specs),
-        tuple(tuple(s.shape) for s in specs),
-        tuple(int(x) for x in np.cumsum([0, *[s.numel for s in specs[:-1]]])),
-        tuple(s.numel for s in specs),
-    )
+    layout = Layout.of_shapes([s.name for s in specs], [s.shape for s in specs])
     found = _Decoded()
     with host_side():
         _decode_on_host(update, specs, accepted, per_tensor, layout, found)

@@ -291,15 +291,20 @@ def _tensor_head(t: EncodedTensor) -> bytes:
 
 @functools.lru_cache(maxsize=4096)  # the same tensors every round: their heads are made once
 def _head(name: str, dims: tuple[int, ...], dtype: str, codec_id: str, version: int) -> bytes:
-    shape = b"".join(fast_writer.varint(int(d)) for d in dims)
-    packed = fast_writer.key(2, 2) + fast_writer.varint(len(shape)) + shape if dims else b""
     return (
-        _string_field(1, name)
-        + packed
+        _name_and_shape(name, tuple(int(d) for d in dims))
         + _varint_field(3, _DTYPE_TO_PB[dtype])
         + _string_field(4, codec_id)
         + _varint_field(5, version)
     )
+
+
+@functools.lru_cache(maxsize=4096)
+def _name_and_shape(name: str, dims: tuple[int, ...]) -> bytes:
+    """Fields 1 and 2 of a canonical ``CompressedTensor``: the start of :func:`_head`, and what
+    :func:`_fast_tensor` compares a received tensor's first bytes with."""
+    shape = b"".join(fast_writer.varint(d) for d in dims)
+    return _string_field(1, name) + (fast_writer.key(2, 2) + fast_writer.varint(len(shape)) + shape if dims else b"")
 
 
 def _payload_scalars(t: EncodedTensor, number: int) -> list[tuple[int, bytes]]:
@@ -735,13 +740,6 @@ def _parse_update(
                 raise PayloadError(want.name, f"shape {list(msg.shape)} where {list(want.shape)} was expected")
         tensors.append(tensor_from_proto(msg, cut))
     return EncodedUpdate(base_model_version=base, tensors=tuple(tensors), format_version=version)
-
-
-@functools.lru_cache(maxsize=4096)  # the same tensors every round
-def _name_and_shape(name: str, dims: tuple[int, ...]) -> bytes:
-    """Fields 1 and 2 of a canonical ``CompressedTensor`` of this name and shape."""
-    shape = b"".join(fast_writer.varint(d) for d in dims)
-    return _string_field(1, name) + (fast_writer.key(2, 2) + fast_writer.varint(len(shape)) + shape if dims else b"")
 
 
 #: Codec ids as they stand on the wire, for :func:`_fast_tensor`.
