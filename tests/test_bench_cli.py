@@ -6,6 +6,7 @@ its targets as part of the report, not as alarms."""
 from __future__ import annotations
 
 import io
+import json
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from contextlib import redirect_stderr
 from pathlib import Path
 
 import pytest
+import torch
 
 from fedcomp.app.results import RunRecorder
 
@@ -282,8 +284,6 @@ def test_netns_bad_options(argv: list[str], message: str) -> None:
 
 
 def test_device_work_rows_count_the_engine_and_equal_the_cpu_bytes(tmp_path: Path) -> None:
-    import json
-
     from fedcomp.bench.device_work import main
 
     out = tmp_path / "rows.json"
@@ -306,9 +306,29 @@ def test_device_work_rows_count_the_engine_and_equal_the_cpu_bytes(tmp_path: Pat
         (["--copies", "0"], "--copies"),
         (["--repeat", "0"], "--repeat"),
         (["--p", "0.7"], "--p"),
+        (["--profile"], "--profile: counts the CUDA runtime's calls"),
     ],
 )
 def test_device_work_bad_options(argv: list[str], message: str) -> None:
     from fedcomp.bench.device_work import main
 
     assert message in _usage_error(main, argv)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_device_work_profile_counts_the_cuda_runtime(tmp_path: Path) -> None:
+    """On a GPU, the engine's launches and blocking syncs stay below the per-tensor path's, which
+    launches several kernels per tensor."""
+    from fedcomp.bench.device_work import main
+
+    out = tmp_path / "rows.json"
+    assert (
+        main(["--device", "cuda", "--codec", "sbc", "--copies", "1", "--repeat", "1", "--profile", "--json", str(out)])
+        == 0
+    )
+    rows = {(r["op"], r["path"]): r for r in json.loads(out.read_text())}
+    assert all(r["same_bytes"] for r in rows.values())
+    whole, per = rows["encode", "whole-update"], rows["encode", "per-tensor"]
+    assert 0 < whole["launches"] < 161 < per["launches"]
+    assert whole["stream_syncs"] < per["stream_syncs"]

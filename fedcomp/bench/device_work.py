@@ -1,7 +1,7 @@
 """What a whole update costs a device: operators, syncs and copies, by path and number of tensors.
 
     python -m fedcomp.bench device-work [--device cpu|cuda] [--codec sbc|3lc|both] [--p 0.01] [--copies 1,2,4]
-                                        [--repeat N] [--json PATH]
+                                        [--repeat N] [--profile] [--json PATH]
 
 Issue #13 measured one SBC encode of a ResNet-50 update on an H100 at 2,433 kernel launches,
 1,035 host-device copies and 278 ``.item()`` syncs: a cost per tensor, not per value. This
@@ -23,6 +23,13 @@ copies the engine makes. Paths:
 ``seconds`` is the median wall time of ``--repeat`` calls after a warm-up (CUDA synchronized);
 ``same_bytes`` says whether the bytes equal the CPU path's. Counts are the second round's (the
 residual buffer and the sample positions are kept from round to round).
+
+``--profile`` (CUDA only) also counts, with ``torch.profiler``, what the CUDA runtime saw in one
+more call: ``launches`` (kernel launches), ``memcpys`` (host-device and device-device copy calls),
+``stream_syncs`` (calls that block the host: stream, event and device synchronisations) and the
+time on the GPU (``gpu_s``, the sum of the kernels' and copies' times); ``profile_top`` is the
+ten operators of most host time (the whole table is printed). These are the units issue #13's
+profile was read in.
 """
 
 from __future__ import annotations
@@ -81,21 +88,60 @@ def _decode(
     return decode_on_device(update, specs, codecs, device)
 
 
+def _profile(fn: Callable[[], object], device: torch.device) -> dict[str, Any]:
+    """The CUDA runtime's calls and the GPU's time in one call of ``fn`` (see the module doc)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize(device)
+    counts = {"launches": 0, "memcpys": 0, "stream_syncs": 0}
+    gpu_us = 0.0
+    for e in prof.events():
+        name = e.name
+        if name.startswith(("cuda", "cu")) and "LaunchKernel" in name:
+            counts["launches"] += 1
+        elif name.startswith(("cudaMemcpy", "cuMemcpy")):
+            counts["memcpys"] += 1
+        elif name.startswith(("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize")):
+            counts["stream_syncs"] += 1
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            gpu_us += e.device_time
+    counts["stream_syncs"] -= 1  # (the synchronize above that closes the window)
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
+    print(table, file=sys.stderr)
+    top = sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[:10]
+    return {
+        **counts,
+        "gpu_s": gpu_us * 1e-6,
+        "profile_top": {a.key: round(a.self_cpu_time_total * 1e-6, 6) for a in top},
+    }
+
+
 def _median_seconds(fn: Callable[[], object], device: torch.device, repeat: int) -> float:
     return statistics.median(_clock(fn, device)[0] for _ in range(repeat))
 
 
 def bench_device_work(
-    device: torch.device, p: float, copies: list[int], repeat: int, seed: int, codec_ids: list[str]
+    device: torch.device,
+    p: float,
+    copies: list[int],
+    repeat: int,
+    seed: int,
+    codec_ids: list[str],
+    profile: bool = False,
 ) -> list[dict]:
     rows = []
     for codec_id in codec_ids:
         codec: Codec = SBC(p) if codec_id == "sbc" else ThreeLC(1.0)
-        rows += _bench_codec(device, codec, copies, repeat, seed)
+        rows += _bench_codec(device, codec, copies, repeat, seed, profile)
     return rows
 
 
-def _bench_codec(device: torch.device, codec: Codec, copies: list[int], repeat: int, seed: int) -> list[dict]:
+def _bench_codec(
+    device: torch.device, codec: Codec, copies: list[int], repeat: int, seed: int, profile: bool
+) -> list[dict]:
     codecs: list[Codec] = [codec, DenseFP32()]
     rows = []
     for c in copies:
@@ -117,8 +163,11 @@ def _bench_codec(device: torch.device, codec: Codec, copies: list[int], repeat: 
                 second = _encode(path, enc, update, device, 1)
             assert second is not None
             # (later rounds: the residuals move on; the work is the same)
-            seconds = _median_seconds(functools.partial(_encode, path, enc, update, device, 2), device, repeat)
+            later = functools.partial(_encode, path, enc, update, device, 2)
+            seconds = _median_seconds(later, device, repeat)
             rows.append(_row(work, op="encode", path=path, **shape, seconds=seconds, same_bytes=[first, second] == ref))
+            if profile:
+                rows[-1].update(_profile(later, device))
             print(_line(rows[-1]), file=sys.stderr)
 
             decode = functools.partial(_decode, path, second, specs, codecs, device)
@@ -130,15 +179,23 @@ def _bench_codec(device: torch.device, codec: Codec, copies: list[int], repeat: 
             equal = all(torch.equal(got[k].cpu(), want[k]) for k in want)
             seconds = _median_seconds(decode, device, repeat)
             rows.append(_row(work, op="decode", path=path, **shape, seconds=seconds, same_bytes=equal))
+            if profile:
+                rows[-1].update(_profile(decode, device))
             print(_line(rows[-1]), file=sys.stderr)
     return rows
 
 
 def _line(r: dict[str, Any]) -> str:
+    runtime = (
+        ""
+        if "launches" not in r
+        else f"  launches {r['launches']:>5}  memcpys {r['memcpys']:>5}  stream syncs {r['stream_syncs']:>4}"
+        f"  gpu {r['gpu_s'] * 1e3:7.2f} ms"
+    )
     return (
         f"{r['codec']['id']:<5}{r['op']:<7}{r['path']:<13}{r['device']:<6}{r['tensors']:>6} tensors  ops {r['ops']:>5}  syncs "
         f"{r['syncs']:>4}  to host {r['to_host']:>4}  to device {r['to_device']:>4}  {r['seconds'] * 1e3:9.1f} ms  "
-        f"same as CPU: {r['same_bytes']}"
+        f"same as CPU: {r['same_bytes']}{runtime}"
     )
 
 
@@ -150,11 +207,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--copies", type=int_list(1), default=[1, 2, 4], help="the update this many times (1,2,4)")
     ap.add_argument("--repeat", type=int_at_least(1), default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", action="store_true", help="CUDA only: count the runtime's launches, copies and syncs")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device is available")
+    if args.profile and args.device != "cuda":
+        ap.error("--profile: counts the CUDA runtime's calls, so it needs --device cuda")
     codec_ids = ["sbc", "3lc"] if args.codec == "both" else [args.codec]
-    rows = bench_device_work(torch.device(args.device), args.p, args.copies, args.repeat, args.seed, codec_ids)
+    rows = bench_device_work(
+        torch.device(args.device), args.p, args.copies, args.repeat, args.seed, codec_ids, args.profile
+    )
     write_rows(args.json, rows)
     return 0
