@@ -137,6 +137,16 @@ def _counted() -> DeviceWork | None:
     return getattr(_COUNTING, "work", None)
 
 
+def concrete_device(device: torch.device | str) -> torch.device:
+    """``device`` with its index where it names none (``cuda`` is the current one, ``cuda:0``), so
+    that it compares equal to the ``.device`` of a tensor on it (``torch.device("cuda") !=
+    torch.device("cuda:0")``: a GPU run compared them and left every update to the per-tensor path)."""
+    device = torch.device(device)
+    if device.type == "cpu" or device.index is not None:
+        return device
+    return torch.empty(0, device=device).device  # (allocates nothing, launches nothing)
+
+
 def to_host(t: torch.Tensor) -> np.ndarray:
     """``t`` as a NumPy array on the host (a copy from the device, and the host waits for it)."""
     work = _counted()

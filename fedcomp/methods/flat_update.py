@@ -30,7 +30,7 @@ import torch
 
 from fedcomp.codecs import threelc_device
 from fedcomp.codecs.base import Codec, TensorSpec
-from fedcomp.codecs.flat import Layout, host_side, to_device, to_host
+from fedcomp.codecs.flat import Layout, concrete_device, host_side, to_device, to_host
 from fedcomp.codecs.sbc import SBC
 from fedcomp.codecs.sbc_device import encode_update
 from fedcomp.codecs.threelc import ThreeLC
@@ -66,7 +66,7 @@ def encode_on_device(
     when it is the CPU (what the tests do to compare with the per-tensor path)."""
     if not tensors or not isinstance(codec, SBC | ThreeLC):
         return None
-    dev = device if device is not None else _one_device(tensors.values())
+    dev = concrete_device(device) if device is not None else _one_device(tensors.values())
     if dev is None or any(t.device != dev for t in tensors.values()):
         return None
     if feedback is not None and feedback.stale is not None and feedback.stale.active:
@@ -189,6 +189,7 @@ def decode_on_device(
     is not float32 or has no values, or ``out`` does not fit (then the per-tensor path runs)."""
     if not specs or any(spec.dtype != torch.float32 or spec.numel == 0 for spec in specs):
         return None
+    device = concrete_device(device)
     if out is not None and not _fits(out, specs, device):
         return None
     layout, flat = _decode_flat(update, specs, codecs, device, per_tensor or {})

@@ -11,7 +11,9 @@ import torch
 
 from fedcomp.flower import protocol
 from fedcomp.flower.records import digest, tensors_from_record
-from tests.flower.helpers import Client, make_strategy, payloads_of, tiny_model, train_round
+from tests.flower.helpers import Client, make_strategy, payloads_of, server_identity, tiny_model, train_round
+
+__all__ = ["server_identity"]  # the autouse fixture, imported so it applies here (Flower asks for a run id)
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 

@@ -257,6 +257,30 @@ def test_cuda_update_encoder_and_decoder_take_the_whole_update_path() -> None:
         assert all(torch.equal(decoded[k].cpu(), want[k]) for k in want)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("name", ["cuda", "cuda:0"])
+def test_cuda_spelled_without_an_index_is_the_device_of_the_tensors(name: str) -> None:
+    # (the first GPU run: ``torch.device("cuda") != torch.device("cuda:0")`` left both to the
+    # per-tensor path, which gave the same bytes, only slower)
+    codec = SBC(0.02, "fast", sample_size=SAMPLE)
+    update = {k: v.cuda() for k, v in _model(3).items()}
+    enc = _encoder(codec)
+    found = encode_on_device(update, codec, enc.small_codec, enc.min_numel, enc.feedback, 1, device=torch.device(name))
+    assert found is not None
+    specs = specs_of(update)
+    out = Layout.of(update).views(torch.empty(sum(s.numel for s in specs), device="cuda"))
+    got = decode_on_device(found[0], specs, [codec, DenseFP32()], torch.device(name), out=out)
+    assert got is not None and all(got[k] is out[k] for k in out)
+
+
+def test_a_device_named_without_an_index_is_resolved() -> None:
+    from fedcomp.codecs.flat import concrete_device
+
+    assert concrete_device("cpu") == CPU
+    assert concrete_device(torch.device("meta")) == torch.empty(0, device="meta").device
+
+
 @pytest.mark.parametrize("one_buffer", [True, False])
 def test_decode_into_the_receivers_buffers(one_buffer: bool) -> None:
     update = _model(8)
