@@ -142,6 +142,10 @@ def _plan(numels: tuple[int, ...], offsets: tuple[int, ...], p: float, s: int, m
     return _Plan(ks, fast, exact, where, lengths, fast_rows)
 
 
+#: Hits (``side * total + position``) travel to the host as int32 up to this (else int64).
+_INT32_HITS = int(np.iinfo(np.int32).max)
+
+
 def _fast_candidates(
     flat: torch.Tensor, plan: _Plan, codec: SBC, layout: Layout
 ) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
@@ -162,12 +166,22 @@ def _fast_candidates(
     torch.ge(flat, spread[0], out=mask[0])
     torch.le(flat, spread[1], out=mask[1])
     del spread
-    found = mask.nonzero()  # (side, position) pairs, side 0 (high) first, positions ascending
+    total = layout.total
+    # side * total + position, ascending: the high side first. One copy to the host of these and
+    # the values, four bytes each where they fit in int32 (an H100 host spent 8 of a 14 ms encode
+    # copying (side, position) int64 pairs and the values separately).
+    found = mask.view(-1).nonzero().squeeze(1)
     del mask
-    pairs = to_host(found)
-    vals = to_host(flat[found[:, 1]])
-    side, pos = pairs[:, 0], pairs[:, 1]
-    n_hi = int(np.searchsorted(side, 1))
+    vals_dev = flat[found.remainder(total)]
+    if 2 * total <= _INT32_HITS:
+        both = to_host(torch.cat([found.to(torch.int32), vals_dev.view(torch.int32)]))
+        m = found.shape[0]
+        hits, vals = both[:m].astype(np.int64), both[m:].view(np.float32)
+    else:
+        hits, vals = to_host(found), to_host(vals_dev)
+    n_hi = int(np.searchsorted(hits, total))
+    pos = hits
+    pos[n_hi:] -= total
     offsets = np.asarray(layout.offsets, dtype=np.int64)
     out: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
     hi_cut = np.searchsorted(pos[:n_hi], offsets)

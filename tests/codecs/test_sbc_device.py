@@ -58,6 +58,20 @@ def test_engine_gives_encodes_bytes_and_what_the_receiver_decodes(codec: SBC) ->
         assert np.all(np.diff(found.kept) > 0)
 
 
+@pytest.mark.parametrize("codec", CODECS[:3], ids=repr)
+def test_hits_past_int32_travel_as_int64_with_the_same_bytes(codec: SBC, monkeypatch) -> None:
+    items = _kinds(4)
+    with count_device_work() as packed:
+        want = encode_update(codec, items)
+    monkeypatch.setattr(sbc_device, "_INT32_HITS", 0)  # as an update of over 2**30 values
+    with count_device_work() as work:
+        got = encode_update(codec, items)
+    assert got is not None and want is not None
+    assert got.encoded == want.encoded == [codec.encode(t, n) for n, t in items]
+    assert np.array_equal(got.kept, want.kept) and np.array_equal(got.value, want.value)
+    assert work.to_host == packed.to_host + 1  # positions and values in two copies, not one
+
+
 def test_exact_rows_in_many_chunks_give_the_same_bytes(monkeypatch) -> None:
     codec = SBC(0.05, "exact")
     items = _kinds(3)

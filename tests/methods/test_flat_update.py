@@ -274,13 +274,6 @@ def test_cuda_spelled_without_an_index_is_the_device_of_the_tensors(name: str) -
     assert got is not None and all(got[k] is out[k] for k in out)
 
 
-def test_a_device_named_without_an_index_is_resolved() -> None:
-    from fedcomp.codecs.flat import concrete_device
-
-    assert concrete_device("cpu") == CPU
-    assert concrete_device(torch.device("meta")) == torch.empty(0, device="meta").device
-
-
 @pytest.mark.parametrize("one_buffer", [True, False])
 def test_decode_into_the_receivers_buffers(one_buffer: bool) -> None:
     update = _model(8)
