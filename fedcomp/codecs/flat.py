@@ -147,46 +147,13 @@ def concrete_device(device: torch.device | str) -> torch.device:
     return torch.empty(0, device=device).device  # (allocates nothing, launches nothing)
 
 
-#: Copies from a CUDA device go through a page-locked ("pinned") buffer of at most this many bytes
-#: per thread, in pieces when larger, then into NumPy memory: a copy into ordinary (pageable) memory
-#: ran at about 1 GB/s on an H100 host (8 ms of a 14 ms SBC encode), a copy from pinned memory at
-#: the link's speed. 0: plain ``.cpu()``.
-STAGING_BYTES = 16 << 20
-
-_STAGING = threading.local()
-
-
 def to_host(t: torch.Tensor) -> np.ndarray:
     """``t`` as a NumPy array on the host (a copy from the device, and the host waits for it)."""
     work = _counted()
     if work is not None and not getattr(_COUNTING, "host", False):
         work.to_host += 1
         work.syncs += 1
-    t = t.detach()
-    if t.device.type != "cuda" or STAGING_BYTES <= 0 or t.dtype in (torch.bfloat16, torch.complex32):
-        return t.cpu().numpy()
-    with host_side():  # (the staging copies are this one counted copy)
-        return _staged(t)
-
-
-def _staged(t: torch.Tensor) -> np.ndarray:
-    """:func:`to_host` of a CUDA tensor through this thread's pinned buffer."""
-    src = t.contiguous().reshape(-1).view(torch.uint8)
-    n = src.numel()
-    out = np.empty(n, dtype=np.uint8)
-    buf: torch.Tensor | None = getattr(_STAGING, "buf", None)
-    size = min(n, STAGING_BYTES)
-    if buf is None or buf.numel() < size:
-        buf = torch.empty(max(size, 1 << 20), dtype=torch.uint8, pin_memory=True)
-        _STAGING.buf = buf
-    stream = torch.cuda.current_stream(t.device)
-    for start in range(0, n, buf.numel()):
-        part = src[start : start + buf.numel()]
-        stage = buf[: part.numel()]
-        stage.copy_(part, non_blocking=True)
-        stream.synchronize()
-        out[start : start + part.numel()] = stage.numpy()
-    return out.view(torch.empty(0, dtype=t.dtype).numpy().dtype).reshape(tuple(t.shape))
+    return t.detach().cpu().numpy()
 
 
 def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
