@@ -28,8 +28,8 @@ residual buffer and the sample positions are kept from round to round).
 more call: ``launches`` (kernel launches), ``memcpys`` (host-device and device-device copy calls),
 ``stream_syncs`` (calls that block the host: stream, event and device synchronisations) and the
 time on the GPU (``gpu_s``, the sum of the kernels' and copies' times); ``profile_top`` is the
-ten operators of most host time (the table printed is sorted by GPU time). These are the units issue #13's
-profile was read in.
+ten operators of most host time, and the table printed is sorted by GPU time. These are the units
+issue #13's profile was read in.
 """
 
 from __future__ import annotations

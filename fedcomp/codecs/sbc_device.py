@@ -169,7 +169,7 @@ def _fast_candidates(
     total = layout.total
     # side * total + position, ascending: the high side first. One copy to the host of these and
     # the values, four bytes each where they fit in int32: on an H100, copying (side, position)
-    # int64 pairs and the values separately took 5.3 of the encode's 8.3 ms of GPU time; this
+    # int64 pairs and the values separately took about 5.3 of the encode's 8.3 ms of GPU time; this
     # takes it to 3.3 ms (the host's share of the encode, not the copy, sets its wall time).
     found = mask.view(-1).nonzero().squeeze(1)
     del mask
