@@ -855,6 +855,130 @@ done:
     return result;
 }
 
+/* --- sides_many: the side, sum and Golomb code of candidates chosen elsewhere ------------------------
+ *
+ * What encode_many does after its selection, for candidates a device selected
+ * (fedcomp.codecs.sbc_device): per task, both sides' exact sums, the side with the larger mean
+ * magnitude (the positive one on a tie) and the Golomb-Rice code of its positions. A task whose
+ * sums a float64 cannot hold exactly (or whose values are not finite) is left to the Python path. */
+
+typedef struct {
+    const int64_t *hp, *lp;
+    const float *hv, *lv;
+    Py_ssize_t nhi, nlo, n;
+    int done, positive;
+    double sum;
+    Py_ssize_t nnz;
+    int b;
+    uint8_t *bits; /* malloc'd, nbytes long */
+    Py_ssize_t nbytes;
+} side_task;
+
+typedef struct {
+    side_task *tasks;
+    Py_ssize_t ntasks, next;
+    double ln_phi;
+} side_job;
+
+static void side_run(const side_job *job, side_task *t) {
+    double sums[2];
+    if (!exact_sum(t->hv, t->nhi, &sums[0]) || !exact_sum(t->lv, t->nlo, &sums[1])) return;
+#ifdef HAVE_INT128
+    int positive = sign_of_sum(sums[0], t->nlo, sums[1], t->nhi) >= 0;
+#else
+    return;
+#endif
+    const int64_t *pos = positive ? t->hp : t->lp;
+    Py_ssize_t nnz = positive ? t->nhi : t->nlo;
+    int b = golomb_b_of(nnz, t->n, job->ln_phi);
+    Py_ssize_t nbytes = golomb_size(pos, nnz, b);
+    if (nbytes < 0 || (nnz > 0 && pos[nnz - 1] >= t->n)) return;
+    uint8_t *bits = malloc(nbytes ? (size_t)nbytes : 1);
+    if (bits == NULL) return;
+    golomb_write(bits, pos, nnz, b);
+    t->positive = positive;
+    t->sum = positive ? sums[0] : sums[1];
+    t->nnz = nnz;
+    t->b = b;
+    t->bits = bits;
+    t->nbytes = nbytes;
+    t->done = 1;
+}
+
+static void side_body(void *arg) {
+    side_job *job = arg;
+    for (;;) {
+        Py_ssize_t i = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
+        if (i >= job->ntasks) break;
+        side_run(job, &job->tasks[i]);
+    }
+}
+
+/* sides_many([(hi_pos, hi_vals, lo_pos, lo_vals, n), ...], ln_phi, threads, use_team) -> per task
+ * None (left to Python) or (sum, nnz, b, bits, positive); positions int64 and values float32,
+ * contiguous, ascending positions below n. */
+static PyObject *sides_many(PyObject *self, PyObject *args) {
+    PyObject *list, *result = NULL;
+    double ln_phi;
+    int threads, use_team;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "O!dip", &PyList_Type, &list, &ln_phi, &threads, &use_team)) return NULL;
+    Py_ssize_t ntasks = PyList_GET_SIZE(list), held = 0;
+    side_task *tasks = PyMem_Calloc(ntasks ? (size_t)ntasks : 1, sizeof(side_task));
+    Py_buffer *views = PyMem_Calloc(ntasks ? (size_t)(4 * ntasks) : 1, sizeof(Py_buffer));
+    if (tasks == NULL || views == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < ntasks; i++) {
+        PyObject *arrays[4];
+        side_task *t = &tasks[i];
+        if (!PyArg_ParseTuple(PyList_GET_ITEM(list, i), "OOOOn", &arrays[0], &arrays[1], &arrays[2], &arrays[3], &t->n))
+            goto done;
+        Py_ssize_t lens[4];
+        for (int a = 0; a < 4; a++) {
+            if (PyObject_GetBuffer(arrays[a], &views[held], PyBUF_C_CONTIGUOUS) < 0) goto done;
+            lens[a] = views[held].len;
+            held++;
+        }
+        t->hp = (const int64_t *)views[held - 4].buf;
+        t->hv = (const float *)views[held - 3].buf;
+        t->lp = (const int64_t *)views[held - 2].buf;
+        t->lv = (const float *)views[held - 1].buf;
+        t->nhi = lens[0] / 8;
+        t->nlo = lens[2] / 8;
+        if (lens[0] % 8 || lens[2] % 8 || lens[1] != 4 * t->nhi || lens[3] != 4 * t->nlo || t->n < 1) {
+            PyErr_Format(PyExc_ValueError, "sides_many: task %zd needs int64 positions, as many float32 values, n >= 1", i);
+            goto done;
+        }
+    }
+    side_job job = {tasks, ntasks, 0, ln_phi};
+    Py_BEGIN_ALLOW_THREADS;
+    team_run(side_body, &job, threads < 1 ? 1 : threads, use_team);
+    Py_END_ALLOW_THREADS;
+    result = PyList_New(ntasks);
+    for (Py_ssize_t i = 0; result != NULL && i < ntasks; i++) {
+        side_task *t = &tasks[i];
+        PyObject *item;
+        if (!t->done) {
+            Py_INCREF(Py_None);
+            item = Py_None;
+        } else {
+            item = Py_BuildValue("dniy#O", t->sum, t->nnz, t->b, (const char *)t->bits, t->nbytes,
+                                 t->positive ? Py_True : Py_False);
+        }
+        if (item == NULL) Py_CLEAR(result);
+        else PyList_SET_ITEM(result, i, item);
+    }
+done:
+    for (Py_ssize_t i = 0; i < held; i++) PyBuffer_Release(&views[i]);
+    if (tasks != NULL)
+        for (Py_ssize_t i = 0; i < ntasks; i++) free(tasks[i].bits);
+    PyMem_Free(tasks);
+    PyMem_Free(views);
+    return result;
+}
+
 /* Leading one bits of a byte (8 for 0xFF). */
 static uint8_t LEADING_ONES[256];
 
@@ -1219,6 +1343,7 @@ static PyMethodDef methods[] = {
     {"sum_stats", sum_stats, METH_VARARGS, "float64 sum and min/max magnitude bits of float32 values."},
     {"fast_select", fast_select, METH_VARARGS, "sample_thresholds, scan and both sides' sum_stats in one call."},
     {"encode_many", encode_many, METH_VARARGS, "Whole SBC encodings of a list of tensors on several threads."},
+    {"sides_many", sides_many, METH_VARARGS, "Side, exact sum and Golomb code of candidates selected elsewhere."},
     {"golomb_encode", golomb_encode, METH_VARARGS, "Golomb-Rice code ascending int64 positions."},
     {"golomb_decode", golomb_decode, METH_VARARGS, "Decode positions; False on an invalid stream."},
     {"reply_check", reply_check, METH_VARARGS, "Decode a reply's positions into scratch, check its values; (bad, squares)."},

@@ -879,3 +879,42 @@ def choose_side(
     if s_hi * c_lo >= -s_lo * c_hi:
         return hi, _round_f32(s_hi, c_hi << 149)
     return lo, _round_f32(s_lo, c_lo << 149)
+
+
+def choose_sides(
+    candidates: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]], numels: Sequence[int]
+) -> list[tuple[np.ndarray, float, int, bytes] | None]:
+    """:func:`choose_side` and the Golomb code of the side chosen, for many tensors' candidates
+    ``(hi, hi_vals, lo, lo_vals)`` (ascending int64 positions below ``numels[i]``, their float32
+    values) in one call of the C kernel (``sides_many``, on the CPU threads): per tensor
+    ``(positions, mean, golomb_b, bits)``, the same as :func:`choose_side` with
+    :func:`~fedcomp.codecs.golomb.encode_positions` (tested), or None where the caller is left to
+    do that itself (no kernel; sums a float64 cannot hold exactly; a value not finite). What the
+    whole-update engine runs on the candidates a device selected: one call instead of a few
+    Python-driven steps per tensor."""
+    out: list[tuple[np.ndarray, float, int, bytes] | None] = [None] * len(candidates)
+    kernel = _KERNEL
+    if kernel is None or not hasattr(kernel, "sides_many") or not candidates:
+        return out
+    tasks = [
+        (
+            np.ascontiguousarray(hi, dtype=np.int64),
+            np.ascontiguousarray(hv, dtype=np.float32),
+            np.ascontiguousarray(lo, dtype=np.int64),
+            np.ascontiguousarray(lv, dtype=np.float32),
+            n,
+        )
+        for (hi, hv, lo, lv), n in zip(candidates, numels, strict=True)
+    ]
+    threads = 1 if _in_lane() else max(1, min(torch.get_num_threads(), _MAX_WORKERS))
+    found = kernel.sides_many(tasks, LN_PHI_MINUS_1, threads, os.getpid() == _KERNEL_PID)
+    for i, res in enumerate(found):
+        if res is None:
+            continue
+        total, nnz, b, bits, positive = res
+        if nnz == 0 or b != golomb_b(nnz / numels[i]):  # (the kernel's libm and Python's agree; were they not)
+            continue
+        num, den = total.as_integer_ratio()
+        mean = _round_f32(num * ((1 << 149) // den), nnz << 149)
+        out[i] = (tasks[i][0] if positive else tasks[i][2], mean, b, bits)
+    return out

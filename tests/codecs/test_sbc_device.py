@@ -72,6 +72,60 @@ def test_hits_past_int32_travel_as_int64_with_the_same_bytes(codec: SBC, monkeyp
     assert work.to_host == packed.to_host + 1  # positions and values in two copies, not one
 
 
+def _candidates(g: np.random.Generator, n: int, kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    pos = np.sort(g.choice(n, size=min(n, 40), replace=False)).astype(np.int64)
+    half = pos.shape[0] // 2
+    hi, lo = pos[:half], pos[half:]
+    if kind == "tie":  # equal mean magnitudes: the positive side, as choose_side
+        hv, lv = np.full(hi.shape[0], 0.5, np.float32), np.full(lo.shape[0], -0.5, np.float32)
+    elif kind == "wide":  # exponents too far apart for a float64 sum: left to choose_side
+        hv = np.array([1e30] + [1e-30] * (hi.shape[0] - 1), np.float32)
+        lv = -np.abs(g.standard_normal(lo.shape[0]).astype(np.float32))
+    elif kind == "nan":
+        hv = g.standard_normal(hi.shape[0]).astype(np.float32)
+        hv[0] = np.nan
+        lv = -np.abs(g.standard_normal(lo.shape[0]).astype(np.float32))
+    else:
+        scale = np.float32(2.0 ** g.integers(-40, 20))
+        hv = (np.abs(g.standard_normal(hi.shape[0])) * scale).astype(np.float32)
+        lv = (-np.abs(g.standard_normal(lo.shape[0])) * scale).astype(np.float32)
+        if kind == "zeros":
+            hv[::2] = 0.0
+    return hi, hv, lo, lv
+
+
+def test_choose_sides_is_choose_side_and_the_golomb_code() -> None:
+    from fedcomp.codecs.golomb import encode_positions, golomb_b
+    from fedcomp.codecs.sbc import choose_side, choose_sides
+
+    g = np.random.default_rng(11)
+    kinds = ["plain", "tie", "zeros", "wide", "nan"] * 8
+    numels = [int(g.integers(40, 100_000)) for _ in kinds]
+    cands = [_candidates(g, n, kind) for n, kind in zip(numels, kinds, strict=True)]
+    got = choose_sides(cands, numels)
+    for kind, n, c, res in zip(kinds, numels, cands, got, strict=True):
+        want = choose_side(*c)
+        if kind in ("wide", "nan"):
+            assert res is None, kind  # the caller's choose_side says what (None for a NaN)
+            continue
+        assert res is not None and want is not None, kind
+        idx, mean, b, bits = res
+        assert np.array_equal(idx, want[0]) and mean == want[1], kind
+        assert b == golomb_b(idx.shape[0] / n) and bits == encode_positions(torch.from_numpy(want[0]), b)
+    assert choose_sides([], []) == []
+
+
+def test_without_the_kernel_the_engine_chooses_in_python(monkeypatch) -> None:
+    from fedcomp.codecs import sbc
+
+    codec = SBC(0.02, "fast", sample_size=SAMPLE)
+    items = _kinds(5)
+    monkeypatch.setattr(sbc, "_KERNEL", None)
+    assert sbc.choose_sides([_candidates(np.random.default_rng(0), 100, "plain")], [100]) == [None]
+    found = encode_update(codec, items)
+    assert found is not None and found.encoded == [codec.encode(t, n) for n, t in items]
+
+
 def test_exact_rows_in_many_chunks_give_the_same_bytes(monkeypatch) -> None:
     codec = SBC(0.05, "exact")
     items = _kinds(3)

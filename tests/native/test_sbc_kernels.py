@@ -171,6 +171,32 @@ def test_kernel_argument_checks_raise_value_error():
 
 
 @needs_kernel
+def test_sides_many_checks_its_arguments_and_leaves_what_it_cannot_code():
+    assert KERNEL is not None
+    pos, val = np.array([1, 4], dtype=np.int64), np.array([0.5, 2.0], dtype=np.float32)
+    neg = np.array([2], dtype=np.int64), np.array([-1.0], dtype=np.float32)
+    ok = (pos, val, *neg, 10)
+    b = golomb.golomb_b(0.2)
+    assert KERNEL.sides_many([ok], golomb.LN_PHI_MINUS_1, 2, False) == [(2.5, 2, b, KERNEL.golomb_encode(pos, b), True)]
+    for bad in (
+        (pos, val[:1], *neg, 10),  # fewer values than positions
+        (pos.astype(np.int32), val, *neg, 10),  # 4-byte positions: lengths disagree
+        (pos, val, *neg, 0),  # no elements
+    ):
+        with pytest.raises(ValueError, match="sides_many: task 0"):
+            KERNEL.sides_many([bad], golomb.LN_PHI_MINUS_1, 1, False)
+    with pytest.raises(TypeError):
+        KERNEL.sides_many([(pos, val, *neg)], golomb.LN_PHI_MINUS_1, 1, False)
+    # positions out of order or past n, a value not finite: left to the Python path (None)
+    for left in (
+        (pos[::-1].copy(), val, *neg, 10),
+        (pos, val, *neg, 4),
+        (pos, np.array([np.inf, 1.0], dtype=np.float32), *neg, 10),
+    ):
+        assert KERNEL.sides_many([ok, left], golomb.LN_PHI_MINUS_1, 2, False)[1] is None
+
+
+@needs_kernel
 @pytest.mark.parametrize("kind", ["student", "levels", "zeros", "negative", "tiny"])
 def test_sample_thresholds_equal_numpy_order_statistics(kind):
     """Fast mode's thresholds: the r-th smallest and largest sampled values, as _order_stats."""
