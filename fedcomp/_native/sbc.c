@@ -624,17 +624,24 @@ done:
  * left to it. The tasks run on `threads` threads (team.h), the next one taken by whichever thread
  * is free: the caller lists them largest first. */
 
+/* What a task coded (the first member of encode_many's and sides_many's tasks, so that one
+ * helper reads both): the side kept, its exact sum and the Golomb-Rice code of its positions. */
 typedef struct {
-    const float *x;
-    Py_ssize_t n;
-    const int64_t *where; /* fast mode's sample positions (s of them), or NULL: exact mode */
-    Py_ssize_t s, k, r;
-    int done;   /* 0: left to the Python path */
-    double sum; /* the exact sum of the side kept */
+    int done;     /* 0: left to the Python path */
+    int positive; /* the side kept: the values above the threshold */
+    double sum;   /* the exact sum of the side kept */
     Py_ssize_t nnz;
     int b;
     uint8_t *bits; /* malloc'd, nbytes long */
     Py_ssize_t nbytes;
+} sbc_coded;
+
+typedef struct {
+    sbc_coded out;
+    const float *x;
+    Py_ssize_t n;
+    const int64_t *where; /* fast mode's sample positions (s of them), or NULL: exact mode */
+    Py_ssize_t s, k, r;
 } sbc_task;
 
 typedef struct {
@@ -721,6 +728,63 @@ static int golomb_b_of(Py_ssize_t nnz, Py_ssize_t n, double ln_phi) {
     return b < 0.0 ? 0 : b > 62.0 ? 62 : (int)b;
 }
 
+/* Both sides' exact sums, the side with the larger mean magnitude (the positive one on a tie) and
+ * the Golomb-Rice code of its positions (ascending, below n) into *c; c->done stays 0 where a sum
+ * is not exact in float64, a value is not finite or the positions are not so. */
+static void code_side(sbc_coded *c, const int64_t *hp, const float *hv, Py_ssize_t nhi, const int64_t *lp,
+                      const float *lv, Py_ssize_t nlo, Py_ssize_t n, double ln_phi) {
+    double sums[2];
+    if (!exact_sum(hv, nhi, &sums[0]) || !exact_sum(lv, nlo, &sums[1])) return;
+#ifdef HAVE_INT128
+    /* mean+ = s_hi / c_hi against |mean-| = -s_lo / c_lo: the positive side on a tie */
+    int positive = sign_of_sum(sums[0], nlo, sums[1], nhi) >= 0;
+#else
+    return;
+#endif
+    const int64_t *pos = positive ? hp : lp;
+    Py_ssize_t nnz = positive ? nhi : nlo;
+    int b = golomb_b_of(nnz, n, ln_phi);
+    Py_ssize_t nbytes = golomb_size(pos, nnz, b);
+    if (nbytes < 0 || (nnz > 0 && pos[nnz - 1] >= n)) return;
+    uint8_t *bits = malloc(nbytes ? (size_t)nbytes : 1);
+    if (bits == NULL) return;
+    golomb_write(bits, pos, nnz, b);
+    c->positive = positive;
+    c->sum = positive ? sums[0] : sums[1];
+    c->nnz = nnz;
+    c->b = b;
+    c->bits = bits;
+    c->nbytes = nbytes;
+    c->done = 1;
+}
+
+/* The result list of `ntasks` tasks of `stride` bytes, each starting with its sbc_coded: None where
+ * left to the Python path, else (sum, nnz, b, bits), with the side (True: positive) when with_side. */
+static PyObject *coded_results(const void *tasks, size_t stride, Py_ssize_t ntasks, int with_side) {
+    PyObject *result = PyList_New(ntasks);
+    for (Py_ssize_t i = 0; result != NULL && i < ntasks; i++) {
+        const sbc_coded *c = (const sbc_coded *)((const char *)tasks + (size_t)i * stride);
+        PyObject *item;
+        if (!c->done) {
+            Py_INCREF(Py_None);
+            item = Py_None;
+        } else if (with_side) {
+            item = Py_BuildValue("dniy#O", c->sum, c->nnz, c->b, (const char *)c->bits, c->nbytes,
+                                 c->positive ? Py_True : Py_False);
+        } else {
+            item = Py_BuildValue("dniy#", c->sum, c->nnz, c->b, (const char *)c->bits, c->nbytes);
+        }
+        if (item == NULL) Py_CLEAR(result);
+        else PyList_SET_ITEM(result, i, item);
+    }
+    return result;
+}
+
+static void coded_free(void *tasks, size_t stride, Py_ssize_t ntasks) {
+    if (tasks != NULL)
+        for (Py_ssize_t i = 0; i < ntasks; i++) free(((sbc_coded *)((char *)tasks + (size_t)i * stride))->bits);
+}
+
 static void sbc_run(const sbc_job *job, sbc_task *t, float *work, int64_t *hp, float *hv, int64_t *lp, float *lv) {
     const float *x = t->x;
     Py_ssize_t n = t->n, k = t->k, nhi = 0, nlo = 0;
@@ -746,28 +810,7 @@ static void sbc_run(const sbc_job *job, sbc_task *t, float *work, int64_t *hp, f
         nhi = exact_side(x, n, t_hi, k, 1, hp, hv);
         nlo = exact_side(x, n, t_lo, k, 0, lp, lv);
     }
-    double sums[2];
-    if (!exact_sum(hv, nhi, &sums[0]) || !exact_sum(lv, nlo, &sums[1])) return;
-#ifdef HAVE_INT128
-    /* mean+ = s_hi / c_hi against |mean-| = -s_lo / c_lo: the positive side on a tie */
-    int positive = sign_of_sum(sums[0], nlo, sums[1], nhi) >= 0;
-#else
-    return;
-#endif
-    const int64_t *pos = positive ? hp : lp;
-    Py_ssize_t nnz = positive ? nhi : nlo;
-    int b = golomb_b_of(nnz, n, job->ln_phi);
-    Py_ssize_t nbytes = golomb_size(pos, nnz, b);
-    if (nbytes < 0) return;
-    uint8_t *bits = malloc(nbytes ? (size_t)nbytes : 1);
-    if (bits == NULL) return;
-    golomb_write(bits, pos, nnz, b);
-    t->sum = positive ? sums[0] : sums[1];
-    t->nnz = nnz;
-    t->b = b;
-    t->bits = bits;
-    t->nbytes = nbytes;
-    t->done = 1;
+    code_side(&t->out, hp, hv, nhi, lp, lv, nlo, n, job->ln_phi);
 }
 
 static void sbc_body(void *arg) {
@@ -833,23 +876,10 @@ static PyObject *encode_many(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS;
     team_run(sbc_body, &job, threads < 1 ? 1 : threads, use_team);
     Py_END_ALLOW_THREADS;
-    result = PyList_New(ntasks);
-    for (Py_ssize_t i = 0; result != NULL && i < ntasks; i++) {
-        sbc_task *t = &tasks[i];
-        PyObject *item;
-        if (!t->done) {
-            Py_INCREF(Py_None);
-            item = Py_None;
-        } else {
-            item = Py_BuildValue("dniy#", t->sum, t->nnz, t->b, (const char *)t->bits, t->nbytes);
-        }
-        if (item == NULL) Py_CLEAR(result);
-        else PyList_SET_ITEM(result, i, item);
-    }
+    result = coded_results(tasks, sizeof(sbc_task), ntasks, 0);
 done:
     for (Py_ssize_t i = 0; i < held; i++) PyBuffer_Release(&views[i]);
-    if (tasks != NULL)
-        for (Py_ssize_t i = 0; i < ntasks; i++) free(tasks[i].bits);
+    coded_free(tasks, sizeof(sbc_task), ntasks);
     PyMem_Free(tasks);
     PyMem_Free(views);
     return result;
@@ -863,15 +893,10 @@ done:
  * sums a float64 cannot hold exactly (or whose values are not finite) is left to the Python path. */
 
 typedef struct {
+    sbc_coded out;
     const int64_t *hp, *lp;
     const float *hv, *lv;
     Py_ssize_t nhi, nlo, n;
-    int done, positive;
-    double sum;
-    Py_ssize_t nnz;
-    int b;
-    uint8_t *bits; /* malloc'd, nbytes long */
-    Py_ssize_t nbytes;
 } side_task;
 
 typedef struct {
@@ -881,28 +906,7 @@ typedef struct {
 } side_job;
 
 static void side_run(const side_job *job, side_task *t) {
-    double sums[2];
-    if (!exact_sum(t->hv, t->nhi, &sums[0]) || !exact_sum(t->lv, t->nlo, &sums[1])) return;
-#ifdef HAVE_INT128
-    int positive = sign_of_sum(sums[0], t->nlo, sums[1], t->nhi) >= 0;
-#else
-    return;
-#endif
-    const int64_t *pos = positive ? t->hp : t->lp;
-    Py_ssize_t nnz = positive ? t->nhi : t->nlo;
-    int b = golomb_b_of(nnz, t->n, job->ln_phi);
-    Py_ssize_t nbytes = golomb_size(pos, nnz, b);
-    if (nbytes < 0 || (nnz > 0 && pos[nnz - 1] >= t->n)) return;
-    uint8_t *bits = malloc(nbytes ? (size_t)nbytes : 1);
-    if (bits == NULL) return;
-    golomb_write(bits, pos, nnz, b);
-    t->positive = positive;
-    t->sum = positive ? sums[0] : sums[1];
-    t->nnz = nnz;
-    t->b = b;
-    t->bits = bits;
-    t->nbytes = nbytes;
-    t->done = 1;
+    code_side(&t->out, t->hp, t->hv, t->nhi, t->lp, t->lv, t->nlo, t->n, job->ln_phi);
 }
 
 static void side_body(void *arg) {
@@ -956,24 +960,10 @@ static PyObject *sides_many(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS;
     team_run(side_body, &job, threads < 1 ? 1 : threads, use_team);
     Py_END_ALLOW_THREADS;
-    result = PyList_New(ntasks);
-    for (Py_ssize_t i = 0; result != NULL && i < ntasks; i++) {
-        side_task *t = &tasks[i];
-        PyObject *item;
-        if (!t->done) {
-            Py_INCREF(Py_None);
-            item = Py_None;
-        } else {
-            item = Py_BuildValue("dniy#O", t->sum, t->nnz, t->b, (const char *)t->bits, t->nbytes,
-                                 t->positive ? Py_True : Py_False);
-        }
-        if (item == NULL) Py_CLEAR(result);
-        else PyList_SET_ITEM(result, i, item);
-    }
+    result = coded_results(tasks, sizeof(side_task), ntasks, 1);
 done:
     for (Py_ssize_t i = 0; i < held; i++) PyBuffer_Release(&views[i]);
-    if (tasks != NULL)
-        for (Py_ssize_t i = 0; i < ntasks; i++) free(tasks[i].bits);
+    coded_free(tasks, sizeof(side_task), ntasks);
     PyMem_Free(tasks);
     PyMem_Free(views);
     return result;
