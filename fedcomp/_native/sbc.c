@@ -780,9 +780,22 @@ static PyObject *coded_results(const void *tasks, size_t stride, Py_ssize_t ntas
     return result;
 }
 
-static void coded_free(void *tasks, size_t stride, Py_ssize_t ntasks) {
+/* Run `body` over `job` on up to `threads` threads without the GIL, then coded_results. */
+static PyObject *run_coded(void (*body)(void *), void *job, int threads, int use_team, const void *tasks, size_t stride,
+                           Py_ssize_t ntasks, int with_side) {
+    Py_BEGIN_ALLOW_THREADS;
+    team_run(body, job, threads < 1 ? 1 : threads, use_team);
+    Py_END_ALLOW_THREADS;
+    return coded_results(tasks, stride, ntasks, with_side);
+}
+
+/* Release what a call of coded tasks holds: views[0, held), the tasks' codes and both arrays. */
+static void release_coded(Py_buffer *views, Py_ssize_t held, void *tasks, size_t stride, Py_ssize_t ntasks) {
+    for (Py_ssize_t i = 0; i < held; i++) PyBuffer_Release(&views[i]);
     if (tasks != NULL)
         for (Py_ssize_t i = 0; i < ntasks; i++) free(((sbc_coded *)((char *)tasks + (size_t)i * stride))->bits);
+    PyMem_Free(tasks);
+    PyMem_Free(views);
 }
 
 static void sbc_run(const sbc_job *job, sbc_task *t, float *work, int64_t *hp, float *hv, int64_t *lp, float *lv) {
@@ -873,15 +886,9 @@ static PyObject *encode_many(PyObject *self, PyObject *args) {
         job.cap = cap > job.cap ? cap : job.cap;
         job.work = work > job.work ? work : job.work;
     }
-    Py_BEGIN_ALLOW_THREADS;
-    team_run(sbc_body, &job, threads < 1 ? 1 : threads, use_team);
-    Py_END_ALLOW_THREADS;
-    result = coded_results(tasks, sizeof(sbc_task), ntasks, 0);
+    result = run_coded(sbc_body, &job, threads, use_team, tasks, sizeof(sbc_task), ntasks, 0);
 done:
-    for (Py_ssize_t i = 0; i < held; i++) PyBuffer_Release(&views[i]);
-    coded_free(tasks, sizeof(sbc_task), ntasks);
-    PyMem_Free(tasks);
-    PyMem_Free(views);
+    release_coded(views, held, tasks, sizeof(sbc_task), ntasks);
     return result;
 }
 
@@ -957,15 +964,9 @@ static PyObject *sides_many(PyObject *self, PyObject *args) {
         }
     }
     side_job job = {tasks, ntasks, 0, ln_phi};
-    Py_BEGIN_ALLOW_THREADS;
-    team_run(side_body, &job, threads < 1 ? 1 : threads, use_team);
-    Py_END_ALLOW_THREADS;
-    result = coded_results(tasks, sizeof(side_task), ntasks, 1);
+    result = run_coded(side_body, &job, threads, use_team, tasks, sizeof(side_task), ntasks, 1);
 done:
-    for (Py_ssize_t i = 0; i < held; i++) PyBuffer_Release(&views[i]);
-    coded_free(tasks, sizeof(side_task), ntasks);
-    PyMem_Free(tasks);
-    PyMem_Free(views);
+    release_coded(views, held, tasks, sizeof(side_task), ntasks);
     return result;
 }
 

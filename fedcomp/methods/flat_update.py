@@ -92,11 +92,7 @@ def encode_on_device(
         residual = feedback.flat_residual(layout, dev) if feedback is not None else None
         if residual is not None:
             acc.add_(residual)
-        if isinstance(codec, ThreeLC):
-            coded = _threelc_on_device(codec, large, layout, acc, feedback, keep_sent)
-        else:
-            assert isinstance(codec, SBC)
-            coded = _sbc_on_device(codec, large, layout, acc, feedback, keep_sent)
+        coded = _encode_large(codec, large, layout, acc, feedback, keep_sent)
         if coded is None:
             return None  # a value that is not finite: the per-tensor path says which
         encoded, recon = coded
@@ -130,22 +126,32 @@ def encode_on_device(
 _EXACT_IN_FLOAT32 = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _sbc_on_device(
-    codec: SBC,
+def _encode_large(
+    codec: SBC | ThreeLC,
     large: list[tuple[str, torch.Tensor]],
     layout: Layout,
     acc: torch.Tensor,
     feedback: ErrorFeedback | None,
     keep_sent: bool,
 ) -> tuple[list[EncodedTensor], torch.Tensor | None] | None:
-    """The SBC part of :func:`encode_on_device`: the tensors encoded and, with ``keep_sent``, the
-    reconstruction (flat); the residual taken off ``acc`` and kept. None where a value is not
-    finite."""
+    """The compressed part of :func:`encode_on_device`: the tensors encoded and, with
+    ``keep_sent``, the reconstruction (flat); the residual taken off ``acc`` and kept. None where a
+    value is not finite."""
+    want_recon = feedback is not None or keep_sent
+    if isinstance(codec, ThreeLC):
+        coded = threelc_device.encode_update(codec, large, flat=acc, want_recon=want_recon)
+        if coded is None:
+            return None
+        encoded, recon = coded
+        if feedback is not None:
+            assert recon is not None
+            feedback.keep_flat(layout, acc.sub_(recon))
+        return encoded, recon
     found = encode_update(codec, large, flat=acc)
     if found is None:
         return None
     recon = None
-    if feedback is not None or keep_sent:
+    if want_recon:  # SBC's reconstruction is sparse: one value at the kept positions
         kept, value = to_device(found.kept, acc.device), to_device(found.value, acc.device)
         if keep_sent:
             recon = torch.zeros(layout.total, dtype=torch.float32, device=acc.device)
@@ -154,25 +160,6 @@ def _sbc_on_device(
             acc.index_put_((kept,), value.neg_(), accumulate=True)
             feedback.keep_flat(layout, acc)
     return found.encoded, recon
-
-
-def _threelc_on_device(
-    codec: ThreeLC,
-    large: list[tuple[str, torch.Tensor]],
-    layout: Layout,
-    acc: torch.Tensor,
-    feedback: ErrorFeedback | None,
-    keep_sent: bool,
-) -> tuple[list[EncodedTensor], torch.Tensor | None] | None:
-    """The 3LC part of :func:`encode_on_device`, as :func:`_sbc_on_device`."""
-    coded = threelc_device.encode_update(codec, large, flat=acc, want_recon=feedback is not None or keep_sent)
-    if coded is None:
-        return None
-    encoded, recon = coded
-    if feedback is not None:
-        assert recon is not None
-        feedback.keep_flat(layout, acc.sub_(recon))
-    return encoded, recon
 
 
 def decode_on_device(
