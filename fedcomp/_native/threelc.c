@@ -34,6 +34,17 @@
  *       already zero-filled) groups of five zeros are skipped where float32(scale) is finite.
  *       False on any inconsistency the NumPy decoder reports (the caller then reruns it to raise
  *       its PayloadError); out is then partly written.
+ *   zero_runs_many(data, groups, out, lengths) -> None
+ *       the zero-run coding of many tensors' base-3^5 bytes, back to back in data (groups: int64,
+ *       each tensor's count, adding up to len(data)), written back to back into out (at least
+ *       len(data) bytes: a coding is never longer); lengths (int64): each coding's length. What
+ *       the whole-update engine's host part does once for all tensors.
+ *   literals_many(tasks, pos, vals, counts) -> int
+ *       for each task (data, zero_run, groups), in order, the groups other than 121 of its stream:
+ *       indices into pos (int64) and bytes into vals (uint8), tensor after tensor (both at least
+ *       the total bytes of the streams long), counts[i] how many; -1, or the index of the first
+ *       stream that is not a valid one for its groups (the caller then reruns the NumPy decoder
+ *       to raise its PayloadError). Reads only the streams; writes at most one literal per byte.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -653,6 +664,170 @@ done:
     return result;
 }
 
+/* --- whole updates: many tensors in one call (fedcomp/codecs/threelc_device.py) --------------- */
+
+/* Whether the 32 bytes at d are all 121 (four 8-byte loads: vectorised by the compiler). */
+static inline int all_zero_groups32(const uint8_t *d) {
+    const uint64_t k = 0x7979797979797979ull; /* 121 in every byte */
+    uint64_t w[4];
+    memcpy(w, d, sizeof w);
+    return ((w[0] ^ k) | (w[1] ^ k) | (w[2] ^ k) | (w[3] ^ k)) == 0;
+}
+
+static PyObject *zero_runs_many(PyObject *self, PyObject *args) {
+    Py_buffer data, gb, out, lb;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*w*w*", &data, &gb, &out, &lb)) return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t ntensors = gb.len / 8, total = 0;
+    const int64_t *g = (const int64_t *)gb.buf;
+    if (gb.len % 8 || check_len(&lb, ntensors, 8, "zero_runs_many lengths")) goto done;
+    for (Py_ssize_t i = 0; i < ntensors; i++) {
+        if (g[i] < 0 || g[i] > data.len - total) {
+            PyErr_SetString(PyExc_ValueError, "zero_runs_many: the groups do not add up to the data's length");
+            goto done;
+        }
+        total += g[i];
+    }
+    if (total != data.len) {
+        PyErr_SetString(PyExc_ValueError, "zero_runs_many: the groups do not add up to the data's length");
+        goto done;
+    }
+    if (check_len(&out, data.len, 1, "zero_runs_many out")) goto done; /* a coding is never longer */
+    Py_BEGIN_ALLOW_THREADS
+    const uint8_t *d = (const uint8_t *)data.buf;
+    uint8_t *o = (uint8_t *)out.buf;
+    int64_t *lengths = (int64_t *)lb.buf;
+    for (Py_ssize_t i = 0; i < ntensors; i++) {
+        uint8_t *start = o;
+        Py_ssize_t run = 0, j = 0;
+        while (j < g[i]) {
+            if (j + 32 <= g[i] && all_zero_groups32(d + j)) { /* the usual case: a sparse update */
+                run += 32;
+                j += 32;
+                continue;
+            }
+            Py_ssize_t stop = j + 32 <= g[i] ? j + 32 : g[i];
+            for (; j < stop; j++) {
+                uint8_t v = d[j];
+                if (v == ZERO_GROUP) {
+                    run++;
+                } else {
+                    o = put_run(o, run);
+                    run = 0;
+                    *o++ = v;
+                }
+            }
+        }
+        o = put_run(o, run);
+        lengths[i] = (int64_t)(o - start);
+        d += g[i];
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&data);
+    PyBuffer_Release(&gb);
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&lb);
+    return result;
+}
+
+/* The groups other than 121 of one stream that must expand to g groups: their indices and bytes
+ * written from pos / vals on (at most len of them); their count, or -1 where the stream is not
+ * one (the NumPy decoder's checks: runs past g or fewer than g groups; without zero runs, a
+ * length other than g or a byte past 242). */
+static Py_ssize_t stream_literals(const uint8_t *d, Py_ssize_t len, int zero_run, Py_ssize_t g, int64_t *pos,
+                                  uint8_t *vals) {
+    Py_ssize_t j = 0, c = 0;
+    if (!zero_run) {
+        if (len != g) return -1;
+        for (Py_ssize_t i = 0; i < len; i++) {
+            if (d[i] >= RUN_BASE) return -1;
+            if (d[i] != ZERO_GROUP) {
+                pos[c] = i;
+                vals[c++] = d[i];
+            }
+        }
+        return c;
+    }
+    for (Py_ssize_t i = 0; i < len; i++) {
+        uint8_t v = d[i];
+        if (v >= RUN_BASE) {
+            Py_ssize_t run = (Py_ssize_t)v - (RUN_BASE - 2);
+            if (run > g - j) return -1;
+            j += run;
+        } else {
+            if (j >= g) return -1;
+            if (v != ZERO_GROUP) {
+                pos[c] = j;
+                vals[c++] = v;
+            }
+            j++;
+        }
+    }
+    return j == g ? c : -1;
+}
+
+static PyObject *literals_many(PyObject *self, PyObject *args) {
+    PyObject *list, *result = NULL;
+    Py_buffer pb, vb, cb;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "O!w*w*w*", &PyList_Type, &list, &pb, &vb, &cb)) return NULL;
+    Py_ssize_t ntasks = PyList_GET_SIZE(list), held = 0, room = 0;
+    Py_buffer *views = PyMem_Calloc(ntasks ? (size_t)ntasks : 1, sizeof(Py_buffer));
+    int *zero_runs = PyMem_Calloc(ntasks ? (size_t)ntasks : 1, sizeof(int));
+    Py_ssize_t *gs = PyMem_Calloc(ntasks ? (size_t)ntasks : 1, sizeof(Py_ssize_t));
+    if (views == NULL || zero_runs == NULL || gs == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (check_len(&cb, ntasks, 8, "literals_many counts")) goto done;
+    for (Py_ssize_t i = 0; i < ntasks; i++) {
+        PyObject *task = PyList_GET_ITEM(list, i);
+        PyObject *buf;
+        int zr;
+        Py_ssize_t g;
+        if (!PyArg_ParseTuple(task, "Opn;literals_many: a task is (data, zero_run, groups)", &buf, &zr, &g)) goto done;
+        if (g < 0) {
+            PyErr_SetString(PyExc_ValueError, "literals_many: groups must be >= 0");
+            goto done;
+        }
+        if (PyObject_GetBuffer(buf, &views[i], PyBUF_SIMPLE) < 0) goto done;
+        held++;
+        zero_runs[i] = zr;
+        gs[i] = g;
+        room += views[i].len; /* a stream has at most one literal per byte */
+    }
+    if (check_len(&pb, room, 8, "literals_many pos") || check_len(&vb, room, 1, "literals_many vals")) goto done;
+    Py_ssize_t bad = -1;
+    Py_BEGIN_ALLOW_THREADS
+    int64_t *pos = (int64_t *)pb.buf, *counts = (int64_t *)cb.buf;
+    uint8_t *vals = (uint8_t *)vb.buf;
+    for (Py_ssize_t i = 0; i < ntasks; i++) {
+        Py_ssize_t c = stream_literals((const uint8_t *)views[i].buf, views[i].len, zero_runs[i], gs[i], pos, vals);
+        if (c < 0) {
+            bad = i;
+            break;
+        }
+        counts[i] = c;
+        pos += c;
+        vals += c;
+    }
+    Py_END_ALLOW_THREADS
+    result = PyLong_FromSsize_t(bad);
+done:
+    for (Py_ssize_t i = 0; i < held; i++) PyBuffer_Release(&views[i]);
+    PyMem_Free(views);
+    PyMem_Free(zero_runs);
+    PyMem_Free(gs);
+    PyBuffer_Release(&pb);
+    PyBuffer_Release(&vb);
+    PyBuffer_Release(&cb);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"max_abs", max_abs, METH_VARARGS, "Largest magnitude bits of float32 a[begin:end]."},
     {"params", params, METH_VARARGS, "(code, m, t_bits): 3LC's scale and threshold for max|a| bits and s."},
@@ -662,6 +837,8 @@ static PyMethodDef methods[] = {
     {"encode", encode, METH_VARARGS, "The whole 3LC encoding of a tensor: (code, m, nbytes)."},
     {"expanded_length", expanded_length, METH_VARARGS, "Groups a zero-run stream expands to."},
     {"decode", decode, METH_VARARGS, "Zero-run decode + unpack + scale; False on an invalid stream."},
+    {"zero_runs_many", zero_runs_many, METH_VARARGS, "Zero-run code many tensors' packed bytes: lengths filled."},
+    {"literals_many", literals_many, METH_VARARGS, "Groups other than 121 of many streams; -1 or the first bad."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_threelc", "C kernels for 3LC's CPU paths.", -1, methods};

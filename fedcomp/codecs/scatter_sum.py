@@ -76,6 +76,13 @@ class ScatterSum:
         self._order = sorted(range(len(self.tasks)), key=lambda i: -cost[i])
         return float(squares)
 
+    def decoded_positions(self) -> np.ndarray:
+        """After :meth:`check`: the kept positions of every :meth:`positions` tensor, in the
+        order given, back to back (each tensor's ascending, within the tensor)."""
+        if self._scratch is None:
+            raise RuntimeError("ScatterSum.decoded_positions before a successful check()")
+        return self._scratch
+
     def add_into(self, weight: float, outs: Sequence[np.ndarray], threads: int | None = None) -> None:
         """``outs[i] += weight * tensor i`` (flat float64 arrays in the order of :attr:`names`,
         each a buffer of its own), after :meth:`check`; the tensors largest first on ``threads``

@@ -924,6 +924,13 @@ class ThreeLC(Codec):
             raise PayloadError(name, f"data is {len(data)} bytes, more than the {g} groups it codes")
         return data, float(scale)
 
+    def checked_stream(self, payload: Payload, spec: TensorSpec) -> tuple[bytes | bytearray, float]:
+        """``(data, scale)`` of a 3LC payload after every check of :meth:`literals` that needs no
+        decoding (the envelope's aside): what a caller hands a kernel that reads the stream itself
+        (:class:`fedcomp.codecs.threelc_device.LiteralBatch`). ``len(data)`` is at most the
+        tensor's groups."""
+        return self._checked(payload, spec)
+
     def literals(self, payload: Payload, spec: TensorSpec) -> tuple[np.ndarray, np.ndarray, float]:
         """The decoder without its dense output: after every check of :meth:`decode` but the
         envelope's, the groups other than 121 (their indices, ascending, and their bytes, all

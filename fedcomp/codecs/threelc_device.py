@@ -10,10 +10,11 @@ The update is one flat buffer (:class:`fedcomp.codecs.flat.Layout`):
   scale (spread by ``repeat_interleave``, no sync), so the bytes are those of the per-tensor
   division; the base-3^5 packing of every tensor's five parts by five gathers over the
   packed bytes of the whole update (a byte's five digits sit at ``k * G + j`` of its tensor,
-  ``G = ceil(n / 5)``); the packed bytes to the host in one copy, where each tensor's zero runs
-  are coded. The reconstruction ``m * q``, when asked for (error feedback), is one multiply.
+  ``G = ceil(n / 5)``); the packed bytes to the host in one copy, where every tensor's zero runs
+  are coded by one call of the C kernel (``zero_runs_many``; tensor by tensor in NumPy without it). The reconstruction ``m * q``, when asked for (error feedback), is one multiply.
 - **Decode** (:func:`decode_into`): the payloads are checked on the host and reduced to their
-  groups other than 121 (:meth:`ThreeLC.literals`); those bytes, with where each lands, go to
+  groups other than 121 (:class:`LiteralBatch`: every stream read by one call of the C kernel,
+  ``literals_many``; :meth:`ThreeLC.literals` tensor by tensor without it); those bytes, with where each lands, go to
   the device in three copies, and five scatters write their digits times the scale into zeros.
 
 Bytes, reconstructions and decoded values are the per-tensor path's (tested on CPU, where the
@@ -30,10 +31,14 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from fedcomp import _native
 from fedcomp.codecs.base import TensorSpec
 from fedcomp.codecs.flat import Layout, host_side, to_device, to_host
 from fedcomp.codecs.threelc import WEIGHTS, ThreeLC, _zero_run_encode_np, groups, scale_for
+from fedcomp.errors import PayloadError
 from fedcomp.wire.payloads import EncodedTensor, Payload, ThreeLCPayload
+
+_KERNEL = _native.load("threelc")
 
 
 @dataclass(frozen=True)
@@ -98,16 +103,42 @@ def encode_update(
     data = to_host(packed.to(torch.uint8))
     del q, spread, packed
     with host_side():
-        encoded = []
-        start = 0
-        for (name, t), n, scale in zip(tensors, layout.numels, scales, strict=True):
-            g = groups(n)
-            group_bytes = data[start : start + g]
-            start += g
-            body = _zero_run_encode_np(group_bytes) if codec.zero_run else group_bytes
-            payload = ThreeLCPayload(scale=float(scale), numel=n, zero_run=codec.zero_run, data=body.tobytes())
-            encoded.append(codec._envelope(t, name, payload))
+        bodies = _bodies(data, layout.numels, codec.zero_run)
+        encoded = [
+            codec._envelope(t, name, ThreeLCPayload(scale=float(scale), numel=n, zero_run=codec.zero_run, data=body))
+            for (name, t), n, scale, body in zip(tensors, layout.numels, scales, bodies, strict=True)
+        ]
     return encoded, recon
+
+
+def _bodies(data: np.ndarray, numels: tuple[int, ...], zero_run: bool) -> list[bytes]:
+    """Each tensor's payload bytes from the packed bytes of all of them (``data``, back to back):
+    with ``zero_run`` their zero-run codings, by one call of the C kernel for all tensors where
+    it is built, else tensor by tensor in NumPy (the same bytes)."""
+    g = _group_counts(numels)
+    if not zero_run:
+        return [data[a:b].tobytes() for a, b in zip(g.starts, g.ends, strict=True)]
+    if _KERNEL is None:
+        return [_zero_run_encode_np(data[a:b]).tobytes() for a, b in zip(g.starts, g.ends, strict=True)]
+    out = np.empty(data.shape[0], dtype=np.uint8)
+    lengths = np.empty(len(numels), dtype=np.int64)
+    _KERNEL.zero_runs_many(data, g.counts, out, lengths)
+    ends = np.cumsum(lengths).tolist()
+    return [out[b - n : b].tobytes() for b, n in zip(ends, lengths.tolist(), strict=True)]
+
+
+@dataclass(frozen=True)
+class _GroupCounts:
+    counts: np.ndarray  # int64: each tensor's groups
+    starts: list[int]  # where each tensor's packed bytes start, and end
+    ends: list[int]
+
+
+@lru_cache(maxsize=8)
+def _group_counts(numels: tuple[int, ...]) -> _GroupCounts:
+    counts = np.array([groups(n) for n in numels], dtype=np.int64)
+    ends = np.cumsum(counts)
+    return _GroupCounts(counts, (ends - counts).tolist(), ends.tolist())
 
 
 @lru_cache(maxsize=8)
@@ -133,6 +164,68 @@ def literals_of(
     where[1] = groups(n)
     where[2] = offset + n
     return where, vals, np.full(pos.shape[0], s32, dtype=np.float32)
+
+
+class LiteralBatch:
+    """:func:`literals_of` for many tensors: each :meth:`add` ed after the checks that need no
+    decoding, then every stream read by one call of the C kernel (:meth:`literals`). Without the
+    kernel (:func:`available`), callers use :func:`literals_of` tensor by tensor."""
+
+    def __init__(self) -> None:
+        self._tasks: list[tuple[bytes | bytearray, bool, int]] = []
+        self._meta: list[tuple[ThreeLC, Payload, TensorSpec]] = []
+        self._offsets: list[int] = []
+        self._scales: list[float] = []
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def add(self, codec: ThreeLC, payload: Payload, spec: TensorSpec, offset: int) -> bool:
+        """Check ``payload`` as :meth:`ThreeLC.checked_stream` does (raising its
+        :class:`PayloadError`) and keep it for :meth:`literals`; False (and nothing kept) where
+        its scale is beyond float32 (:func:`literals_of`'s None: the dense path handles it)."""
+        data, scale = codec.checked_stream(payload, spec)
+        with np.errstate(over="ignore"):
+            s32 = np.float32(scale)
+        if not np.isfinite(s32):
+            return False
+        assert isinstance(payload, ThreeLCPayload)
+        self._tasks.append((data, payload.zero_run, groups(spec.numel)))
+        self._meta.append((codec, payload, spec))
+        self._offsets.append(offset)
+        self._scales.append(float(s32))
+        return True
+
+    def literals(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every tensor's ``(where, bytes, scale)`` of :func:`literals_of`, concatenated in the
+        order added; raise the :class:`PayloadError` of the first stream that is not valid, in the
+        words of :meth:`ThreeLC.literals`. Allocates at most the streams' total length (each
+        at most its tensor's groups: :meth:`ThreeLC.checked_stream`)."""
+        assert _KERNEL is not None, "check available() first"
+        room = sum(len(t[0]) for t in self._tasks)
+        pos = np.empty(room, dtype=np.int64)
+        vals = np.empty(room, dtype=np.uint8)
+        counts = np.empty(len(self._tasks), dtype=np.int64)
+        bad = _KERNEL.literals_many(self._tasks, pos, vals, counts)
+        if bad >= 0:
+            codec, payload, spec = self._meta[bad]
+            codec.literals(payload, spec)  # raises, naming what is wrong
+            raise PayloadError(spec.name, "invalid 3LC stream")
+        total = int(counts.sum())
+        g = np.array([t[2] for t in self._tasks], dtype=np.int64)
+        offsets = np.array(self._offsets, dtype=np.int64)
+        numels = np.array([spec.numel for _, _, spec in self._meta], dtype=np.int64)
+        where = np.empty((3, total), dtype=np.int64)
+        np.add(pos[:total], np.repeat(offsets, counts), out=where[0])
+        where[1] = np.repeat(g, counts)
+        where[2] = np.repeat(offsets + numels, counts)
+        return where, vals[:total], np.repeat(np.array(self._scales, dtype=np.float32), counts)
+
+
+def available() -> bool:
+    """Whether :class:`LiteralBatch` and the kernel's zero-run coding can run (the C kernel is
+    built and enabled)."""
+    return _KERNEL is not None
 
 
 def decode_into(flat: torch.Tensor, literals: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:

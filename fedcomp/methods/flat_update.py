@@ -13,7 +13,9 @@ is one this module covers; everything else keeps the per-tensor path, whose byte
   residual is the accumulator less the reconstruction: for SBC the mean at the kept positions, one
   ``index_put_``); the small tensors, which go dense, in one copy to the host.
 - **Decode** (:func:`decode_on_device`): every payload is checked and decoded on the host (the CPU
-  kernels); on the device one buffer of zeros, the SBC positions and values copied over and written
+  kernels: every SBC position stream in one call, every 3LC stream in one more, the plain dense
+  values read from the received bytes, so that the host's share does not grow by a Python call
+  and a tensor per tensor); on the device one buffer of zeros, the SBC positions and values copied over and written
   by one ``index_put_``, the 3LC groups other than 121 by five scatters, every other tensor's values
   by one more ``index_put_``. The tensors returned are views of that buffer (or the receiver's
   buffers, written by one copy).
@@ -30,9 +32,12 @@ import torch
 
 from fedcomp.codecs import threelc_device
 from fedcomp.codecs.base import Codec, TensorSpec
+from fedcomp.codecs.dense import _DenseCodec
 from fedcomp.codecs.flat import Layout, concrete_device, host_side, to_device, to_host
 from fedcomp.codecs.sbc import SBC
 from fedcomp.codecs.sbc_device import encode_update
+from fedcomp.codecs.scatter_sum import ScatterSum
+from fedcomp.codecs.scatter_sum import available as scatter_sum_available
 from fedcomp.codecs.threelc import ThreeLC
 from fedcomp.errors import PayloadError
 from fedcomp.methods.feedback import ErrorFeedback
@@ -265,27 +270,103 @@ def _decode_on_host(
 ) -> None:
     """Check and decode every tensor on the host, in order (the first error is raised): an SBC
     tensor to its positions and value, a 3LC tensor to its groups other than 121, any other to
-    its values."""
-    for row, (spec, enc) in enumerate(zip(specs, update.tensors, strict=True)):
-        if enc.name != spec.name:
-            raise PayloadError(spec.name, f"found tensor {enc.name!r} in its place")
-        codec = per_tensor.get(spec.name) or accepted.get(enc.codec_id)
-        if codec is None:
-            raise PayloadError(spec.name, f"codec {enc.codec_id!r} is not accepted here ({sorted(accepted)})")
-        if isinstance(codec, SBC):
-            codec.check_envelope(enc, spec)
-            idx, mean = codec.positions(enc.payload, spec, torch.device("cpu"))
-            found.kept.append(idx.numpy() + layout.offsets[row])
-            found.values.append(np.full(idx.shape[0], mean, dtype=np.float32))
-            continue
-        if isinstance(codec, ThreeLC):
-            codec.check_envelope(enc, spec)
-            lit = threelc_device.literals_of(codec, enc.payload, spec, layout.offsets[row])
-            if lit is not None:
-                found.literals.append(lit)
+    its values. With the C kernels, the SBC tensors' position streams are decoded by one call for
+    all of them (:class:`ScatterSum`), the 3LC streams read by one more
+    (:class:`threelc_device.LiteralBatch`), and a plain dense tensor's values read straight from
+    the received bytes: per tensor, only the checks that need no decoding run in Python."""
+    batches = _Batches(
+        ScatterSum() if scatter_sum_available() else None,
+        threelc_device.LiteralBatch() if threelc_device.available() else None,
+    )
+    try:
+        for row, (spec, enc) in enumerate(zip(specs, update.tensors, strict=True)):
+            if enc.name != spec.name:
+                raise PayloadError(spec.name, f"found tensor {enc.name!r} in its place")
+            codec = per_tensor.get(spec.name) or accepted.get(enc.codec_id)
+            if codec is None:
+                raise PayloadError(spec.name, f"codec {enc.codec_id!r} is not accepted here ({sorted(accepted)})")
+            if isinstance(codec, SBC):
+                codec.check_envelope(enc, spec)
+                if batches.sbc is not None:
+                    nnz, b, bits, mean = codec.checked_positions(enc.payload, spec)
+                    if nnz:
+                        batches.sbc.positions(spec.name, bits, nnz, b, spec.numel, mean)
+                        batches.sbc_kept.append((layout.offsets[row], nnz, mean))
+                        batches.rows[spec.name] = row
+                    continue
+                idx, mean = codec.positions(enc.payload, spec, torch.device("cpu"))
+                found.kept.append(idx.numpy() + layout.offsets[row])
+                found.values.append(np.full(idx.shape[0], mean, dtype=np.float32))
                 continue
-        found.dense_rows.append(row)
-        found.dense.append(codec.decode(enc, spec, "cpu").reshape(-1).numpy())
+            if isinstance(codec, ThreeLC):
+                codec.check_envelope(enc, spec)
+                if batches.threelc is not None:
+                    if batches.threelc.add(codec, enc.payload, spec, layout.offsets[row]):
+                        batches.rows[spec.name] = row
+                        continue
+                else:
+                    lit = threelc_device.literals_of(codec, enc.payload, spec, layout.offsets[row])
+                    if lit is not None:
+                        found.literals.append(lit)
+                        continue
+            found.dense_rows.append(row)
+            values = _dense_values(codec, enc, spec)
+            if values is None:
+                values = codec.decode(enc, spec, "cpu").reshape(-1).numpy()
+            found.dense.append(values)
+    except PayloadError as exc:
+        batches.finish(found, (row, exc))
+        raise
+    batches.finish(found, None)
+
+
+@dataclass
+class _Batches:
+    """The tensors :func:`_decode_on_host` decodes together once every tensor is checked."""
+
+    sbc: ScatterSum | None
+    threelc: threelc_device.LiteralBatch | None
+    sbc_kept: list[tuple[int, int, float]] = field(default_factory=list)  # (offset, nnz, value)
+    rows: dict[str, int] = field(default_factory=dict)  # the row of each tensor in a batch
+
+    def finish(self, found: _Decoded, failed: tuple[int, PayloadError] | None) -> None:
+        """Decode the batches into ``found``; raise the error of the first tensor in the update's
+        order that has one: a batch's, or ``failed`` (the row where the checks stopped and their
+        error), since the streams before that row are decoded only now."""
+        errors = [] if failed is None else [failed]
+        if self.sbc is not None and self.sbc_kept:
+            try:
+                self.sbc.check()
+            except PayloadError as exc:
+                errors.append((self.rows[exc.tensor], exc))
+            else:
+                offsets, nnzs, means = zip(*self.sbc_kept, strict=True)
+                counts = np.array(nnzs, dtype=np.int64)
+                kept = self.sbc.decoded_positions()
+                kept += np.repeat(np.array(offsets, dtype=np.int64), counts)
+                found.kept.append(kept)
+                found.values.append(np.repeat(np.array(means, dtype=np.float32), counts))
+        if self.threelc is not None and len(self.threelc):
+            try:
+                found.literals.append(self.threelc.literals())
+            except PayloadError as exc:
+                errors.append((self.rows[exc.tensor], exc))
+        if errors:
+            raise min(errors, key=lambda e: e[0])[1]
+
+
+def _dense_values(codec: Codec, enc: EncodedTensor, spec: TensorSpec) -> np.ndarray | None:
+    """A plain dense codec's float32 values of ``enc``, read from the received bytes after the
+    codec's own checks (what its ``decode`` does, without a torch tensor per tensor), or None
+    where another decoder must run: another codec, or a wire encoding other than float32 (a
+    cast: torch's, which makes every float16 NaN one NaN where NumPy keeps its payload bits)."""
+    if not isinstance(codec, _DenseCodec):
+        return None
+    codec.check_envelope(enc, spec)
+    payload = codec.checked_payload(enc.payload, spec)
+    if payload.encoding != "float32":
+        return None
+    return np.frombuffer(payload.data, dtype="<f4")
 
 
 @lru_cache(maxsize=8)

@@ -34,7 +34,7 @@ import functools
 import struct
 from array import array
 from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -309,11 +309,12 @@ def _name_and_shape(name: str, dims: tuple[int, ...]) -> bytes:
 
 def _payload_scalars(t: EncodedTensor, number: int) -> list[tuple[int, bytes]]:
     """The payload's fields other than its ``bytes`` fields, as (field number, serialized field),
-    serialized by protobuf (floats, enums, bools exactly as it writes them); an SBC payload's by
-    hand where that is plainly the same (:func:`_sbc_scalars`)."""
+    serialized by protobuf (floats, enums, bools exactly as it writes them); an SBC or 3LC
+    payload's by hand where that is plainly the same (:data:`_BY_HAND`)."""
     p = t.payload
-    if isinstance(p, SBCPayload):
-        fast = _sbc_scalars(p)
+    hand = _BY_HAND.get(type(p))
+    if hand is not None:
+        fast = hand.scalars(p)
         if fast is not None:
             return fast
     kind, cuttable = _BYTES_FIELDS[_PAYLOAD_NUMBER[type(p)]]
@@ -329,6 +330,25 @@ _SBC_MEAN_KEY, _SBC_B_KEY, _SBC_NNZ_KEY = fast_writer.key(1, 5), fast_writer.key
 _F32 = struct.Struct("<f")
 #: ``SBCPayload.bits``' key, and the key of ``CompressedTensor.sbc`` (the payload's field).
 _SBC_BITS_KEY, _SBC_KEY = fast_writer.key(4, 2), fast_writer.key(_PAYLOAD_NUMBER[SBCPayload], 2)
+#: ``ThreeLCPayload``'s keys: ``scale`` a float, ``numel`` a varint, ``zero_run`` a bool (one
+#: varint byte, 1 when set), ``data`` bytes; and the key of ``CompressedTensor.three_lc``.
+_TLC_SCALE_KEY, _TLC_NUMEL_KEY, _TLC_ZERO_RUN_KEY = fast_writer.key(1, 5), fast_writer.key(2, 0), fast_writer.key(3, 0)
+_TLC_DATA_KEY, _TLC_KEY = fast_writer.key(4, 2), fast_writer.key(_PAYLOAD_NUMBER[ThreeLCPayload], 2)
+
+
+def _float32_field(key: bytes, value: object) -> bytes | None:
+    """A ``float`` field as protobuf writes it, or None where protobuf has a say: not a Python
+    float, not exactly a float32 (protobuf rounds it; beyond its range it refuses), NaN, or a zero
+    (+0.0 is omitted as proto3's default; -0.0 is left to protobuf too)."""
+    if type(value) is not float:
+        return None
+    try:
+        raw = _F32.pack(value)
+    except OverflowError:  # beyond float32's range
+        return None
+    if _F32.unpack(raw)[0] != value or not value:  # not exactly a float32, NaN, or a zero
+        return None
+    return key + raw
 
 
 def _sbc_scalars(p: SBCPayload) -> list[tuple[int, bytes]] | None:
@@ -336,23 +356,55 @@ def _sbc_scalars(p: SBCPayload) -> list[tuple[int, bytes]] | None:
     where protobuf has a say (a mean of zero or not exactly a float32, an integer out of its
     field's range): then :func:`_payload_scalars` asks protobuf. The SBC encoder's payloads take
     this path (about 80 us a tensor less); tests compare it with protobuf's bytes."""
-    mean, b, nnz = p.mean, p.golomb_b, p.nnz
-    if type(mean) is not float or type(b) is not int or type(nnz) is not int:
+    b, nnz = p.golomb_b, p.nnz
+    if type(b) is not int or type(nnz) is not int or not (0 <= b < 1 << 32 and 0 <= nnz < 1 << 64):
         return None
-    if not (0 <= b < 1 << 32 and 0 <= nnz < 1 << 64):
+    mean = _float32_field(_SBC_MEAN_KEY, p.mean)
+    if mean is None:
         return None
-    try:
-        raw = _F32.pack(mean)
-    except OverflowError:  # beyond float32's range
-        return None
-    if _F32.unpack(raw)[0] != mean or not mean:  # not exactly a float32, NaN, or a zero (+0.0 or -0.0)
-        return None
-    out = [(1, _SBC_MEAN_KEY + raw)]
+    out = [(1, mean)]
     if b:
         out.append((2, _SBC_B_KEY + fast_writer.varint(b)))
     if nnz:
         out.append((3, _SBC_NNZ_KEY + fast_writer.varint(nnz)))
     return out
+
+
+def _threelc_scalars(p: ThreeLCPayload) -> list[tuple[int, bytes]] | None:
+    """``ThreeLCPayload``'s ``scale``, ``numel`` and ``zero_run`` fields as protobuf writes them,
+    or None where protobuf has a say (a scale of zero, as an all-zero tensor has, or not exactly a
+    float32; ``numel`` out of range; a ``zero_run`` that is not a bool). The 3LC encoders'
+    payloads take this path; tests compare it with protobuf's bytes."""
+    numel, zero_run = p.numel, p.zero_run
+    if type(numel) is not int or type(zero_run) is not bool or not 0 <= numel < 1 << 64:
+        return None
+    scale = _float32_field(_TLC_SCALE_KEY, p.scale)
+    if scale is None:
+        return None
+    out = [(1, scale)]
+    if numel:
+        out.append((2, _TLC_NUMEL_KEY + fast_writer.varint(numel)))
+    if zero_run:
+        out.append((3, _TLC_ZERO_RUN_KEY + b"\x01"))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _HandWritten:
+    """A payload type whose scalars :func:`_tensor_parts` writes by hand, before its one ``bytes``
+    field (the last field of the payload)."""
+
+    scalars: Callable[[Any], list[tuple[int, bytes]] | None]
+    blob: str  # the bytes field's attribute
+    blob_key: bytes
+    payload_key: bytes  # the key of the payload's field in ``CompressedTensor``
+
+
+#: The payloads written by hand: what their encoders send every round.
+_BY_HAND: dict[type, _HandWritten] = {
+    SBCPayload: _HandWritten(_sbc_scalars, "bits", _SBC_BITS_KEY, _SBC_KEY),
+    ThreeLCPayload: _HandWritten(_threelc_scalars, "data", _TLC_DATA_KEY, _TLC_KEY),
+}
 
 
 def _tensor_parts(t: EncodedTensor) -> tuple[list[fast_writer.Part], int]:
@@ -368,13 +420,15 @@ def _tensor_parts(t: EncodedTensor) -> tuple[list[fast_writer.Part], int]:
         head = _tensor_head(t) + _DENSE_KEY + fast_writer.varint(sub_len) + enum + data_head
         dense: fast_writer.Part = p if isinstance(p, fast_writer.DeferredDensePayload) else p.data
         return [head, dense], len(head) + n
-    if type(p) is SBCPayload:  # SBC's tensors, every round: fields 1-3 by hand, then the bits
-        scalars = _sbc_scalars(p)
-        n = memoryview(p.bits).nbytes
+    hand = _BY_HAND.get(type(p))
+    if hand is not None:  # SBC's and 3LC's tensors, every round: fields 1-3 by hand, then the bytes
+        scalars = hand.scalars(p)
+        blob = getattr(p, hand.blob)
+        n = memoryview(blob).nbytes
         if scalars is not None and n:
-            pre = b"".join(raw for _, raw in scalars) + _SBC_BITS_KEY + fast_writer.varint(n)
-            head = _tensor_head(t) + _SBC_KEY + fast_writer.varint(len(pre) + n) + pre
-            return [head, p.bits], len(head) + n
+            pre = b"".join(raw for _, raw in scalars) + hand.blob_key + fast_writer.varint(n)
+            head = _tensor_head(t) + hand.payload_key + fast_writer.varint(len(pre) + n) + pre
+            return [head, blob], len(head) + n
     number = _PAYLOAD_NUMBER.get(type(p))
     if number is None:  # pragma: no cover - the Payload union is closed
         raise TypeError(f"unknown payload type {type(p).__name__}")
@@ -747,14 +801,14 @@ _CODEC_ID_BYTES = {cid.encode(): cid for cid in PAYLOAD_OF_CODEC}
 #: The keys :func:`_fast_tensor` reads: ``dtype``, ``codec_id``, ``codec_version``, the ``sbc`` and
 #: ``dense`` payloads, and their fields.
 _DTYPE_KEY, _CODEC_ID_KEY, _VERSION_KEY = fast_writer.key(3, 0)[0], fast_writer.key(4, 2)[0], fast_writer.key(5, 0)[0]
-_FAST_PAYLOAD_KEYS = {"sbc": _SBC_KEY[0], "dense": _DENSE_KEY[0]}
+_FAST_PAYLOAD_KEYS = {"sbc": _SBC_KEY[0], "three_lc": _TLC_KEY[0], "dense": _DENSE_KEY[0]}
 _DENSE_ENCODING_KEY = fast_writer.key(1, 0)[0]
 
 
 def _fast_tensor(data: memoryview, want: TensorShape) -> EncodedTensor | None:
     """The tensor the general path (:func:`_parse_tensor`, :func:`tensor_from_proto`) makes of
     ``data``, or None: read by hand, without protobuf, for the tensors a server receives every
-    round (an SBC or dense payload, every field present and of its common size) when ``data``
+    round (an SBC, 3LC or dense payload, every field present and of its common size) when ``data``
     is exactly the canonical encoding of a tensor named and shaped as ``want``. It accepts only
     bytes the general path accepts, and makes the same tensor of them (tested on mutated
     tensors); anything else, valid or not, is left to the general path (None), which reports
@@ -782,7 +836,7 @@ def _fast_tensor(data: memoryview, want: TensorShape) -> EncodedTensor | None:
         length, sub = _varint(data, pos + 3, stop)
         if sub + length != stop:
             return None
-        payload = _fast_sbc(data, sub, stop) if kind == "sbc" else _fast_dense(data, sub, stop)
+        payload = _FAST_PAYLOADS[kind](data, sub, stop)
     except PayloadError:  # a varint the general path reports
         return None
     if payload is None:
@@ -817,6 +871,31 @@ def _fast_sbc(data: memoryview, pos: int, stop: int) -> SBCPayload | None:
     return payload
 
 
+def _fast_threelc(data: memoryview, pos: int, stop: int) -> ThreeLCPayload | None:
+    """:func:`_fast_tensor`'s 3LC payload in ``data[pos:stop]``: its scalars must be what the
+    writer makes of their values (:func:`_threelc_scalars`: so canonical), its data present."""
+    start = pos
+    if stop < pos + 5 or data[pos] != _TLC_SCALE_KEY[0]:
+        return None
+    scale = _F32.unpack(data[pos + 1 : pos + 5])[0]
+    pos += 5
+    numel = 0
+    if pos < stop and data[pos] == _TLC_NUMEL_KEY[0]:
+        numel, pos = _varint(data, pos + 1, stop)
+    zero_run = pos + 1 < stop and data[pos] == _TLC_ZERO_RUN_KEY[0] and data[pos + 1] == 1
+    pos += 2 * zero_run
+    if pos >= stop or data[pos] != _TLC_DATA_KEY[0]:
+        return None
+    length, at = _varint(data, pos + 1, stop)
+    if length == 0 or at + length != stop:
+        return None
+    payload = ThreeLCPayload(scale=scale, numel=numel, zero_run=zero_run, data=bytes(data[at:stop]))
+    scalars = _threelc_scalars(payload)
+    if scalars is None or b"".join(raw for _, raw in scalars) != data[start:pos]:
+        return None
+    return payload
+
+
 def _fast_dense(data: memoryview, pos: int, stop: int) -> DensePayload | None:
     """:func:`_fast_tensor`'s dense payload in ``data[pos:stop]``: a known encoding, then data
     (a view, as the general path keeps it)."""
@@ -827,6 +906,14 @@ def _fast_dense(data: memoryview, pos: int, stop: int) -> DensePayload | None:
     if encoding is None or length == 0 or at + length != stop:
         return None
     return DensePayload(encoding, data[at:stop].toreadonly())
+
+
+#: :func:`_fast_tensor`'s reader of each payload kind it reads.
+_FAST_PAYLOADS: dict[str, Callable[[memoryview, int, int], Payload | None]] = {
+    "sbc": _fast_sbc,
+    "three_lc": _fast_threelc,
+    "dense": _fast_dense,
+}
 
 
 # --- messages that are not updates: DEFT allocations, GradiVeQ compressors -------------------

@@ -6,12 +6,15 @@ as on CUDA; on a CUDA machine the last tests go through :class:`UpdateEncoder` a
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
-from fedcomp.codecs import SBC, DenseFP16, DenseFP32, ThreeLC, TopK
+from fedcomp.codecs import SBC, DenseFP16, DenseFP32, ThreeLC, TopK, scatter_sum, threelc_device
 from fedcomp.codecs.flat import Layout, count_device_work
+from fedcomp.codecs.golomb import encode_positions
 from fedcomp.errors import PayloadError
 from fedcomp.methods.feedback import ErrorFeedback, StaleResidual
 from fedcomp.methods.flat_update import decode_on_device, encode_on_device
@@ -193,6 +196,130 @@ def test_decode_refuses_what_the_per_tensor_path_refuses_with_its_words() -> Non
         assert str(whole.value) == str(per_tensor.value)
 
 
+def _kernels(on: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C kernels the decode batches its streams with: on (skip where not built), or off."""
+    if not on:
+        monkeypatch.setattr(scatter_sum, "_KERNEL", None)
+        monkeypatch.setattr(threelc_device, "_KERNEL", None)
+    elif not (scatter_sum.available() and threelc_device.available()):
+        pytest.skip("fedcomp._native is not built or FEDCOMP_NATIVE=0")
+
+
+def _replace_payload(update: EncodedUpdate, row: int, **change: object) -> EncodedUpdate:
+    t = update.tensors[row]
+    bad = dataclasses.replace(t, payload=dataclasses.replace(t.payload, **change))  # type: ignore[type-var]
+    return EncodedUpdate(update.base_model_version, (*update.tensors[:row], bad, *update.tensors[row + 1 :]))
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "no-kernel"])
+def test_3lc_stream_errors_come_in_tensor_order_in_a_mixed_update(
+    kernel: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 3LC stream found wrong only when read (its runs expand past the tensor) is reported
+    before a later SBC or 3LC tensor's error and after an earlier one's, in the per-tensor words;
+    the values do not depend on the kernels."""
+    _kernels(kernel, monkeypatch)
+    update = _model(14)
+    specs = specs_of(update)
+    codecs = [ThreeLC(1.5), SBC(0.02, "fast", sample_size=SAMPLE), DenseFP32()]
+    large = [n for n in update if update[n].numel() >= 200]
+    encoded = EncodedUpdate(
+        1,
+        tuple((codecs[large.index(n) % 2] if n in large else DenseFP32()).encode(t, n) for n, t in update.items()),
+    )
+    rows = {type(t.payload).__name__: [] for t in encoded.tensors}
+    for i, t in enumerate(encoded.tensors):
+        rows[type(t.payload).__name__].append(i)
+    t3, sb = rows["ThreeLCPayload"], rows["SBCPayload"]
+    assert len(t3) >= 2 and sb and t3[0] < sb[-1]
+    runs_past = {"data": encoded.tensors[t3[0]].payload.data + b"\xff"}  # type: ignore[union-attr]
+
+    def past_end(row: int) -> dict[str, object]:  # a well-formed stream, its last position past the end
+        numel = specs[row].numel
+        return {"nnz": 2, "golomb_b": 2, "bits": encode_positions(torch.tensor([1, numel + 2]), 2)}
+
+    bad_3lc_early = _replace_payload(encoded, t3[0], **runs_past)
+    cases = {
+        "3lc stream, then an SBC mean": (_replace_payload(bad_3lc_early, sb[-1], mean=float("nan")), t3[0]),
+        "3lc stream, then a 3lc stream": (_replace_payload(bad_3lc_early, t3[-1], data=b"\xff"), t3[0]),
+        "a 3lc stream, then an SBC stream": (_replace_payload(bad_3lc_early, sb[-1], **past_end(sb[-1])), t3[0]),
+    }
+    bad_3lc_late = _replace_payload(encoded, t3[-1], data=b"\xff")
+    cases |= {
+        "a 3lc stream alone": (bad_3lc_late, t3[-1]),
+        "an SBC mean, then a 3lc stream": (_replace_payload(bad_3lc_late, sb[0], mean=float("inf")), sb[0]),
+        "an SBC stream, then a 3lc stream": (_replace_payload(bad_3lc_late, sb[0], **past_end(sb[0])), sb[0]),
+    }
+    assert sb[0] < t3[-1] and t3[0] < sb[-1]  # (so both orders are met)
+    for case, (bad, row) in cases.items():
+        with pytest.raises(PayloadError) as per_tensor:
+            decode_update(bad, specs, codecs, CPU)
+        with pytest.raises(PayloadError) as whole:
+            decode_on_device(bad, specs, codecs, CPU)
+        assert str(whole.value) == str(per_tensor.value), case
+        assert whole.value.tensor == specs[row].name, case
+    got = decode_on_device(encoded, specs, codecs, CPU)
+    want = decode_update(encoded, specs, codecs, CPU)
+    assert got is not None and all(got[k].view(torch.int32).equal(want[k].view(torch.int32)) for k in want)
+
+
+def _replace_sbc(update: EncodedUpdate, row: int, **change: object) -> EncodedUpdate:
+    t = update.tensors[row]
+    assert isinstance(t.payload, SBCPayload)
+    bad = dataclasses.replace(t, payload=dataclasses.replace(t.payload, **change))
+    return EncodedUpdate(update.base_model_version, (*update.tensors[:row], bad, *update.tensors[row + 1 :]))
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "no-kernel"])
+def test_decode_errors_come_in_tensor_order_whichever_check_finds_them(
+    kernel: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The SBC position streams are decoded together after the per-tensor checks (with the
+    kernel): a stream that only its decoding finds wrong (every position sent, the last past the
+    tensor's end) must still be reported before a later tensor's error, and after an earlier one's,
+    in the per-tensor path's words; and the values must not depend on the kernel."""
+    _kernels(kernel, monkeypatch)
+    update, encoded = _sbc_update(13)
+    specs = specs_of(update)
+    codecs = [SBC(0.02, "fast", sample_size=SAMPLE), DenseFP32(), DenseFP16()]
+    sbc_rows = [i for i, t in enumerate(encoded.tensors) if isinstance(t.payload, SBCPayload)]
+    first, second = sbc_rows[0], sbc_rows[1]
+
+    def past_end(row: int) -> dict[str, object]:
+        numel = specs[row].numel
+        idx = torch.tensor([3, numel - 1, numel + 4], dtype=torch.int64)
+        return {"nnz": 3, "golomb_b": 2, "bits": encode_positions(idx, 2)}
+
+    late = _replace_sbc(encoded, second, mean=float("nan"))  # found without decoding
+    dense_row = next(i for i, t in enumerate(encoded.tensors) if i > second and not isinstance(t.payload, SBCPayload))
+    wrong_dense = dataclasses.replace(encoded.tensors[dense_row], codec_id="dense-fp16")
+    late_dense = EncodedUpdate(1, (*encoded.tensors[:dense_row], wrong_dense, *encoded.tensors[dense_row + 1 :]))
+    cases = {
+        "stream, then a mean": (_replace_sbc(late, first, **past_end(first)), specs[first].name),
+        "stream, then a dense tensor": (_replace_sbc(late_dense, first, **past_end(first)), specs[first].name),
+        "a mean, then a stream": (
+            _replace_sbc(_replace_sbc(encoded, first, mean=float("inf")), second, **past_end(second)),
+            specs[first].name,
+        ),
+        "a stream alone": (_replace_sbc(encoded, second, **past_end(second)), specs[second].name),
+        "a dense tensor alone": (late_dense, specs[dense_row].name),
+    }
+    for case, (bad, name) in cases.items():
+        with pytest.raises(PayloadError) as per_tensor:
+            decode_update(bad, specs, codecs, CPU)
+        with pytest.raises(PayloadError) as whole:
+            decode_on_device(bad, specs, codecs, CPU)
+        assert str(whole.value) == str(per_tensor.value), case
+        assert whole.value.tensor == name, case
+    got = decode_on_device(encoded, specs, codecs, CPU)
+    want = decode_update(encoded, specs, codecs, CPU)
+    assert got is not None and all(got[k].view(torch.int32).equal(want[k].view(torch.int32)) for k in want)
+    fp16 = EncodedUpdate(1, tuple(DenseFP16().encode(t, n) for n, t in update.items()))
+    got = decode_on_device(fp16, specs, codecs, CPU)
+    want = decode_update(fp16, specs, codecs, CPU)
+    assert got is not None and all(got[k].view(torch.int32).equal(want[k].view(torch.int32)) for k in want)
+
+
 def test_decode_of_3lc_and_mixed_updates_gives_the_per_tensor_values() -> None:
     update = _model(6)
     codecs = [ThreeLC(1.5), ThreeLC(1.0, False), SBC(0.02, "fast", sample_size=SAMPLE), DenseFP32(), DenseFP16()]
@@ -327,3 +454,42 @@ def test_a_small_tensor_float32_cannot_hold_is_left_to_the_per_tensor_path() -> 
     got = encode_on_device(update, codec, Identity(), 200, None, 0, device=CPU)
     want = UpdateEncoder(codec, min_numel=200, small_codec=Identity(), error_feedback=False).encode(update, 0)
     assert got == (want, None)
+
+
+def test_fuzzed_updates_are_decoded_or_refused_as_the_per_tensor_path_does() -> None:
+    """The fuzzer's mutated updates (``fedcomp.fuzz``: bit flips, overwrites, field values,
+    structure) of SBC, 3LC, top-k and the dense codecs, parsed as a receiver parses them: the
+    whole-update decode refuses each that the per-tensor decode refuses, in its words, and decodes
+    the others to the same float32 bits (NaNs included: a float16 NaN's bits depend on the cast)."""
+    import random
+
+    from fedcomp import fuzz
+    from fedcomp.wire import serde
+
+    corpus = fuzz.build_corpus(
+        fuzz.small_model(0), 0, only=["sbc", "3lc", "topk", "dense-fp32", "dense-fp16", "identity"]
+    )
+    inputs = fuzz.mutations(corpus, random.Random(5))
+    outcomes = {"decoded": 0, "refused": 0}
+    for _ in range(1500):
+        codec, kind, data = next(inputs)
+        if kind == "many-tiny-tensors":
+            continue
+        try:
+            update = serde.update_from_bytes(data, expected=corpus.specs)
+        except PayloadError:
+            continue
+        receivers = corpus.receivers.get(codec) or [c for cs in corpus.receivers.values() for c in cs[:1]]
+        try:
+            want = decode_update(update, corpus.specs, receivers, CPU)
+        except PayloadError as per_tensor:
+            with pytest.raises(PayloadError) as whole:
+                decode_on_device(update, corpus.specs, receivers, CPU)
+            assert str(whole.value) == str(per_tensor), kind
+            outcomes["refused"] += 1
+            continue
+        got = decode_on_device(update, corpus.specs, receivers, CPU)
+        assert got is not None, kind
+        assert all(got[k].view(torch.int32).equal(want[k].view(torch.int32)) for k in want), kind
+        outcomes["decoded"] += 1
+    assert outcomes["decoded"] >= 200 and outcomes["refused"] >= 100, outcomes

@@ -1,6 +1,6 @@
 """The server's fast read of a tensor (``serde._fast_tensor``): it may only accept bytes the general
 path (protobuf, canonical check) accepts, and must make the same tensor of them; on the tensors
-a server receives every round (SBC, dense) it must accept. Checked on valid tensors of every
+a server or client receives every round (SBC, 3LC, dense) it must accept. Checked on valid tensors of every
 codec and on mutated ones (a byte changed, inserted, dropped; a field's value moved to a non-
 canonical form)."""
 
@@ -16,7 +16,7 @@ from fedcomp.codecs import SBC, DenseFP16, DenseFP32, Identity, ThreeLC, TopK
 from fedcomp.codecs.base import TensorSpec
 from fedcomp.errors import PayloadError
 from fedcomp.wire import serde
-from fedcomp.wire.payloads import DensePayload, EncodedTensor, SBCPayload
+from fedcomp.wire.payloads import DensePayload, EncodedTensor, SBCPayload, ThreeLCPayload
 
 
 def _general(data: bytes, spec: TensorSpec) -> EncodedTensor | str:
@@ -52,6 +52,7 @@ def _tensors(seed: int) -> list[tuple[EncodedTensor, TensorSpec]]:
             (TopK(0.1), (500,)),
             (SBC(0.01), ()),
             (DenseFP32(), (2, 1, 1, 1, 1, 1, 1, 1, 2)),  # rank 9: the general path refuses it
+            (ThreeLC(zero_run=False), (7, 9)),
         ]
     ):
         t = torch.from_numpy(np.asarray(g.standard_t(3, shape) * 1e-2, dtype=np.float32))
@@ -69,15 +70,27 @@ def test_valid_tensors_are_read_as_the_general_path_reads_them() -> None:
         if fast is not None:
             assert isinstance(general, EncodedTensor) and _same(fast, general), spec.name
             accepted += 1
-        elif enc.codec_id in ("sbc", "dense-fp32", "dense-fp16", "identity") and len(spec.shape) <= serde.MAX_RANK:
+        elif (
+            enc.codec_id in ("sbc", "3lc", "dense-fp32", "dense-fp16", "identity") and len(spec.shape) <= serde.MAX_RANK
+        ):
             pytest.fail(f"{spec.name}: a common tensor left to the general path")
-    assert accepted == 6
+    assert accepted == 8
 
 
-def test_an_sbc_mean_of_zero_and_an_empty_payload_go_the_general_way() -> None:
+def test_an_sbc_mean_or_3lc_scale_of_zero_and_an_empty_payload_go_the_general_way() -> None:
     spec = TensorSpec("w", (10,))
     for payload in (SBCPayload(0.0, 3, 0, b""), SBCPayload(-0.0, 1, 1, b"\x01"), SBCPayload(0.5, 0, 0, b"")):
         enc = EncodedTensor("w", (10,), "float32", "sbc", 1, payload)
+        data = serde.tensor_to_bytes(enc)
+        assert serde._fast_tensor(memoryview(data), spec) is None
+        general = _general(data, spec)
+        assert isinstance(general, EncodedTensor) and _same(general, enc)
+    for p3 in (
+        ThreeLCPayload(0.0, 10, True, b"\xf4"),
+        ThreeLCPayload(-0.0, 10, False, b"yy"),
+        ThreeLCPayload(0.5, 0, True, b""),
+    ):
+        enc = EncodedTensor("w", (10,), "float32", "3lc", 1, p3)
         data = serde.tensor_to_bytes(enc)
         assert serde._fast_tensor(memoryview(data), spec) is None
         general = _general(data, spec)
@@ -88,7 +101,7 @@ def test_an_sbc_mean_of_zero_and_an_empty_payload_go_the_general_way() -> None:
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    which=st.integers(0, 8),
+    which=st.integers(0, 9),
     edits=st.lists(
         st.tuples(st.sampled_from(["set", "insert", "drop"]), st.integers(0, 10**6), st.integers(0, 255)),
         min_size=1,
@@ -129,6 +142,36 @@ def test_non_canonical_fields_are_left_to_the_general_path_which_refuses_them(ch
     spec = TensorSpec("w", (4096,))
     assert serde._fast_tensor(memoryview(data), spec) is None
     assert isinstance(_general(data, spec), str)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda d: d.replace(b"\x10\x80\x20", b"\x10\x80\xa0\x00", 1),  # numel as a non-minimal varint
+        lambda d: d.replace(b"\x18\x01", b"\x18\x02", 1),  # zero_run 2: not a canonical bool
+        lambda d: d.replace(b"\x18\x01", b"\x18\x00", 1),  # zero_run false, encoded (not canonical)
+    ],
+)
+def test_non_canonical_3lc_fields_are_left_to_the_general_path_which_refuses_them(change) -> None:
+    t = torch.from_numpy(np.random.default_rng(3).standard_t(3, 4096).astype(np.float32))
+    enc = ThreeLC().encode(t, "w")
+    head = serde._head("w", (4096,), "float32", "3lc", 1)
+    original = serde.tensor_to_bytes(enc)
+    key = original[len(head)]
+    sub = original[serde._varint(memoryview(original), len(head) + 1, len(original))[1] :]
+    assert key == serde._TLC_KEY[0] and _tensor_bytes(head, key, sub) == original
+    spec = TensorSpec("w", (4096,))
+    changed = change(sub)
+    assert changed != sub
+    data = _tensor_bytes(head, key, changed)
+    assert serde._fast_tensor(memoryview(data), spec) is None
+    assert isinstance(_general(data, spec), str)
+    # zero_run dropped: a valid tensor (without zero runs), read alike by both paths
+    dropped = _tensor_bytes(head, key, sub.replace(b"\x18\x01", b"", 1))
+    fast = serde._fast_tensor(memoryview(dropped), spec)
+    general = _general(dropped, spec)
+    assert fast is not None and isinstance(general, EncodedTensor) and _same(fast, general)
+    assert isinstance(fast.payload, ThreeLCPayload) and not fast.payload.zero_run
 
 
 def _tensor_bytes(head: bytes, payload_key: int, sub: bytes) -> bytes:

@@ -526,3 +526,49 @@ def test_a_forked_child_writes_a_large_update(writer):
     got, exitcode = result_in_fork(_write_in_child)
     assert got == zlib.crc32(want)
     assert exitcode == 0
+
+
+def test_threelc_scalars_by_hand_are_protobufs():
+    """A 3LC payload's scale / numel / zero_run written by hand (serde._threelc_scalars) are
+    protobuf's bytes, and the hand path is taken for what both 3LC encoders make; where protobuf
+    has a say (a zero or NaN scale, one that is not a float32, numel out of range, a zero_run that
+    is not a bool) it is left to protobuf."""
+    import math
+
+    from fedcomp.codecs import threelc_device
+    from fedcomp.wire.payloads import ThreeLCPayload
+
+    taken = 0
+    scales = [0.25, 1.401298464324817e-45, 3.4028234663852886e38, -0.5, math.inf]
+    for scale in scales:
+        for numel in (0, 1, 127, 128, 2**63, 2**64 - 1):
+            for zero_run in (False, True):
+                p = ThreeLCPayload(scale=scale, numel=numel, zero_run=zero_run, data=b"\x79\xf3")
+                assert serde._threelc_scalars(p) is not None, p
+                taken += 1
+                _same(_tensor(p, name="s", shape=(3,), codec_id="3lc"))
+    assert taken == len(scales) * 6 * 2
+    for odd in [
+        ThreeLCPayload(0.0, 3, True, b"\x01"),
+        ThreeLCPayload(-0.0, 3, False, b"\x01"),
+        ThreeLCPayload(math.nan, 3, True, b"\x01"),
+        ThreeLCPayload(0.1, 3, True, b"\x01"),  # not a float32: protobuf rounds it
+        ThreeLCPayload(1e39, 3, True, b"\x01"),
+        ThreeLCPayload(0.5, 3, 1, b"\x01"),  # type: ignore[arg-type]  # an int, not a bool
+    ]:
+        assert serde._threelc_scalars(odd) is None, odd
+        _same(_tensor(odd, name="s", shape=(3,), codec_id="3lc"))
+    for bad in [ThreeLCPayload(0.5, -1, True, b""), ThreeLCPayload(0.5, 2**64, True, b"")]:
+        assert serde._threelc_scalars(bad) is None, bad  # protobuf refuses these: so does the writer
+        with pytest.raises((ValueError, TypeError)):
+            serde.update_to_bytes(EncodedUpdate(0, (_tensor(bad, name="s", shape=(3,), codec_id="3lc"),)))
+    g = torch.Generator().manual_seed(2)
+    for codec in (get_codec({"id": "3lc"}), get_codec({"id": "3lc", "zero_run": False})):
+        t = torch.randn(10_000, generator=g)
+        encs = [codec.encode(t, "w")]
+        encs += threelc_device.encode_update(codec, [("w", t)])[0]  # type: ignore[index]
+        for enc in encs:
+            assert isinstance(enc.payload, ThreeLCPayload) and serde._threelc_scalars(enc.payload) is not None
+            _same(enc)
+    for data in (b"", b"\x07" * 300, b"\x05" * 20_000):
+        _same(_tensor(ThreeLCPayload(0.5, 3, True, data), name="s", shape=(3,), codec_id="3lc"))

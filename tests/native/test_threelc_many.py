@@ -1,0 +1,225 @@
+"""3LC's kernels for whole updates (``zero_runs_many``, ``literals_many`` in
+fedcomp/_native/threelc.c) and their callers in ``fedcomp.codecs.threelc_device`` (the zero-run
+coding of every tensor's packed bytes, :class:`LiteralBatch`): against the NumPy path they
+replace, tensor by tensor: the same bytes, literals and errors, on runs around the 14-group cap,
+empty tensors, streams without a 121 and hostile streams; and their argument checks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import fedcomp.codecs.threelc_device as threelc_device
+from fedcomp import _native
+from fedcomp.codecs.base import TensorSpec
+from fedcomp.codecs.threelc import ThreeLC, _zero_run_encode_np, groups
+from fedcomp.errors import PayloadError
+from fedcomp.wire.payloads import ThreeLCPayload
+from tests.codecs import reference_threelc as ref
+from tests.codecs.test_threelc_cpu import packed_streams
+from tests.native.test_threelc_kernels import hostile_payloads
+
+KERNEL = _native.load("threelc")
+pytestmark = pytest.mark.skipif(KERNEL is None, reason="fedcomp._native._threelc is not built or FEDCOMP_NATIVE=0")
+
+FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _zero_runs_many(streams: list[bytes]) -> list[bytes]:
+    assert KERNEL is not None
+    data = np.frombuffer(b"".join(streams), dtype=np.uint8)
+    out = np.full(data.shape[0], 7, dtype=np.uint8)
+    lengths = np.full(len(streams), -1, dtype=np.int64)
+    KERNEL.zero_runs_many(data, np.array([len(s) for s in streams], dtype=np.int64), out, lengths)
+    ends = np.cumsum(lengths)
+    return [out[e - n : e].tobytes() for e, n in zip(ends, lengths, strict=True)]
+
+
+FIXED = [b"", bytes([121]) * 14, bytes([121]) * 15, bytes([121]) * 29, bytes([121]) * 300, bytes(range(121)), b"\x00"]
+
+
+@FAST
+@given(streams=st.lists(packed_streams(), max_size=6))
+def test_zero_runs_many_give_each_tensors_numpy_coding(streams: list[bytes]) -> None:
+    streams = [*streams, *FIXED]
+    want = [_zero_run_encode_np(np.frombuffer(s, dtype=np.uint8)).tobytes() for s in streams]
+    assert _zero_runs_many(streams) == want
+    assert want[-2:] == [bytes(range(121)), b"\x00"]  # (no 121: the bytes as they are)
+    assert all(w == ref.zero_run_encode(s) for s, w in zip(streams, want, strict=True))
+
+
+def test_zero_runs_many_around_the_kernels_32_byte_blocks() -> None:
+    """Runs of 121 skipped 32 bytes at a time: literals at every place in and around a block, in
+    long sparse streams and at their ends."""
+    rng = np.random.default_rng(4)
+    streams = []
+    for lead in (0, 1, 31, 32, 33, 63, 64, 65, 95, 96):
+        for tail in (0, 1, 31, 32, 33):
+            streams.append(bytes([121]) * lead + bytes([int(rng.integers(0, 121))]) + bytes([121]) * tail)
+    for n in (1000, 4099, 65_537):
+        x = np.full(n, 121, dtype=np.uint8)
+        at = rng.choice(n, size=n // 200, replace=False)
+        x[at] = rng.integers(0, 243, size=at.shape[0]).astype(np.uint8)
+        streams.append(x.tobytes())
+    streams.append(bytes([121]) * 70_000)
+    want = [_zero_run_encode_np(np.frombuffer(s, dtype=np.uint8)).tobytes() for s in streams]
+    assert _zero_runs_many(streams) == want
+
+
+def test_zero_runs_many_check_their_buffers() -> None:
+    assert KERNEL is not None
+    data = np.full(30, 121, dtype=np.uint8)
+    lengths = np.empty(2, dtype=np.int64)
+    out = np.empty(30, dtype=np.uint8)
+    for groups_, out_, lengths_ in [
+        (np.array([10, 10], np.int64), out, lengths),  # fewer groups than bytes
+        (np.array([20, 20], np.int64), out, lengths),  # more
+        (np.array([40, -10], np.int64), out, lengths),  # a negative count
+        (np.array([10, 20], np.int64), out[:29], lengths),  # no room
+        (np.array([10, 20], np.int64), out, lengths[:1]),
+        (np.array([10, 20], np.int32), out, lengths),  # (8 bytes of int32: one int64 of 85899345930)
+    ]:
+        with pytest.raises(ValueError):
+            KERNEL.zero_runs_many(data, groups_, out_, lengths_)
+    KERNEL.zero_runs_many(data, np.array([10, 20], np.int64), out, lengths)
+    assert lengths.tolist() == [1, 2]  # 10 = a run of 10; 20 = 14 + 6
+
+
+def _literals_many(tasks: list[tuple[bytes, bool, int]]) -> tuple[int, list[tuple[list[int], bytes]]]:
+    assert KERNEL is not None
+    room = sum(len(d) for d, _, _ in tasks)
+    pos = np.full(room, -1, dtype=np.int64)
+    vals = np.zeros(room, dtype=np.uint8)
+    counts = np.full(len(tasks), -1, dtype=np.int64)
+    bad = KERNEL.literals_many(tasks, pos, vals, counts)
+    out, at = [], 0
+    for c in counts[: bad if bad >= 0 else len(tasks)]:
+        out.append((pos[at : at + c].tolist(), vals[at : at + c].tobytes()))
+        at += int(c)
+    return bad, out
+
+
+def _numpy_literals(data: bytes, zero_run: bool, numel: int) -> tuple[list[int], bytes] | str:
+    payload = ThreeLCPayload(1.0, numel, zero_run, data)
+    try:
+        pos, vals, _ = ThreeLC(zero_run=zero_run).literals(payload, TensorSpec("w", (numel,)))
+    except PayloadError as exc:
+        return str(exc)
+    return pos.tolist(), vals.tobytes()
+
+
+@FAST
+@given(
+    streams=st.lists(st.tuples(packed_streams(), st.integers(0, 4), st.booleans()), max_size=6),
+    edits=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), max_size=2),
+)
+def test_literals_many_give_each_tensors_numpy_literals_or_the_first_bad_stream(streams, edits) -> None:
+    tasks, want = [], []
+    for packed, pad, zero_run in streams:
+        numel = max(0, 5 * len(packed) - pad)  # (its groups: len(packed))
+        data = bytearray(ref.zero_run_encode(packed) if zero_run else packed)
+        for at, value in edits:  # hostile bytes: runs past the end, codes above 242, ...
+            if data:
+                data[at % len(data)] = value
+        tasks.append((bytes(data), zero_run, groups(numel)))
+        want.append(_numpy_literals(bytes(data), zero_run, numel))
+    bad, got = _literals_many(tasks)
+    first_bad = next((i for i, w in enumerate(want) if isinstance(w, str)), -1)
+    assert bad == first_bad
+    assert got == want[: len(got)] and len(got) == (first_bad if first_bad >= 0 else len(want))
+
+
+@pytest.mark.parametrize("numel", [11, 100, 1001])
+def test_literals_many_refuse_every_hostile_stream(numel: int) -> None:
+    good = ref.zero_run_encode(bytes([121] * (groups(numel) - 2) + [0, 7]))
+    for zero_run, data in hostile_payloads(numel):
+        bad, got = _literals_many([(good, True, groups(numel)), (data, zero_run, groups(numel))])
+        assert bad == 1 and got == [([groups(numel) - 2, groups(numel) - 1], b"\x00\x07")], (zero_run, data[:20])
+
+
+def test_literals_many_check_their_arguments() -> None:
+    assert KERNEL is not None
+    task = (bytes([121, 0, 3]), False, 3)
+    pos, vals, counts = np.empty(3, np.int64), np.empty(3, np.uint8), np.empty(1, np.int64)
+    for args in [
+        ([task], pos[:2], vals, counts),  # room for fewer literals than the stream's bytes
+        ([task], pos, vals[:2], counts),
+        ([task], pos, vals, counts[:0]),
+        ([(bytes(3), False, -1)], pos, vals, counts),
+        ([(bytes(3), False)], pos, vals, counts),
+        ([(3, False, 3)], pos, vals, counts),
+    ]:
+        with pytest.raises((ValueError, TypeError)):
+            KERNEL.literals_many(*args)
+    assert KERNEL.literals_many([task], pos, vals, counts) == -1
+    assert counts.tolist() == [2] and pos[:2].tolist() == [1, 2] and vals[:2].tolist() == [0, 3]
+
+
+def _tensor(seed: int, n: int) -> torch.Tensor:
+    g = np.random.default_rng(seed)
+    return torch.from_numpy(np.where(g.random(n) < 0.05, g.standard_t(3, n), 0.0).astype(np.float32))
+
+
+@pytest.mark.parametrize("zero_run", [True, False])
+def test_literal_batch_equals_literals_of_tensor_by_tensor(zero_run: bool) -> None:
+    codec = ThreeLC(1.5, zero_run=zero_run)
+    sizes = [1, 5, 6, 999, 4096, 70_001]
+    batch, want, offset = threelc_device.LiteralBatch(), [], 0
+    for i, n in enumerate(sizes):
+        enc = codec.encode(_tensor(i, n), f"t{i}")
+        spec = TensorSpec(f"t{i}", (n,))
+        assert batch.add(codec, enc.payload, spec, offset)
+        want.append(threelc_device.literals_of(codec, enc.payload, spec, offset))
+        offset += n
+    where, vals, scale = batch.literals()
+    assert np.array_equal(where, np.concatenate([w for w, _, _ in want], axis=1))
+    assert np.array_equal(vals, np.concatenate([v for _, v, _ in want]))
+    assert scale.dtype == np.float32 and np.array_equal(scale, np.concatenate([s for _, _, s in want]))
+
+
+def test_literal_batch_raises_the_per_tensor_words_and_leaves_scales_past_float32() -> None:
+    codec = ThreeLC()
+    good = codec.encode(_tensor(1, 1000), "a")
+    spec = TensorSpec("a", (1000,))
+    batch = threelc_device.LiteralBatch()
+    assert not batch.add(codec, dataclasses.replace(good.payload, scale=1e300), spec, 0)  # (the dense path's)
+    assert len(batch) == 0
+    with pytest.raises(PayloadError, match="scale"):
+        batch.add(codec, dataclasses.replace(good.payload, scale=-1.0), spec, 0)
+    assert isinstance(good.payload, ThreeLCPayload)
+    for zero_run, data in hostile_payloads(1000):
+        bad = dataclasses.replace(good.payload, zero_run=zero_run, data=data)
+        batch = threelc_device.LiteralBatch()
+        for name in ("a", "b"):
+            payload = good.payload if name == "a" else bad
+            try:
+                batch.add(codec, payload, TensorSpec(name, (1000,)), 0)
+            except PayloadError:  # (a length the checks refuse before any decoding)
+                break
+        else:
+            with pytest.raises(PayloadError) as whole:
+                batch.literals()
+            with pytest.raises(PayloadError) as per_tensor:
+                codec.literals(bad, TensorSpec("b", (1000,)))
+            assert str(whole.value) == str(per_tensor.value)
+
+
+def test_the_engines_zero_runs_equal_numpys_without_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    numels = (1, 5, 999, 4096, 70_001, 3)
+    data = np.concatenate(
+        [
+            np.frombuffer(ThreeLC(zero_run=False).encode(_tensor(i, n), "t").payload.data, dtype=np.uint8)  # type: ignore[union-attr]
+            for i, n in enumerate(numels)
+        ]
+    )
+    for zero_run in (True, False):
+        with_kernel = threelc_device._bodies(data, numels, zero_run)
+        monkeypatch.setattr(threelc_device, "_KERNEL", None)
+        assert threelc_device._bodies(data, numels, zero_run) == with_kernel
+        monkeypatch.undo()
+        assert all(isinstance(b, bytes) for b in with_kernel)
