@@ -98,7 +98,9 @@ def _finish(
     loop in Python was about half of an SBC encode's time), else one by one."""
     candidates = [picked[i] for i in range(len(tensors))]
     found = choose_sides(candidates, layout.numels)
-    encoded, kept, values = [], [], []
+    encoded: list[EncodedTensor] = []
+    kept: list[np.ndarray] = []
+    means: list[float] = []
     for i, (name, t) in enumerate(tensors):
         n = layout.numels[i]
         done = found[i]
@@ -114,13 +116,14 @@ def _finish(
             b = golomb_b(idx.shape[0] / n)
             bits = encode_positions(torch.from_numpy(idx), b)
         encoded.append(codec._envelope(t, name, SBCPayload(mean=mean, golomb_b=b, nnz=int(idx.shape[0]), bits=bits)))
-        kept.append(idx + layout.offsets[i])
-        values.append(np.full(idx.shape[0], mean, dtype=np.float32))
-    return FlatEncoding(
-        encoded,
-        np.concatenate(kept) if kept else np.zeros(0, np.int64),
-        np.concatenate(values) if values else np.zeros(0, np.float32),
-    )
+        kept.append(idx)
+        means.append(mean)
+    if not kept:
+        return FlatEncoding(encoded, np.zeros(0, np.int64), np.zeros(0, np.float32))
+    counts = np.array([k.shape[0] for k in kept], dtype=np.int64)
+    flat_kept = np.concatenate(kept)  # (a new array: the positions into the flat buffer)
+    flat_kept += np.repeat(np.array(layout.offsets, dtype=np.int64), counts)
+    return FlatEncoding(encoded, flat_kept, np.repeat(np.array(means, dtype=np.float32), counts))
 
 
 @dataclass(frozen=True)
