@@ -973,64 +973,96 @@ done:
 /* Leading one bits of a byte (8 for 0xFF). */
 static uint8_t LEADING_ONES[256];
 
+/* A big-endian bit reader over buf[0, end): the next `avail` bits (at most 63) are the top of `acc`;
+ * the bits below them are zero or the stream's next bits, in place (a refill ORs the same bits
+ * again); `p` is the first byte none of whose bits are counted in `avail` or consumed. */
+typedef struct {
+    const uint8_t *buf;
+    Py_ssize_t p, end;
+    uint64_t acc;
+    int avail;
+} bit_reader;
+
+/* At least 56 bits in acc, or every bit left (reads only buf[p, end)). Eight bytes at a time
+ * where they are there (the bytes past the 64 bits that fit are loaded again next time). */
+static inline void refill(bit_reader *r) {
+    if (r->p + 8 <= r->end) {
+        uint64_t w;
+        memcpy(&w, r->buf + r->p, 8);
+#if defined(__GNUC__)
+        w = __builtin_bswap64(w);
+#else
+        w = ((w & 0xFFull) << 56) | ((w & 0xFF00ull) << 40) | ((w & 0xFF0000ull) << 24) | ((w & 0xFF000000ull) << 8) |
+            ((w >> 8) & 0xFF000000ull) | ((w >> 24) & 0xFF0000ull) | ((w >> 40) & 0xFF00ull) | (w >> 56);
+#endif
+        r->acc |= w >> r->avail;
+        r->p += (63 - r->avail) >> 3;
+        r->avail |= 56;
+    } else {
+        while (r->avail <= 55 && r->p < r->end) {
+            r->acc |= (uint64_t)r->buf[r->p++] << (56 - r->avail);
+            r->avail += 8;
+        }
+    }
+}
+
+/* n bits (1 <= n <= avail <= 63) off the top of acc. */
+static inline uint64_t take_bits(bit_reader *r, int n) {
+    uint64_t v = r->acc >> (64 - n);
+    r->acc <<= n;
+    r->avail -= n;
+    return v;
+}
+
 /* Decode nnz codewords into pos. Returns 1 if the stream is one the NumPy decoder accepts, else 0.
- * Reads only bits[0, nbytes). */
+ * Reads only bits[0, nbytes): the remainders (nnz * b bits) from the start, the unary quotients
+ * after them, each section by a 64-bit reader. */
 static int decode_core(const uint8_t *bits, Py_ssize_t nbytes, int64_t nnz, int b, int64_t numel, int64_t *pos) {
     uint64_t rem_len = (uint64_t)nnz * (uint64_t)b;
     if ((uint64_t)nbytes * 8 < rem_len + (uint64_t)nnz) return 0;
     uint64_t max_q = (uint64_t)(numel - 1) >> b;
-    uint64_t mask = b ? (((uint64_t)1 << b) - 1) : 0;
-    /* remainder reader: byte rp, pending bits racc (low rn bits) */
-    Py_ssize_t rp = 0;
-    uint64_t racc = 0;
-    int rn = 0;
-    /* unary reader: byte up, bits already consumed in that byte uoff */
-    Py_ssize_t up = (Py_ssize_t)(rem_len / 8);
-    int uoff = (int)(rem_len % 8);
+    bit_reader rr = {bits, 0, nbytes, 0, 0};
+    bit_reader ur = {bits, (Py_ssize_t)(rem_len / 8), nbytes, 0, 0};
+    refill(&ur); /* the byte holding bit rem_len is there (nbytes * 8 > rem_len): 8 bits or more */
+    if (rem_len % 8) take_bits(&ur, (int)(rem_len % 8));
     uint64_t cur = 0;
     for (int64_t k = 0; k < nnz; k++) {
         uint64_t r = 0;
         if (b) {
-            int need = b;
-            while (need > 0) { /* at most 32 bits per step keeps racc within 64 bits */
-                int n = need > 32 ? need - 32 : need;
-                while (rn < n) {
-                    racc = (racc << 8) | bits[rp++]; /* rp < ceil(rem_len / 8) <= nbytes */
-                    rn += 8;
-                }
-                rn -= n;
-                r = (r << n) | ((racc >> rn) & ((((uint64_t)1) << n) - 1));
-                need -= n;
+            if (b <= 56) {
+                if (rr.avail < b) refill(&rr);
+                r = take_bits(&rr, b); /* rem_len bits are there: nbytes * 8 >= rem_len */
+            } else {
+                refill(&rr);
+                r = take_bits(&rr, 32);
+                refill(&rr);
+                r = (r << (b - 32)) | take_bits(&rr, b - 32);
             }
         }
         uint64_t q = 0;
         for (;;) {
-            if (up >= nbytes) return 0; /* the unary section runs out of zero bits */
-            uint8_t v = (uint8_t)((bits[up] << uoff) | ((1u << uoff) - 1));
-            int ones = LEADING_ONES[v];
-            if (ones == 8) {
-                q += (uint64_t)(8 - uoff);
-                up++;
-                uoff = 0;
+            if (ur.avail < 56) refill(&ur);
+            if (ur.avail == 0) return 0; /* the unary section runs out of zero bits */
+            int ones = ~ur.acc ? __builtin_clzll(~ur.acc) : 64;
+            if (ones >= ur.avail) { /* all ones so far: take them and read on */
+                q += (uint64_t)ur.avail;
+                ur.acc = 0;
+                ur.avail = 0;
                 if (q > max_q) return 0;
                 continue;
             }
             q += (uint64_t)ones;
-            uoff += ones + 1;
-            if (uoff == 8) {
-                up++;
-                uoff = 0;
-            }
+            take_bits(&ur, ones + 1);
             break;
         }
         if (q > max_q) return 0;
-        uint64_t d = (q << b) + (r & mask) + 1; /* <= numel + 2**62 < 2**63 */
-        cur = k ? cur + d : d - 1;             /* cur < numel < 2**62 before: no uint64 wrap */
+        uint64_t d = (q << b) + r + 1; /* <= numel + 2**62 < 2**63 */
+        cur = k ? cur + d : d - 1;     /* cur < numel < 2**62 before: no uint64 wrap */
         if (cur >= (uint64_t)numel) return 0;
         pos[k] = (int64_t)cur;
     }
     /* the stream ends with the byte holding the last zero bit; its padding bits are zero */
-    uint64_t end = (uint64_t)up * 8 + (uint64_t)uoff;
+    uint64_t end = (uint64_t)ur.p * 8 - (uint64_t)ur.avail;
     if ((end + 7) / 8 != (uint64_t)nbytes) return 0;
     if (end % 8 && (bits[nbytes - 1] & (0xFF >> (end % 8)))) return 0;
     return 1;
