@@ -11,11 +11,13 @@ The update is one flat buffer (:class:`fedcomp.codecs.flat.Layout`):
   division; the base-3^5 packing of every tensor's five parts by five gathers over the
   packed bytes of the whole update (a byte's five digits sit at ``k * G + j`` of its tensor,
   ``G = ceil(n / 5)``); the packed bytes to the host in one copy, where every tensor's zero runs
-  are coded by one call of the C kernel (``zero_runs_many``; tensor by tensor in NumPy without it). The reconstruction ``m * q``, when asked for (error feedback), is one multiply.
+  are coded by one call of the C kernel (``zero_runs_many``; tensor by tensor in NumPy without
+  it). The reconstruction ``m * q``, when asked for (error feedback), is one multiply.
 - **Decode** (:func:`decode_into`): the payloads are checked on the host and reduced to their
   groups other than 121 (:class:`LiteralBatch`: every stream read by one call of the C kernel,
-  ``literals_many``; :meth:`ThreeLC.literals` tensor by tensor without it); those bytes, with where each lands, go to
-  the device in three copies, and five scatters write their digits times the scale into zeros.
+  ``literals_many``; :meth:`ThreeLC.literals` tensor by tensor without it); those bytes, with
+  where each lands, go to the device in three copies, and five scatters write their digits times
+  the scale into zeros.
 
 Bytes, reconstructions and decoded values are the per-tensor path's (tested on CPU, where the
 same torch operators run). A value that is not finite makes :func:`encode_update` return None

@@ -15,10 +15,10 @@ is one this module covers; everything else keeps the per-tensor path, whose byte
 - **Decode** (:func:`decode_on_device`): every payload is checked and decoded on the host (the CPU
   kernels: every SBC position stream in one call, every 3LC stream in one more, the plain dense
   values read from the received bytes, so that the host's share does not grow by a Python call
-  and a tensor per tensor); on the device one buffer of zeros, the SBC positions and values copied over and written
-  by one ``index_put_``, the 3LC groups other than 121 by five scatters, every other tensor's values
-  by one more ``index_put_``. The tensors returned are views of that buffer (or the receiver's
-  buffers, written by one copy).
+  and a tensor per tensor); on the device one buffer of zeros, the SBC positions and values
+  copied over and written by one ``index_put_``, the 3LC groups other than 121 by five
+  scatters, every other tensor's values by one more ``index_put_``. The tensors returned are
+  views of that buffer (or the receiver's buffers, written by one copy).
 """
 
 from __future__ import annotations

@@ -798,8 +798,8 @@ def _parse_update(
 
 #: Codec ids as they stand on the wire, for :func:`_fast_tensor`.
 _CODEC_ID_BYTES = {cid.encode(): cid for cid in PAYLOAD_OF_CODEC}
-#: The keys :func:`_fast_tensor` reads: ``dtype``, ``codec_id``, ``codec_version``, the ``sbc`` and
-#: ``dense`` payloads, and their fields.
+#: The keys :func:`_fast_tensor` reads: ``dtype``, ``codec_id``, ``codec_version``, the ``sbc``,
+#: ``three_lc`` and ``dense`` payloads, and their fields.
 _DTYPE_KEY, _CODEC_ID_KEY, _VERSION_KEY = fast_writer.key(3, 0)[0], fast_writer.key(4, 2)[0], fast_writer.key(5, 0)[0]
 _FAST_PAYLOAD_KEYS = {"sbc": _SBC_KEY[0], "three_lc": _TLC_KEY[0], "dense": _DENSE_KEY[0]}
 _DENSE_ENCODING_KEY = fast_writer.key(1, 0)[0]
@@ -859,16 +859,11 @@ def _fast_sbc(data: memoryview, pos: int, stop: int) -> SBCPayload | None:
         b, pos = _varint(data, pos + 1, stop)
     if pos < stop and data[pos] == _SBC_NNZ_KEY[0]:
         nnz, pos = _varint(data, pos + 1, stop)
-    if pos >= stop or data[pos] != _SBC_BITS_KEY[0]:
-        return None
-    length, at = _varint(data, pos + 1, stop)
-    if length == 0 or at + length != stop:
+    at = _last_blob(data, pos, stop, _SBC_BITS_KEY[0])
+    if at is None:
         return None
     payload = SBCPayload(mean=mean, golomb_b=b, nnz=nnz, bits=bytes(data[at:stop]))
-    scalars = _sbc_scalars(payload)
-    if scalars is None or b"".join(raw for _, raw in scalars) != data[start:pos]:
-        return None
-    return payload
+    return payload if _written_as(_sbc_scalars(payload), data[start:pos]) else None
 
 
 def _fast_threelc(data: memoryview, pos: int, stop: int) -> ThreeLCPayload | None:
@@ -884,16 +879,26 @@ def _fast_threelc(data: memoryview, pos: int, stop: int) -> ThreeLCPayload | Non
         numel, pos = _varint(data, pos + 1, stop)
     zero_run = pos + 1 < stop and data[pos] == _TLC_ZERO_RUN_KEY[0] and data[pos + 1] == 1
     pos += 2 * zero_run
-    if pos >= stop or data[pos] != _TLC_DATA_KEY[0]:
-        return None
-    length, at = _varint(data, pos + 1, stop)
-    if length == 0 or at + length != stop:
+    at = _last_blob(data, pos, stop, _TLC_DATA_KEY[0])
+    if at is None:
         return None
     payload = ThreeLCPayload(scale=scale, numel=numel, zero_run=zero_run, data=bytes(data[at:stop]))
-    scalars = _threelc_scalars(payload)
-    if scalars is None or b"".join(raw for _, raw in scalars) != data[start:pos]:
+    return payload if _written_as(_threelc_scalars(payload), data[start:pos]) else None
+
+
+def _last_blob(data: memoryview, pos: int, stop: int, key: int) -> int | None:
+    """Where the data of the field at ``data[pos]`` starts when it is a non-empty ``bytes`` field
+    with key ``key`` that runs to ``stop`` (a payload's last field), else None."""
+    if pos >= stop or data[pos] != key:
         return None
-    return payload
+    length, at = _varint(data, pos + 1, stop)
+    return at if length and at + length == stop else None
+
+
+def _written_as(scalars: list[tuple[int, bytes]] | None, found: memoryview) -> bool:
+    """Whether the writer (:data:`_BY_HAND`) writes a payload's scalars as ``found``: so they are
+    canonical, and read as it wrote them."""
+    return scalars is not None and b"".join(raw for _, raw in scalars) == found
 
 
 def _fast_dense(data: memoryview, pos: int, stop: int) -> DensePayload | None:

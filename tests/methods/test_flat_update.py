@@ -205,6 +205,18 @@ def _kernels(on: bool, monkeypatch: pytest.MonkeyPatch) -> None:
         pytest.skip("fedcomp._native is not built or FEDCOMP_NATIVE=0")
 
 
+def _refused_alike(cases: dict[str, tuple[EncodedUpdate, str]], specs, codecs) -> None:
+    """Each update of ``cases`` refused by the whole-update decode in the per-tensor decode's
+    words, naming the tensor given."""
+    for case, (bad, name) in cases.items():
+        with pytest.raises(PayloadError) as per_tensor:
+            decode_update(bad, specs, codecs, CPU)
+        with pytest.raises(PayloadError) as whole:
+            decode_on_device(bad, specs, codecs, CPU)
+        assert str(whole.value) == str(per_tensor.value), case
+        assert whole.value.tensor == name, case
+
+
 def _replace_payload(update: EncodedUpdate, row: int, **change: object) -> EncodedUpdate:
     t = update.tensors[row]
     bad = dataclasses.replace(t, payload=dataclasses.replace(t.payload, **change))  # type: ignore[type-var]
@@ -251,13 +263,7 @@ def test_3lc_stream_errors_come_in_tensor_order_in_a_mixed_update(
         "an SBC stream, then a 3lc stream": (_replace_payload(bad_3lc_late, sb[0], **past_end(sb[0])), sb[0]),
     }
     assert sb[0] < t3[-1] and t3[0] < sb[-1]  # (so both orders are met)
-    for case, (bad, row) in cases.items():
-        with pytest.raises(PayloadError) as per_tensor:
-            decode_update(bad, specs, codecs, CPU)
-        with pytest.raises(PayloadError) as whole:
-            decode_on_device(bad, specs, codecs, CPU)
-        assert str(whole.value) == str(per_tensor.value), case
-        assert whole.value.tensor == specs[row].name, case
+    _refused_alike({case: (bad, specs[row].name) for case, (bad, row) in cases.items()}, specs, codecs)
     got = decode_on_device(encoded, specs, codecs, CPU)
     want = decode_update(encoded, specs, codecs, CPU)
     assert got is not None and all(got[k].view(torch.int32).equal(want[k].view(torch.int32)) for k in want)
@@ -304,13 +310,7 @@ def test_decode_errors_come_in_tensor_order_whichever_check_finds_them(
         "a stream alone": (_replace_sbc(encoded, second, **past_end(second)), specs[second].name),
         "a dense tensor alone": (late_dense, specs[dense_row].name),
     }
-    for case, (bad, name) in cases.items():
-        with pytest.raises(PayloadError) as per_tensor:
-            decode_update(bad, specs, codecs, CPU)
-        with pytest.raises(PayloadError) as whole:
-            decode_on_device(bad, specs, codecs, CPU)
-        assert str(whole.value) == str(per_tensor.value), case
-        assert whole.value.tensor == name, case
+    _refused_alike(cases, specs, codecs)
     got = decode_on_device(encoded, specs, codecs, CPU)
     want = decode_update(encoded, specs, codecs, CPU)
     assert got is not None and all(got[k].view(torch.int32).equal(want[k].view(torch.int32)) for k in want)

@@ -211,12 +211,9 @@ def test_literal_batch_raises_the_per_tensor_words_and_leaves_scales_past_float3
 
 def test_the_engines_zero_runs_equal_numpys_without_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     numels = (1, 5, 999, 4096, 70_001, 3)
-    data = np.concatenate(
-        [
-            np.frombuffer(ThreeLC(zero_run=False).encode(_tensor(i, n), "t").payload.data, dtype=np.uint8)  # type: ignore[union-attr]
-            for i, n in enumerate(numels)
-        ]
-    )
+    payloads = [ThreeLC(zero_run=False).encode(_tensor(i, n), "t").payload for i, n in enumerate(numels)]
+    assert all(isinstance(p, ThreeLCPayload) for p in payloads)
+    data = np.concatenate([np.frombuffer(p.data, dtype=np.uint8) for p in payloads])  # type: ignore[union-attr]
     for zero_run in (True, False):
         with_kernel = threelc_device._bodies(data, numels, zero_run)
         monkeypatch.setattr(threelc_device, "_KERNEL", None)
