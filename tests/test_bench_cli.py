@@ -297,6 +297,7 @@ def test_device_work_rows_count_the_engine_and_equal_the_cpu_bytes(tmp_path: Pat
     encode, decode = rows
     assert 0 < encode["ops"] < 161 and 0 < encode["syncs"] < 161 and encode["to_host"] + encode["to_device"] < 161
     assert decode["syncs"] == 0 and decode["to_host"] == 0
+    assert all(0 < r["host_s"] < 60 for r in rows)  # (the engine's host work: sides, codes, reads)
 
 
 @pytest.mark.parametrize(

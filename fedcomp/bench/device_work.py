@@ -11,7 +11,11 @@ update of ResNet-50's tensors (Student-t values, as ``bench codecs --values stud
 (:func:`fedcomp.codecs.flat.count_device_work`): ``ops``, torch operators that compute (each one
 or more kernel launches on CUDA; views and bare allocations left out), ``syncs``, those the host
 waits for (``.item()``, ``nonzero``, copies to the host), and ``to_host`` / ``to_device``, the
-copies the engine makes. Paths:
+copies the engine makes, and ``host_s``, the wall time of that call spent in the engine's host
+work (:func:`fedcomp.codecs.flat.host_side`: per tensor the side, mean and Golomb code, the zero
+runs, the envelopes; a decode's checks and stream reads), which a GPU does not overlap and which
+does not depend on the device (so ``--device cpu`` measures a GPU host's share on this CPU; the
+protobuf serialisation and parse around the engine are not in it). Paths:
 
 - ``whole-update``: :mod:`fedcomp.methods.flat_update` (what :class:`UpdateEncoder` and
   :func:`decode_update` run on a GPU). On ``--device cpu`` it is run on the CPU on purpose (the
@@ -65,6 +69,7 @@ def _row(work: DeviceWork, **fields: Any) -> dict[str, Any]:
         "syncs": work.syncs,
         "to_host": work.to_host,
         "to_device": work.to_device,
+        "host_s": work.host_s if fields.get("path") == "whole-update" else None,  # (the per-tensor path marks none)
         "top_ops": dict(sorted(work.by_op.items(), key=lambda kv: -kv[1])[:6]),
     }
 
@@ -195,6 +200,7 @@ def _line(r: dict[str, Any]) -> str:
     return (
         f"{r['codec']['id']:<5}{r['op']:<7}{r['path']:<13}{r['device']:<6}{r['tensors']:>6} tensors  ops {r['ops']:>5}  syncs "
         f"{r['syncs']:>4}  to host {r['to_host']:>4}  to device {r['to_device']:>4}  {r['seconds'] * 1e3:9.1f} ms  "
+        f"host {'-' if r['host_s'] is None else format(r['host_s'] * 1e3, '6.2f')} ms  "
         f"same as CPU: {r['same_bytes']}{runtime}"
     )
 

@@ -19,6 +19,7 @@ import contextlib
 import itertools
 import math
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,6 +73,9 @@ class DeviceWork:
     to_host: int = 0
     to_device: int = 0
     by_op: dict[str, int] = field(default_factory=dict)
+    #: Wall time spent inside :func:`host_side` blocks (the outermost ones): the host's own work
+    #: in the engine (on a GPU, what the device does not overlap), in seconds.
+    host_s: float = 0.0
 
 
 #: Operators whose result the host must wait for on CUDA (a data-dependent size or a scalar).
@@ -124,13 +128,18 @@ def count_device_work() -> Iterator[DeviceWork]:
 def host_side() -> Iterator[None]:
     """Mark work on host tensors (NumPy views, the CPU codecs) inside an engine: not counted,
     since it never reaches the device (what matters when the engine runs on the CPU to be
-    counted)."""
+    counted). While counting (:func:`count_device_work`), the time spent in the outermost block is
+    added to :attr:`DeviceWork.host_s`."""
     before = getattr(_COUNTING, "host", False)
+    work = None if before else _counted()
     _COUNTING.host = True
+    start = time.perf_counter()
     try:
         yield
     finally:
         _COUNTING.host = before
+        if work is not None:
+            work.host_s += time.perf_counter() - start
 
 
 def _counted() -> DeviceWork | None:

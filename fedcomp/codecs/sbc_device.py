@@ -191,19 +191,20 @@ def _fast_candidates(
         hits, vals = both[:m].astype(np.int64), both[m:].view(np.float32)
     else:
         hits, vals = to_host(found), to_host(vals_dev)
-    n_hi = int(np.searchsorted(hits, total))
-    pos = hits
-    pos[n_hi:] -= total
-    offsets = np.asarray(layout.offsets, dtype=np.int64)
-    out: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
-    hi_cut = np.searchsorted(pos[:n_hi], offsets)
-    lo_cut = np.searchsorted(pos[n_hi:], offsets) + n_hi
-    ends = len(offsets)
-    for row in plan.fast:
-        h0, h1 = hi_cut[row], hi_cut[row + 1] if row + 1 < ends else n_hi
-        l0, l1 = lo_cut[row], lo_cut[row + 1] if row + 1 < ends else pos.shape[0]
-        off = offsets[row]
-        out[row] = (pos[h0:h1] - off, vals[h0:h1], pos[l0:l1] - off, vals[l0:l1])
+    with host_side():
+        n_hi = int(np.searchsorted(hits, total))
+        pos = hits
+        pos[n_hi:] -= total
+        offsets = np.asarray(layout.offsets, dtype=np.int64)
+        out: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
+        hi_cut = np.searchsorted(pos[:n_hi], offsets)
+        lo_cut = np.searchsorted(pos[n_hi:], offsets) + n_hi
+        ends = len(offsets)
+        for row in plan.fast:
+            h0, h1 = hi_cut[row], hi_cut[row + 1] if row + 1 < ends else n_hi
+            l0, l1 = lo_cut[row], lo_cut[row + 1] if row + 1 < ends else pos.shape[0]
+            off = offsets[row]
+            out[row] = (pos[h0:h1] - off, vals[h0:h1], pos[l0:l1] - off, vals[l0:l1])
     return out
 
 
