@@ -11,11 +11,12 @@ update of ResNet-50's tensors (Student-t values, as ``bench codecs --values stud
 (:func:`fedcomp.codecs.flat.count_device_work`): ``ops``, torch operators that compute (each one
 or more kernel launches on CUDA; views and bare allocations left out), ``syncs``, those the host
 waits for (``.item()``, ``nonzero``, copies to the host), and ``to_host`` / ``to_device``, the
-copies the engine makes, and ``host_s``, the wall time of that call spent in the engine's host
-work (:func:`fedcomp.codecs.flat.host_side`: per tensor the side, mean and Golomb code, the zero
-runs, the envelopes; a decode's checks and stream reads), which a GPU does not overlap and which
-does not depend on the device (so ``--device cpu`` measures a GPU host's share on this CPU; the
-protobuf serialisation and parse around the engine are not in it). Paths:
+copies the engine makes; and ``host_s``, the median over ``--repeat`` uncounted calls of the time
+spent in the engine's host work (:func:`fedcomp.codecs.flat.time_host_work`: per tensor the side,
+mean and Golomb code, the zero runs, the envelopes; a decode's checks and stream reads), which a
+GPU does not overlap and which does not depend on the device, so that ``--device cpu`` measures a
+GPU host's share on this CPU (the protobuf serialisation and parse around the engine are not in
+it). Paths:
 
 - ``whole-update``: :mod:`fedcomp.methods.flat_update` (what :class:`UpdateEncoder` and
   :func:`decode_update` run on a GPU). On ``--device cpu`` it is run on the CPU on purpose (the
@@ -51,7 +52,7 @@ import torch
 from fedcomp.bench import float_in, int_at_least, int_list, write_rows
 from fedcomp.bench.__main__ import _clock, make_update  # (the codecs bench's update and clock)
 from fedcomp.codecs import SBC, Codec, DenseFP32, TensorSpec, ThreeLC
-from fedcomp.codecs.flat import DeviceWork, count_device_work
+from fedcomp.codecs.flat import DeviceWork, count_device_work, time_host_work
 from fedcomp.methods.flat_update import decode_on_device, encode_on_device
 from fedcomp.methods.update import UpdateEncoder, decode_update, specs_of
 from fedcomp.wire.payloads import EncodedUpdate
@@ -69,7 +70,6 @@ def _row(work: DeviceWork, **fields: Any) -> dict[str, Any]:
         "syncs": work.syncs,
         "to_host": work.to_host,
         "to_device": work.to_device,
-        "host_s": work.host_s if fields.get("path") == "whole-update" else None,  # (the per-tensor path marks none)
         "top_ops": dict(sorted(work.by_op.items(), key=lambda kv: -kv[1])[:6]),
     }
 
@@ -128,6 +128,19 @@ def _median_seconds(fn: Callable[[], object], device: torch.device, repeat: int)
     return statistics.median(_clock(fn, device)[0] for _ in range(repeat))
 
 
+def _host_seconds(fn: Callable[[], object], path: str, repeat: int) -> float | None:
+    """The median time of ``fn``'s host work (:func:`time_host_work`) over ``repeat`` calls; None
+    on the per-tensor path, which marks none."""
+    if path != "whole-update":
+        return None
+    times = []
+    for _ in range(repeat):
+        with time_host_work() as clock:
+            fn()
+        times.append(clock.seconds)
+    return statistics.median(times)
+
+
 def bench_device_work(
     device: torch.device,
     p: float,
@@ -170,7 +183,18 @@ def _bench_codec(
             # (later rounds: the residuals move on; the work is the same)
             later = functools.partial(_encode, path, enc, update, device, 2)
             seconds = _median_seconds(later, device, repeat)
-            rows.append(_row(work, op="encode", path=path, **shape, seconds=seconds, same_bytes=[first, second] == ref))
+            host_s = _host_seconds(later, path, repeat)
+            rows.append(
+                _row(
+                    work,
+                    op="encode",
+                    path=path,
+                    **shape,
+                    seconds=seconds,
+                    host_s=host_s,
+                    same_bytes=[first, second] == ref,
+                )
+            )
             if profile:
                 rows[-1].update(_profile(later, device))
             print(_line(rows[-1]), file=sys.stderr)
@@ -183,7 +207,8 @@ def _bench_codec(
             want = decode_update(second, specs, codecs, "cpu")
             equal = all(torch.equal(got[k].cpu(), want[k]) for k in want)
             seconds = _median_seconds(decode, device, repeat)
-            rows.append(_row(work, op="decode", path=path, **shape, seconds=seconds, same_bytes=equal))
+            host_s = _host_seconds(decode, path, repeat)
+            rows.append(_row(work, op="decode", path=path, **shape, seconds=seconds, host_s=host_s, same_bytes=equal))
             if profile:
                 rows[-1].update(_profile(decode, device))
             print(_line(rows[-1]), file=sys.stderr)

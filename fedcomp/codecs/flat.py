@@ -73,9 +73,15 @@ class DeviceWork:
     to_host: int = 0
     to_device: int = 0
     by_op: dict[str, int] = field(default_factory=dict)
-    #: Wall time spent inside :func:`host_side` blocks (the outermost ones): the host's own work
-    #: in the engine (on a GPU, what the device does not overlap), in seconds.
-    host_s: float = 0.0
+
+
+@dataclass
+class HostTime:
+    """What :func:`time_host_work` saw: the wall time spent inside the outermost
+    :func:`host_side` blocks, the engine's own work on the host (on a GPU, what the device does not
+    overlap), in seconds."""
+
+    seconds: float = 0.0
 
 
 #: Operators whose result the host must wait for on CUDA (a data-dependent size or a scalar).
@@ -128,18 +134,31 @@ def count_device_work() -> Iterator[DeviceWork]:
 def host_side() -> Iterator[None]:
     """Mark work on host tensors (NumPy views, the CPU codecs) inside an engine: not counted,
     since it never reaches the device (what matters when the engine runs on the CPU to be
-    counted). While counting (:func:`count_device_work`), the time spent in the outermost block is
-    added to :attr:`DeviceWork.host_s`."""
+    counted). Inside :func:`time_host_work`, the outermost block's time is added to its
+    :class:`HostTime`."""
     before = getattr(_COUNTING, "host", False)
-    work = None if before else _counted()
+    clock = None if before else getattr(_COUNTING, "clock", None)
     _COUNTING.host = True
     start = time.perf_counter()
     try:
         yield
     finally:
         _COUNTING.host = before
-        if work is not None:
-            work.host_s += time.perf_counter() - start
+        if clock is not None:
+            clock.seconds += time.perf_counter() - start
+
+
+@contextlib.contextmanager
+def time_host_work() -> Iterator[HostTime]:
+    """Add up the time spent in :func:`host_side` blocks inside (on this thread); without
+    :func:`count_device_work`'s dispatch mode, whose hook on every torch operator would add to the
+    blocks that still call a few."""
+    clock = HostTime()
+    _COUNTING.clock = clock
+    try:
+        yield clock
+    finally:
+        _COUNTING.clock = None
 
 
 def _counted() -> DeviceWork | None:
