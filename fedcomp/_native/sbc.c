@@ -970,9 +970,6 @@ done:
     return result;
 }
 
-/* Leading one bits of a byte (8 for 0xFF). */
-static uint8_t LEADING_ONES[256];
-
 /* A big-endian bit reader over buf[0, end): the next `avail` bits (at most 63) are the top of `acc`;
  * the bits below them are zero or the stream's next bits, in place (a refill ORs the same bits
  * again); `p` is the first byte none of whose bits are counted in `avail` or consumed. */
@@ -989,12 +986,7 @@ static inline void refill(bit_reader *r) {
     if (r->p + 8 <= r->end) {
         uint64_t w;
         memcpy(&w, r->buf + r->p, 8);
-#if defined(__GNUC__)
-        w = __builtin_bswap64(w);
-#else
-        w = ((w & 0xFFull) << 56) | ((w & 0xFF00ull) << 40) | ((w & 0xFF0000ull) << 24) | ((w & 0xFF000000ull) << 8) |
-            ((w >> 8) & 0xFF000000ull) | ((w >> 24) & 0xFF0000ull) | ((w >> 40) & 0xFF00ull) | (w >> 56);
-#endif
+        w = __builtin_bswap64(w); /* (GCC and Clang, as the atomics above) */
         r->acc |= w >> r->avail;
         r->p += (63 - r->avail) >> 3;
         r->avail |= 56;
@@ -1380,10 +1372,5 @@ PyMODINIT_FUNC PyInit__sbc(void) {
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx2")) scan_range = scan_avx2;
 #endif
-    for (int v = 0; v < 256; v++) {
-        int n = 0;
-        while (n < 8 && (v & (0x80 >> n))) n++;
-        LEADING_ONES[v] = (uint8_t)n;
-    }
     return PyModule_Create(&module);
 }
