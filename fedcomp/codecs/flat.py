@@ -139,7 +139,7 @@ def host_side() -> Iterator[None]:
     before = getattr(_COUNTING, "host", False)
     clock = None if before else getattr(_COUNTING, "clock", None)
     _COUNTING.host = True
-    start = time.perf_counter()
+    start = time.perf_counter() if clock is not None else 0.0
     try:
         yield
     finally:

@@ -183,10 +183,9 @@ class SBC(Codec):
             if res is None:
                 continue
             total, nnz, b, bits = res
-            if b != golomb_b(nnz / n):  # (the kernel's libm and Python's agree; were they not)
+            mean = _kernel_mean(total, nnz, b, n)
+            if mean is None:
                 continue
-            num, den = total.as_integer_ratio()
-            mean = _round_f32(num * ((1 << 149) // den), nnz << 149)
             name, t = tensors[i]
             out[i] = self._envelope(t, name, SBCPayload(mean=mean, golomb_b=b, nnz=nnz, bits=bits))
         return out
@@ -811,8 +810,7 @@ def _exact_sum(vals: np.ndarray, stats: Sequence[float] | None = None) -> int | 
     if hi - lo + 24 + count.bit_length() <= 53:
         if total is None:
             total = float(vals.sum(dtype=np.float64))
-        num, den = total.as_integer_ratio()
-        return num * ((1 << 149) // den)  # den is a power of two, at most 2**149
+        return _units(total)
     raw = vals.view(np.int32)
     e = (raw >> 23) & 0xFF
     m = ((raw & 0x7FFFFF) | ((e > 0).astype(np.int32) << 23)).astype(np.int64)
@@ -820,6 +818,22 @@ def _exact_sum(vals: np.ndarray, stats: Sequence[float] | None = None) -> int | 
     bins = np.zeros(255, dtype=np.int64)
     np.add.at(bins, np.maximum(e, 1), m)  # |bin| < count * 2**24: no int64 overflow
     return sum(int(v) << (i - 1) for i, v in enumerate(bins.tolist()) if v)
+
+
+def _units(total: float) -> int:
+    """An exact float64 sum of float32 values in units of ``2**-149`` (the least subnormal): its
+    denominator is a power of two, at most ``2**149``."""
+    num, den = total.as_integer_ratio()
+    return num * ((1 << 149) // den)
+
+
+def _kernel_mean(total: float, nnz: int, b: int, n: int) -> float | None:
+    """The float32 mean of a side the C kernel chose and coded (``total`` its exact sum over
+    ``nnz`` of ``n`` values, ``b`` its Golomb parameter), or None where the kernel's ``b`` is not
+    :func:`golomb_b`'s (the kernel's libm and Python's agree; were they not, Python's path runs)."""
+    if b != golomb_b(nnz / n):
+        return None
+    return _round_f32(_units(total), nnz << 149)
 
 
 def _round_f32(num: int, den: int) -> float:
@@ -912,9 +926,7 @@ def choose_sides(
         if res is None:
             continue
         total, nnz, b, bits, positive = res
-        if nnz == 0 or b != golomb_b(nnz / numels[i]):  # (the kernel's libm and Python's agree; were they not)
-            continue
-        num, den = total.as_integer_ratio()
-        mean = _round_f32(num * ((1 << 149) // den), nnz << 149)
-        out[i] = (tasks[i][0] if positive else tasks[i][2], mean, b, bits)
+        mean = _kernel_mean(total, nnz, b, numels[i]) if nnz else None
+        if mean is not None:
+            out[i] = (tasks[i][0] if positive else tasks[i][2], mean, b, bits)
     return out

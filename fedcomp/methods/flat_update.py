@@ -41,7 +41,7 @@ from fedcomp.codecs.scatter_sum import available as scatter_sum_available
 from fedcomp.codecs.threelc import ThreeLC
 from fedcomp.errors import PayloadError
 from fedcomp.methods.feedback import ErrorFeedback
-from fedcomp.wire.payloads import EncodedTensor, EncodedUpdate
+from fedcomp.wire.payloads import DensePayload, EncodedTensor, EncodedUpdate
 
 
 def _one_device(tensors: Iterable[torch.Tensor]) -> torch.device | None:
@@ -360,13 +360,11 @@ def _dense_values(codec: Codec, enc: EncodedTensor, spec: TensorSpec) -> np.ndar
     codec's own checks (what its ``decode`` does, without a torch tensor per tensor), or None
     where another decoder must run: another codec, or a wire encoding other than float32 (a
     cast: torch's, which makes every float16 NaN one NaN where NumPy keeps its payload bits)."""
-    if not isinstance(codec, _DenseCodec):
-        return None
+    payload = enc.payload
+    if not isinstance(codec, _DenseCodec) or not isinstance(payload, DensePayload) or payload.encoding != "float32":
+        return None  # (the decoder runs every check, once)
     codec.check_envelope(enc, spec)
-    payload = codec.checked_payload(enc.payload, spec)
-    if payload.encoding != "float32":
-        return None
-    return np.frombuffer(payload.data, dtype="<f4")
+    return np.frombuffer(codec.checked_payload(payload, spec).data, dtype="<f4")
 
 
 @lru_cache(maxsize=8)
