@@ -8,9 +8,10 @@ buffer (:class:`fedcomp.codecs.flat.Layout`) and every step runs once for all of
 
 1. **Fast mode** (tensors above ``sample_size`` values): one gather of every tensor's sample
    (the same positions as :func:`fedcomp.codecs.sbc._sample_positions`, a row per tensor), one
-   sort of the rows, the two order statistics read off by column, each tensor's thresholds spread
-   over its values (``repeat_interleave`` with a known output size: no sync), both comparisons
-   into one ``2 x N`` mask and one ``nonzero``: the candidates of every tensor, both sides.
+   sort of the rows, the two order statistics read off by column, each value compared with its
+   tensor's thresholds (gathered by the values' tensor indices,
+   :func:`fedcomp.codecs.segments.segment_ids`: no sync), both comparisons into one ``2 x N``
+   mask and one ``nonzero``: the candidates of every tensor, both sides.
 2. **Exact mode** (the small tensors; all of them in ``mode="exact"``; a fast-mode tensor whose
    side came back empty or over ``2 k``): the tensors as the rows of a padded matrix (chunks of
    about ``_EXACT_BUDGET`` values), one stable sort per side per chunk: the first ``k`` of a row
@@ -37,6 +38,7 @@ import torch
 from fedcomp.codecs.flat import Layout, host_side, to_device, to_host
 from fedcomp.codecs.golomb import encode_positions, golomb_b
 from fedcomp.codecs.sbc import SBC, _sample_positions_np, choose_side, choose_sides
+from fedcomp.codecs.segments import segment_ids
 from fedcomp.wire.payloads import EncodedTensor, SBCPayload
 
 #: Exact mode's padded matrices hold at most about this many values per chunk (a single tensor
@@ -134,7 +136,6 @@ class _Plan:
     fast: tuple[int, ...]  # tensors in fast mode, in order
     exact: tuple[int, ...]  # the others
     where: torch.Tensor | None  # (len(fast), s) sample positions into the flat buffer
-    lengths: torch.Tensor  # numels, on the device (repeat_interleave's repeats)
     fast_rows: torch.Tensor | None  # the fast tensors' indices, on the device
 
 
@@ -149,8 +150,7 @@ def _plan(numels: tuple[int, ...], offsets: tuple[int, ...], p: float, s: int, m
     if fast:
         where = to_device(np.stack([_sample_positions_np(numels[i], s) + offsets[i] for i in fast]), dev)
         fast_rows = to_device(np.array(fast, dtype=np.int64), dev)
-    lengths = to_device(np.array(numels, dtype=np.int64), dev)
-    return _Plan(ks, fast, exact, where, lengths, fast_rows)
+    return _Plan(ks, fast, exact, where, fast_rows)
 
 
 #: Hits (``side * total + position``) travel to the host as int32 up to this (else int64).
@@ -172,11 +172,11 @@ def _fast_candidates(
     thresholds[1].fill_(float("-inf"))
     thresholds[0].index_copy_(0, plan.fast_rows, ordered[:, s - r])
     thresholds[1].index_copy_(0, plan.fast_rows, ordered[:, r - 1])
-    spread = thresholds.repeat_interleave(plan.lengths, dim=1, output_size=layout.total)
+    ids = segment_ids(layout.numels, flat.device)
     mask = torch.empty((2, layout.total), dtype=torch.bool, device=flat.device)
-    torch.ge(flat, spread[0], out=mask[0])
-    torch.le(flat, spread[1], out=mask[1])
-    del spread
+    torch.ge(flat, thresholds[0][ids], out=mask[0])
+    torch.le(flat, thresholds[1][ids], out=mask[1])
+    del ids
     total = layout.total
     # side * total + position, ascending: the high side first. One copy to the host of these and
     # the values, four bytes each where they fit in int32: on an H100, copying (side, position)

@@ -4,11 +4,12 @@ server's downlink when its model lives on a GPU, and the client's decoding of it
 
 The update is one flat buffer (:class:`fedcomp.codecs.flat.Layout`):
 
-- **Encode** (:func:`encode_update`): every tensor's ``max|T|`` in one segmented reduction; the
-  scales ``m`` on the host (:func:`fedcomp.codecs.threelc.scale_for`, float32 arithmetic, as
-  every path); ``q = round(T / m)`` for all values in one true division by each value's own
-  scale (spread by ``repeat_interleave``, no sync), so the bytes are those of the per-tensor
-  division; the base-3^5 packing of every tensor's five parts by five gathers over the
+- **Encode** (:func:`encode_update`): every tensor's ``max|T|`` in two balanced segmented
+  reductions (:func:`fedcomp.codecs.segments.segment_max`); the scales ``m`` on the host
+  (:func:`fedcomp.codecs.threelc.scale_for`, float32 arithmetic, as every path); ``q = round(T /
+  m)`` for all values in one true division by each value's own scale (gathered by the values'
+  tensor indices, :func:`fedcomp.codecs.segments.segment_ids`, no sync), so the bytes are those
+  of the per-tensor division; the base-3^5 packing of every tensor's five parts by five gathers over the
   packed bytes of the whole update (a byte's five digits sit at ``k * G + j`` of its tensor,
   ``G = ceil(n / 5)``); the packed bytes to the host in one copy, where every tensor's zero runs
   are coded by one call of the C kernel (``zero_runs_many``; tensor by tensor in NumPy without
@@ -36,6 +37,7 @@ import torch
 from fedcomp import _native
 from fedcomp.codecs.base import TensorSpec
 from fedcomp.codecs.flat import Layout, host_side, to_device, to_host
+from fedcomp.codecs.segments import segment_ids, segment_max
 from fedcomp.codecs.threelc import WEIGHTS, ThreeLC, _zero_run_encode_np, groups, scale_for
 from fedcomp.errors import PayloadError
 from fedcomp.wire.payloads import EncodedTensor, Payload, ThreeLCPayload
@@ -80,8 +82,7 @@ def encode_update(
     if flat is None:
         flat = torch.cat([t.detach().reshape(-1) for _, t in tensors])
     dev = flat.device
-    lengths = _lengths(layout.numels, str(dev))
-    top = torch.segment_reduce(flat.abs(), "max", lengths=lengths)  # NaN where a NaN is
+    top = segment_max(flat.abs(), layout.numels)  # NaN where a NaN is
     finite_and_top = to_host(torch.cat([torch.isfinite(flat).all().to(top.dtype).reshape(1), top]))
     if finite_and_top[0] != 1.0:
         return None
@@ -90,11 +91,12 @@ def encode_update(
     m = to_device(scales, dev)
     # Division by each value's own scale (never a multiplication by 1 / m: the per-tensor bytes);
     # a tensor whose scale is 0 is all zeros: divided by 1 instead, every q is 0.
-    spread = torch.where(m > 0, m, torch.ones_like(m)).repeat_interleave(lengths, output_size=layout.total)
-    q = torch.div(flat, spread).round_().add_(0.0)  # -0.0 -> +0.0, as the per-tensor path
+    ids = segment_ids(layout.numels, dev)
+    q = torch.div(flat, torch.where(m > 0, m, torch.ones_like(m))[ids]).round_().add_(0.0)  # -0.0 -> +0.0
     recon = None
     if want_recon:
-        recon = q * m.repeat_interleave(lengths, output_size=layout.total)
+        recon = q * m[ids]
+    del ids
     plan = _groups(layout.numels, layout.offsets, str(dev))
     packed = torch.zeros(plan.first.shape[0], dtype=torch.float32, device=dev)
     for k, w in enumerate(WEIGHTS):
@@ -103,7 +105,7 @@ def encode_update(
         digit = q[torch.where(inside, at, 0)].add_(1.0).mul_(inside)  # the padding digit is 0
         packed.add_(digit, alpha=w)
     data = to_host(packed.to(torch.uint8))
-    del q, spread, packed
+    del q, packed
     with host_side():
         bodies = _bodies(data, layout.numels, codec.zero_run)
         encoded = [
@@ -144,10 +146,6 @@ def _group_counts(numels: tuple[int, ...]) -> _GroupCounts:
 
 
 @lru_cache(maxsize=8)
-def _lengths(numels: tuple[int, ...], device: str) -> torch.Tensor:
-    return to_device(np.array(numels, dtype=np.int64), torch.device(device))
-
-
 def literals_of(
     codec: ThreeLC, payload: Payload, spec: TensorSpec, offset: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
