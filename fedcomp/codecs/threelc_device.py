@@ -229,8 +229,10 @@ def available() -> bool:
 
 
 def decode_into(flat: torch.Tensor, literals: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
-    """Write every tensor's decoded values into ``flat`` (zeros at the tensors' places, one spare
-    value at the end): the groups of ``literals`` (:func:`literals_of`), digit by digit."""
+    """Write every tensor's decoded values into ``flat`` (zeros at the tensors' places): the
+    groups of ``literals`` (:func:`literals_of`), digit by digit, the last digit first. A group's
+    padding digits (past its tensor's end) are written at its part-0 place, which its own part-0
+    digit, written last, then overwrites: no spare value, so ``flat`` can be the receiver's buffer."""
     if not literals:
         return
     dev = flat.device
@@ -238,10 +240,9 @@ def decode_into(flat: torch.Tensor, literals: Sequence[tuple[np.ndarray, np.ndar
     rest = to_device(np.concatenate([b for _, b, _ in literals]), dev).to(torch.int64)
     scale = to_device(np.concatenate([s for _, _, s in literals]), dev)
     first, step, end = where.unbind(0)
-    spare = flat.shape[0] - 1
     for k in range(4, -1, -1):
         digit = rest % 3
         rest = rest.div_(3, rounding_mode="floor")
         at = first + step * k
         value = digit.to(torch.float32).sub_(1.0).mul_(scale)  # -1, 0 or 1 times the scale
-        flat.index_put_((torch.where(at < end, at, spare),), value)
+        flat.index_put_((torch.where(at < end, at, first),), value)

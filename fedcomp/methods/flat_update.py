@@ -184,16 +184,13 @@ def decode_on_device(
     device = concrete_device(device)
     if out is not None and not _fits(out, specs, device):
         return None
-    layout, flat = _decode_flat(update, specs, codecs, device, per_tensor or {})
-    views = layout.views(flat)
-    if out is None:
-        return views
-    targets = [out[spec.name] for spec in specs]
-    region = _one_region(targets)
-    if region is not None:
-        region.copy_(flat)
-    else:
-        torch._foreach_copy_(targets, list(views.values()))
+    targets = [out[spec.name] for spec in specs] if out is not None else None
+    region = _one_region(targets) if targets is not None else None
+    layout, flat = _decode_flat(update, specs, codecs, device, per_tensor or {}, into=region)
+    if targets is None:
+        return layout.views(flat)
+    if region is None:
+        torch._foreach_copy_(targets, list(layout.views(flat).values()))
     return {spec.name: t for spec, t in zip(specs, targets, strict=True)}
 
 
@@ -226,8 +223,11 @@ def _decode_flat(
     codecs: Iterable[Codec],
     device: torch.device,
     per_tensor: Mapping[str, Codec],
+    into: torch.Tensor | None = None,
 ) -> tuple[Layout, torch.Tensor]:
-    """The decoded tensors back to back in one new buffer on ``device``, and their layout."""
+    """The decoded tensors back to back in one buffer on ``device``, and their layout: ``into``
+    (flat, float32, the tensors' size) where given, written only once every payload has passed
+    its checks, else a new one."""
     accepted = {c.codec_id: c for c in codecs}
     if len(update.tensors) != len(specs):
         raise PayloadError("", f"update has {len(update.tensors)} tensors, expected {len(specs)}")
@@ -236,8 +236,9 @@ def _decode_flat(
     with host_side():
         _decode_on_host(update, specs, accepted, per_tensor, layout, found)
     if len(found.dense_rows) == len(specs):
-        return layout, to_device(np.concatenate(found.dense), device)
-    flat = torch.zeros(layout.total + 1, dtype=torch.float32, device=device)  # (a spare value at the end)
+        dense = to_device(np.concatenate(found.dense), device)
+        return layout, (dense if into is None else into.copy_(dense))
+    flat = torch.zeros(layout.total, dtype=torch.float32, device=device) if into is None else into.zero_()
     if found.kept:
         flat.index_put_(
             (to_device(np.concatenate(found.kept), device),), to_device(np.concatenate(found.values), device)
@@ -246,7 +247,7 @@ def _decode_flat(
         where = _dense_positions(layout.offsets, layout.numels, tuple(found.dense_rows), str(device))
         flat.index_put_((where,), to_device(np.concatenate(found.dense), device))
     threelc_device.decode_into(flat, found.literals)
-    return layout, flat[: layout.total]
+    return layout, flat
 
 
 @dataclass

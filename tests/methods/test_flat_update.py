@@ -417,6 +417,16 @@ def test_decode_into_the_receivers_buffers(one_buffer: bool) -> None:
     want = decode_update(encoded, specs, codecs, CPU)
     assert got is not None and all(got[k] is out[k] for k in want)
     assert all(torch.equal(out[k], want[k]) for k in want)
+    # a payload refused: the receiver's buffers keep what they held (the writes come after every check)
+    for t in out.values():
+        t.fill_(7.0)
+    last = encoded.tensors[-1]
+    bad = dataclasses.replace(last, payload=dataclasses.replace(last.payload, numel=last.payload.numel + 1))  # type: ignore[type-var]
+    with pytest.raises(PayloadError):
+        decode_on_device(
+            dataclasses.replace(encoded, tensors=(*encoded.tensors[:-1], bad)), specs, codecs, CPU, out=out
+        )
+    assert all(bool((t == 7.0).all()) for t in out.values())
     # a buffer missing, of another shape, or elsewhere: the per-tensor path decodes instead
     partial = dict(out)
     partial.pop(specs[0].name)
