@@ -34,11 +34,12 @@
  *       already zero-filled) groups of five zeros are skipped where float32(scale) is finite.
  *       False on any inconsistency the NumPy decoder reports (the caller then reruns it to raise
  *       its PayloadError); out is then partly written.
- *   zero_runs_many(data, groups, out, lengths) -> None
+ *   zero_runs_many(data, groups, out, lengths, threads, use_team) -> None
  *       the zero-run coding of many tensors' base-3^5 bytes, back to back in data (groups: int64,
- *       each tensor's count, adding up to len(data)), written back to back into out (at least
- *       len(data) bytes: a coding is never longer); lengths (int64): each coding's length. What
- *       the whole-update engine's host part does once for all tensors.
+ *       each tensor's count, adding up to len(data)), each written into out (at least len(data)
+ *       bytes) where its tensor's bytes begin in data (a coding is never longer); lengths
+ *       (int64): each coding's length. Tensors on up to `threads` threads (team.h). What the
+ *       whole-update engine's host part does once for all tensors.
  *   literals_many(tasks, pos, vals, counts) -> int
  *       for each task (data, zero_run, groups), in order, the groups other than 121 of its stream:
  *       indices into pos (int64) and bytes into vals (uint8), tensor after tensor (both at least
@@ -51,6 +52,8 @@
 #include <float.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "team.h"
 
 #define ZERO_GROUP 121
 #define RUN_BASE 243
@@ -674,19 +677,103 @@ static inline int all_zero_groups32(const uint8_t *d) {
     return ((w[0] ^ k) | (w[1] ^ k) | (w[2] ^ k) | (w[3] ^ k)) == 0;
 }
 
+/* The zero-run coding of the 8 bytes at d, `run` groups of 121 pending before them: each byte
+ * other than 121 (found by a bit trick on the word, not a compare per byte) ends the run before
+ * it. A block of mostly 121 with a few others (an update with error feedback: a third of the
+ * blocks after some rounds) costs its few others, not eight branches. Little-endian only: the
+ * lowest set bit is the first byte in memory. */
+static inline uint8_t *zero_runs8(const uint8_t *d, uint8_t *o, Py_ssize_t *run) {
+    const uint64_t k = 0x7979797979797979ull, low7 = 0x7f7f7f7f7f7f7f7full;
+    uint64_t x;
+    memcpy(&x, d, sizeof x);
+    x ^= k; /* 0 where the byte is 121 */
+    uint64_t other = (((x & low7) + low7) | x) & ~low7; /* top bit of each byte that is not 0 */
+    int last = 0;
+    while (other) {
+        int at = __builtin_ctzll(other) >> 3;
+        *run += at - last;
+        o = put_run(o, *run);
+        *run = 0;
+        *o++ = d[at];
+        last = at + 1;
+        other &= other - 1;
+    }
+    *run += 8 - last;
+    return o;
+}
+
+/* The zero-run coding of the n bytes at d into o; returns its length. */
+static Py_ssize_t zero_runs_one(const uint8_t *d, Py_ssize_t n, uint8_t *o) {
+    uint8_t *start = o;
+    Py_ssize_t run = 0, j = 0;
+    while (j < n) {
+        if (j + 32 <= n && all_zero_groups32(d + j)) { /* the usual case: a sparse update */
+            run += 32;
+            j += 32;
+            continue;
+        }
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+        if (j + 32 <= n) {
+            for (int w = 0; w < 32; w += 8) o = zero_runs8(d + j + w, o, &run);
+            j += 32;
+            continue;
+        }
+#endif
+        Py_ssize_t stop = j + 32 <= n ? j + 32 : n;
+        for (; j < stop; j++) {
+            uint8_t v = d[j];
+            if (v == ZERO_GROUP) {
+                run++;
+            } else {
+                o = put_run(o, run);
+                run = 0;
+                *o++ = v;
+            }
+        }
+    }
+    o = put_run(o, run);
+    return o - start;
+}
+
+typedef struct {
+    const uint8_t *data;
+    uint8_t *out;
+    const int64_t *groups, *starts;
+    int64_t *lengths;
+    Py_ssize_t ntasks, next;
+} zero_runs_job;
+
+static void zero_runs_body(void *arg) {
+    zero_runs_job *job = arg;
+    for (;;) {
+        Py_ssize_t i = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
+        if (i >= job->ntasks) break;
+        int64_t at = job->starts[i];
+        job->lengths[i] = (int64_t)zero_runs_one(job->data + at, (Py_ssize_t)job->groups[i], job->out + at);
+    }
+}
+
 static PyObject *zero_runs_many(PyObject *self, PyObject *args) {
     Py_buffer data, gb, out, lb;
+    int threads, use_team;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*y*w*w*", &data, &gb, &out, &lb)) return NULL;
+    if (!PyArg_ParseTuple(args, "y*y*w*w*ip", &data, &gb, &out, &lb, &threads, &use_team)) return NULL;
     PyObject *result = NULL;
+    int64_t *starts = NULL;
     Py_ssize_t ntensors = gb.len / 8, total = 0;
     const int64_t *g = (const int64_t *)gb.buf;
     if (gb.len % 8 || check_len(&lb, ntensors, 8, "zero_runs_many lengths")) goto done;
+    starts = PyMem_Malloc(ntensors ? (size_t)ntensors * sizeof(int64_t) : 1);
+    if (starts == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
     for (Py_ssize_t i = 0; i < ntensors; i++) {
         if (g[i] < 0 || g[i] > data.len - total) {
             PyErr_SetString(PyExc_ValueError, "zero_runs_many: the groups do not add up to the data's length");
             goto done;
         }
+        starts[i] = (int64_t)total;
         total += g[i];
     }
     if (total != data.len) {
@@ -694,39 +781,14 @@ static PyObject *zero_runs_many(PyObject *self, PyObject *args) {
         goto done;
     }
     if (check_len(&out, data.len, 1, "zero_runs_many out")) goto done; /* a coding is never longer */
+    zero_runs_job job = {(const uint8_t *)data.buf, (uint8_t *)out.buf, g, starts, (int64_t *)lb.buf, ntensors, 0};
     Py_BEGIN_ALLOW_THREADS
-    const uint8_t *d = (const uint8_t *)data.buf;
-    uint8_t *o = (uint8_t *)out.buf;
-    int64_t *lengths = (int64_t *)lb.buf;
-    for (Py_ssize_t i = 0; i < ntensors; i++) {
-        uint8_t *start = o;
-        Py_ssize_t run = 0, j = 0;
-        while (j < g[i]) {
-            if (j + 32 <= g[i] && all_zero_groups32(d + j)) { /* the usual case: a sparse update */
-                run += 32;
-                j += 32;
-                continue;
-            }
-            Py_ssize_t stop = j + 32 <= g[i] ? j + 32 : g[i];
-            for (; j < stop; j++) {
-                uint8_t v = d[j];
-                if (v == ZERO_GROUP) {
-                    run++;
-                } else {
-                    o = put_run(o, run);
-                    run = 0;
-                    *o++ = v;
-                }
-            }
-        }
-        o = put_run(o, run);
-        lengths[i] = (int64_t)(o - start);
-        d += g[i];
-    }
+    team_run(zero_runs_body, &job, threads < 1 ? 1 : threads, use_team);
     Py_END_ALLOW_THREADS
     result = Py_None;
     Py_INCREF(result);
 done:
+    PyMem_Free(starts);
     PyBuffer_Release(&data);
     PyBuffer_Release(&gb);
     PyBuffer_Release(&out);

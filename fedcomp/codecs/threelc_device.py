@@ -27,6 +27,7 @@ same torch operators run). A value that is not finite makes :func:`encode_update
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -37,6 +38,7 @@ import torch
 from fedcomp import _native
 from fedcomp.codecs.base import TensorSpec
 from fedcomp.codecs.flat import Layout, host_side, to_device, to_host
+from fedcomp.codecs.sbc import _KERNEL_PID, _MAX_WORKERS, _in_lane
 from fedcomp.codecs.segments import segment_ids, segment_max
 from fedcomp.codecs.threelc import WEIGHTS, ThreeLC, _zero_run_encode_np, groups, scale_for
 from fedcomp.errors import PayloadError
@@ -126,9 +128,9 @@ def _bodies(data: np.ndarray, numels: tuple[int, ...], zero_run: bool) -> list[b
         return [_zero_run_encode_np(data[a:b]).tobytes() for a, b in zip(g.starts, g.ends, strict=True)]
     out = np.empty(data.shape[0], dtype=np.uint8)
     lengths = np.empty(len(numels), dtype=np.int64)
-    _KERNEL.zero_runs_many(data, g.counts, out, lengths)
-    ends = np.cumsum(lengths).tolist()
-    return [out[b - n : b].tobytes() for b, n in zip(ends, lengths.tolist(), strict=True)]
+    threads = 1 if _in_lane() else max(1, min(torch.get_num_threads(), _MAX_WORKERS))
+    _KERNEL.zero_runs_many(data, g.counts, out, lengths, threads, os.getpid() == _KERNEL_PID)
+    return [out[a : a + n].tobytes() for a, n in zip(g.starts, lengths.tolist(), strict=True)]
 
 
 @dataclass(frozen=True)

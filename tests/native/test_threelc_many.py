@@ -30,14 +30,15 @@ pytestmark = pytest.mark.skipif(KERNEL is None, reason="fedcomp._native._threelc
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-def _zero_runs_many(streams: list[bytes]) -> list[bytes]:
+def _zero_runs_many(streams: list[bytes], threads: int = 1) -> list[bytes]:
+    """Each stream's coding, read where the kernel writes it: where its bytes begin in the input."""
     assert KERNEL is not None
     data = np.frombuffer(b"".join(streams), dtype=np.uint8)
     out = np.full(data.shape[0], 7, dtype=np.uint8)
     lengths = np.full(len(streams), -1, dtype=np.int64)
-    KERNEL.zero_runs_many(data, np.array([len(s) for s in streams], dtype=np.int64), out, lengths)
-    ends = np.cumsum(lengths)
-    return [out[e - n : e].tobytes() for e, n in zip(ends, lengths, strict=True)]
+    KERNEL.zero_runs_many(data, np.array([len(s) for s in streams], dtype=np.int64), out, lengths, threads, False)
+    starts = np.cumsum([0, *(len(s) for s in streams)])[:-1]
+    return [out[a : a + n].tobytes() for a, n in zip(starts, lengths, strict=True)]
 
 
 FIXED = [b"", bytes([121]) * 14, bytes([121]) * 15, bytes([121]) * 29, bytes([121]) * 300, bytes(range(121)), b"\x00"]
@@ -71,6 +72,24 @@ def test_zero_runs_many_around_the_kernels_32_byte_blocks() -> None:
     assert _zero_runs_many(streams) == want
 
 
+def test_zero_runs_many_in_blocks_of_mixed_density() -> None:
+    """The kernel walks a block with both 121 and other bytes eight bytes at a time: runs ending
+    and starting at every place of a word, runs over 14 (split) across words, densities from an
+    update after some rounds of error feedback (a few other bytes a block) to none of 121."""
+    rng = np.random.default_rng(9)
+    streams = []
+    for density in (0.005, 0.03, 0.3, 0.9, 1.0):
+        x = np.full(4096 + int(rng.integers(0, 64)), 121, dtype=np.uint8)
+        other = rng.random(x.shape[0]) < density
+        x[other] = rng.choice([v for v in range(243) if v != 121], size=int(other.sum())).astype(np.uint8)
+        streams.append(x.tobytes())
+    for gap in (0, 1, 2, 7, 8, 9, 13, 14, 15, 16, 27, 28, 29, 40):
+        streams.append((bytes([5]) + bytes([121]) * gap) * 12 + bytes([242]))
+    want = [_zero_run_encode_np(np.frombuffer(s, dtype=np.uint8)).tobytes() for s in streams]
+    assert _zero_runs_many(streams) == want
+    assert _zero_runs_many(streams, threads=4) == want  # tensors taken by whichever thread is free
+
+
 def test_zero_runs_many_check_their_buffers() -> None:
     assert KERNEL is not None
     data = np.full(30, 121, dtype=np.uint8)
@@ -85,8 +104,8 @@ def test_zero_runs_many_check_their_buffers() -> None:
         (np.array([10, 20], np.int32), out, lengths),  # (8 bytes of int32: one int64 of 85899345930)
     ]:
         with pytest.raises(ValueError):
-            KERNEL.zero_runs_many(data, groups_, out_, lengths_)
-    KERNEL.zero_runs_many(data, np.array([10, 20], np.int64), out, lengths)
+            KERNEL.zero_runs_many(data, groups_, out_, lengths_, 2, False)
+    KERNEL.zero_runs_many(data, np.array([10, 20], np.int64), out, lengths, 2, False)
     assert lengths.tolist() == [1, 2]  # 10 = a run of 10; 20 = 14 + 6
 
 
