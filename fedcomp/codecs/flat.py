@@ -175,26 +175,13 @@ def concrete_device(device: torch.device | str) -> torch.device:
     return torch.empty(0, device=device).device  # (allocates nothing, launches nothing)
 
 
-#: Copies from a CUDA device up to this size land in page-locked memory (torch's caching host
-#: allocator keeps it for the next one); larger ones in ordinary memory, so that a whole model's
-#: copy does not pin as much host memory for good.
-PINNED_MAX_BYTES = 16 << 20
-
-
 def to_host(t: torch.Tensor) -> np.ndarray:
     """``t`` as a NumPy array on the host (a copy from the device, and the host waits for it)."""
     work = _counted()
     if work is not None and not getattr(_COUNTING, "host", False):
         work.to_host += 1
         work.syncs += 1
-    t = t.detach()
-    if t.device.type == "cuda" and t.numel() * t.element_size() <= PINNED_MAX_BYTES:
-        # Into pageable memory the driver stages the copy through its own pinned buffer in pieces:
-        # on an H200 the five copies of an SBC encode's candidates took 1.24 ms of its GPU time.
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        host.copy_(t)
-        return host.numpy()
-    return t.cpu().numpy()
+    return t.detach().cpu().numpy()
 
 
 def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
