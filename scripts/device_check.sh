@@ -54,5 +54,7 @@ step device-work 120 $PY -m fedcomp.bench device-work --device "$DEVICE" "${PROF
 # The fast lane with a GPU present (client-device 'auto' picks it): what changes when CUDA is there.
 # (only while the whole script stays inside ${BUDGET_S:-420} s: the device time is short)
 left=$((${BUDGET_S:-420} - SECONDS))
-[ "$left" -gt 60 ] && step fast-lane "$left" $PY -m pytest -p no:cacheprovider -n "${WORKERS:-8}" -q --maxfail 30 -m "not slow and not cuda"
-for f in pytest-cuda fast-lane; do tail -n 4 "$OUT/$f.log"; done
+[ "$left" -gt 60 ] && step fast-lane "$left" $PY -m pytest -p no:cacheprovider -n "${WORKERS:-8}" -v --maxfail 30 -m "not slow and not cuda"
+tail -n 4 "$OUT/pytest-cuda.log"
+grep -E "FAILED|ERROR" "$OUT/fast-lane.log" | head -20 # (-v: each failure named as it comes, even where the time limit cuts the run)
+tail -n 1 "$OUT/fast-lane.log"
