@@ -157,7 +157,7 @@ class SBC(Codec):
         kernel = _KERNEL
         if kernel is None or not hasattr(kernel, "encode_many"):
             return out
-        threads = 1 if _in_lane() else max(1, min(torch.get_num_threads(), _MAX_WORKERS))
+        threads, use_team = team_threads()
         share = sum(t.numel() for _, t in tensors) // threads
         tasks: list[tuple[int, int, tuple[np.ndarray, np.ndarray | None, int, int]]] = []
         p, s, fast_mode = self.p, self.sample_size, self.mode == "fast"
@@ -176,9 +176,7 @@ class SBC(Codec):
         if not tasks:
             return out
         tasks.sort(key=lambda task: -task[0])  # largest first: the threads end together
-        found = kernel.encode_many(
-            [task[2] for task in tasks], _KERNEL_ORDER_MAX, LN_PHI_MINUS_1, threads, os.getpid() == _KERNEL_PID
-        )
+        found = kernel.encode_many([task[2] for task in tasks], _KERNEL_ORDER_MAX, LN_PHI_MINUS_1, threads, use_team)
         for (n, i, _), res in zip(tasks, found, strict=True):
             if res is None:
                 continue
@@ -681,6 +679,14 @@ def _in_lane() -> bool:
     return getattr(_LANE, "busy", False)
 
 
+def team_threads() -> tuple[int, bool]:
+    """``(threads, use_team)`` for a C kernel that takes a list of tasks on the CPU threads
+    (``team.h``): torch's threads, at most ``_MAX_WORKERS``, one inside a :func:`run_jobs` lane
+    (every thread has a job there); torch's OpenMP team only in the process that loaded it."""
+    threads = 1 if _in_lane() else max(1, min(torch.get_num_threads(), _MAX_WORKERS))
+    return threads, os.getpid() == _KERNEL_PID
+
+
 def run_jobs(jobs: Sequence[Callable[[], T]], costs: Sequence[int], local: Sequence[bool] = ()) -> list[T]:
     """``[job() for job in jobs]``, with up to ``torch.get_num_threads()`` jobs running at once.
 
@@ -920,8 +926,7 @@ def choose_sides(
         )
         for (hi, hv, lo, lv), n in zip(candidates, numels, strict=True)
     ]
-    threads = 1 if _in_lane() else max(1, min(torch.get_num_threads(), _MAX_WORKERS))
-    found = kernel.sides_many(tasks, LN_PHI_MINUS_1, threads, os.getpid() == _KERNEL_PID)
+    found = kernel.sides_many(tasks, LN_PHI_MINUS_1, *team_threads())
     for i, res in enumerate(found):
         if res is None:
             continue

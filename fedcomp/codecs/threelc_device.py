@@ -27,7 +27,6 @@ same torch operators run). A value that is not finite makes :func:`encode_update
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -38,7 +37,7 @@ import torch
 from fedcomp import _native
 from fedcomp.codecs.base import TensorSpec
 from fedcomp.codecs.flat import Layout, host_side, to_device, to_host
-from fedcomp.codecs.sbc import _KERNEL_PID, _MAX_WORKERS, _in_lane
+from fedcomp.codecs.sbc import team_threads
 from fedcomp.codecs.segments import segment_ids, segment_max
 from fedcomp.codecs.threelc import WEIGHTS, ThreeLC, _zero_run_encode_np, groups, scale_for
 from fedcomp.errors import PayloadError
@@ -120,7 +119,9 @@ def encode_update(
 def _bodies(data: np.ndarray, numels: tuple[int, ...], zero_run: bool) -> list[bytes]:
     """Each tensor's payload bytes from the packed bytes of all of them (``data``, back to back):
     with ``zero_run`` their zero-run codings, by one call of the C kernel for all tensors where
-    it is built, else tensor by tensor in NumPy (the same bytes)."""
+    it is built (the tensors spread over the CPU threads: 2.7-2.9 -> 1.1-1.2 ms on two for a
+    ResNet-50 update after rounds of error feedback), else tensor by tensor in NumPy (the same
+    bytes)."""
     g = _group_counts(numels)
     if not zero_run:
         return [data[a:b].tobytes() for a, b in zip(g.starts, g.ends, strict=True)]
@@ -128,8 +129,7 @@ def _bodies(data: np.ndarray, numels: tuple[int, ...], zero_run: bool) -> list[b
         return [_zero_run_encode_np(data[a:b]).tobytes() for a, b in zip(g.starts, g.ends, strict=True)]
     out = np.empty(data.shape[0], dtype=np.uint8)
     lengths = np.empty(len(numels), dtype=np.int64)
-    threads = 1 if _in_lane() else max(1, min(torch.get_num_threads(), _MAX_WORKERS))
-    _KERNEL.zero_runs_many(data, g.counts, out, lengths, threads, os.getpid() == _KERNEL_PID)
+    _KERNEL.zero_runs_many(data, g.counts, out, lengths, *team_threads())
     return [out[a : a + n].tobytes() for a, n in zip(g.starts, lengths.tolist(), strict=True)]
 
 
