@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from fedcomp.app.config import DATA_DIR_ENV
 from fedcomp.net.superlink import (
     TOKEN_ENV,
     FlowerProcessError,
@@ -147,6 +148,8 @@ def run_simulation(
     token = uuid.uuid4().hex
     run_env = flwr_env(flwr_home)
     run_env.update(env or {})
+    if run_env.get(DATA_DIR_ENV):  # named from the caller's folder; the apps run in another one
+        run_env[DATA_DIR_ENV] = str(Path(run_env[DATA_DIR_ENV]).expanduser().resolve())
     run_env[TOKEN_ENV] = token
     # The apps import the fedcomp this driver imports: an app whose bundle does not carry fedcomp
     # (tests/flower_app) would otherwise depend on how, and from where, fedcomp was installed.

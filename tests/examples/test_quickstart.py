@@ -26,7 +26,7 @@ def test_the_wrapped_quickstart_reports_compression_through_flower(tmp_path: Pat
         {"num-server-rounds": 2, "batch-size": 256},
         num_supernodes=4,
         timeout_s=600,
-        env={"FEDCOMP_DATA_DIR": DATA},
+        env={"FEDCOMP_DATA_DIR": os.path.relpath(DATA)},  # relative, as a user may write it
         work_dir=tmp_path,
         keep_work_dir=True,
     )
