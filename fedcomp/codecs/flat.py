@@ -184,12 +184,14 @@ def to_host(t: torch.Tensor) -> np.ndarray:
     return t.detach().cpu().numpy()
 
 
-def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    """NumPy ``a`` as a tensor on ``device`` (a copy unless ``device`` is the CPU)."""
+def to_device(a: np.ndarray, device: torch.device, into: torch.Tensor | None = None) -> torch.Tensor:
+    """NumPy ``a`` as a tensor on ``device`` (a copy unless ``device`` is the CPU); with ``into``
+    (on ``device``, of ``a``'s size), copied there instead of into a new tensor."""
     work = _counted()
     if work is not None and not getattr(_COUNTING, "host", False):
         work.to_device += 1
-    return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+    host = torch.from_numpy(np.ascontiguousarray(a))
+    return host.to(device) if into is None else into.copy_(host.view(into.shape))
 
 
 def tensors_on_host(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

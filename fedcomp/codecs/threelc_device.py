@@ -58,9 +58,10 @@ class _Groups:
 @lru_cache(maxsize=8)
 def _groups(numels: tuple[int, ...], offsets: tuple[int, ...], device: str) -> _Groups:
     """:class:`_Groups` of a layout (kept: a sender meets the same layout every round)."""
-    g = np.array([groups(n) for n in numels], dtype=np.int64)
+    counted = _group_counts(numels)
+    g = counted.counts
     starts = np.array(offsets, dtype=np.int64)
-    byte_starts = np.cumsum(np.concatenate(([0], g[:-1])))
+    byte_starts = np.array(counted.starts, dtype=np.int64)
     seg = np.repeat(np.arange(len(numels)), g)
     j = np.arange(int(g.sum()), dtype=np.int64) - byte_starts[seg]
     dev = torch.device(device)
@@ -143,6 +144,7 @@ class _GroupCounts:
 @lru_cache(maxsize=8)
 def _group_counts(numels: tuple[int, ...]) -> _GroupCounts:
     counts = np.array([groups(n) for n in numels], dtype=np.int64)
+    counts.flags.writeable = False  # (kept and shared: read only)
     ends = np.cumsum(counts)
     return _GroupCounts(counts, (ends - counts).tolist(), ends.tolist())
 

@@ -236,8 +236,7 @@ def _decode_flat(
     with host_side():
         _decode_on_host(update, specs, accepted, per_tensor, layout, found)
     if len(found.dense_rows) == len(specs):
-        dense = to_device(np.concatenate(found.dense), device)
-        return layout, (dense if into is None else into.copy_(dense))
+        return layout, to_device(np.concatenate(found.dense), device, into=into)
     flat = torch.zeros(layout.total, dtype=torch.float32, device=device) if into is None else into.zero_()
     if found.kept:
         flat.index_put_(

@@ -434,6 +434,18 @@ def test_decode_into_the_receivers_buffers(one_buffer: bool) -> None:
     assert decode_on_device(encoded, specs, codecs, CPU, out={**out, specs[0].name: torch.zeros(3)}) is None
 
 
+def test_an_all_dense_update_is_copied_straight_into_the_receivers_buffer() -> None:
+    update = _model(5)
+    specs = specs_of(update)
+    encoded = UpdateEncoder(DenseFP32(), error_feedback=False).encode(update, 1)
+    out = Layout.of(update).views(torch.full((sum(s.numel for s in specs),), 7.0))
+    with count_device_work() as work:
+        got = decode_on_device(encoded, specs, [DenseFP32()], CPU, out=out)
+    want = decode_update(encoded, specs, [DenseFP32()], CPU)
+    assert got is not None and all(got[k] is out[k] and torch.equal(out[k], want[k]) for k in want)
+    assert work.to_device == 1
+
+
 def test_decode_with_per_tensor_codecs_gives_the_per_tensor_values_and_errors() -> None:
     from fedcomp.codecs import Lattice
 
