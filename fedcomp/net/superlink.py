@@ -92,16 +92,20 @@ def find_marked_pids(token: str) -> list[int]:
     return pids
 
 
-def proc_table() -> dict[int, tuple[int, int, str]]:
-    """pid -> (ppid, session id, state) for every process, from /proc/<pid>/stat."""
+def proc_table(names: dict[int, str] | None = None) -> dict[int, tuple[int, int, str]]:
+    """pid -> (ppid, session id, state) for every process, from /proc/<pid>/stat; with ``names``,
+    each process's name (``comm``) is put there too, from the same read."""
     table = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
+                head, tail = f.read().rsplit(b")", 1)
+            fields = tail.split()
             table[int(entry)] = (int(fields[1]), int(fields[3]), fields[0].decode())
+            if names is not None:
+                names[int(entry)] = head.split(b"(", 1)[1].decode(errors="replace")
         except (OSError, IndexError, ValueError):
             continue
     return table
