@@ -16,8 +16,10 @@ import torch
 
 from fedcomp.codecs.base import Codec, TensorSpec
 from fedcomp.codecs.dense import DenseFP16, DenseFP32, Identity
+from fedcomp.codecs.flat import concrete_device
 from fedcomp.codecs.sbc import run_jobs
 from fedcomp.errors import PayloadError
+from fedcomp.methods.dense_device import read_on_device, write_on_device
 from fedcomp.methods.feedback import ErrorFeedback
 from fedcomp.methods.flat_update import decode_on_device, encode_on_device
 from fedcomp.wire.payloads import TORCH_DTYPES, DensePayload, EncodedTensor, EncodedUpdate
@@ -175,12 +177,19 @@ class UpdateEncoder:
         written, from the second such update of the same tensors on, by one call of the wire kernel
         (:class:`fedcomp.wire.serde.DenseFrames`): the values cast into the output and the CRC
         taken in the same pass, with no per-tensor objects (a cast's time, where the general path
-        adds a few milliseconds of Python per hundred tensors)."""
+        adds a few milliseconds of Python per hundred tensors). Tensors on one GPU get there in one
+        copy per wire dtype, cast on the device (:func:`fedcomp.methods.dense_device.write_on_device`)."""
         plain = not codecs and not keep_sent and self.feedback is None
         key = self._frames_key(tensors) if plain else None
         frames = _WRITE_FRAMES.get(key) if key is not None else None
         if frames is not None:
-            data = frames.write(base_model_version, list(tensors.values()))
+            values = list(tensors.values())
+            on_cpu = values[0].device.type == "cpu"
+            data = (
+                frames.write(base_model_version, values)
+                if on_cpu
+                else write_on_device(frames, base_model_version, values)
+            )
             if data is not None:
                 self.sent = None
                 return data
@@ -192,14 +201,15 @@ class UpdateEncoder:
 
     def _frames_key(self, tensors: Mapping[str, torch.Tensor]) -> tuple | None:
         """What an update's frames depend on (the tensors' names, shapes and dtypes, and the
-        codecs they get), or None when a codec is not a plain dense one or a tensor is not a
-        float32 CPU tensor (:class:`DenseFrames` writes only those)."""
+        codecs they get), or None when a codec is not a plain dense one or the tensors are not
+        float32 tensors on one device (the frames write only those)."""
         codecs = (self._codec, self.small_codec)
-        if any(type(c) not in _PLAIN_DENSE for c in codecs):  # (these classes have no settings)
+        if not tensors or any(type(c) not in _PLAIN_DENSE for c in codecs):  # (these classes have no settings)
             return None
+        device = next(iter(tensors.values())).device
         shapes = []
         for name, t in tensors.items():
-            if t.dtype != torch.float32 or t.device.type != "cpu":
+            if t.dtype != torch.float32 or t.device != device:
                 return None
             shapes.append((name, tuple(t.shape)))
         return (type(self._codec), type(self.small_codec), self.min_numel, tuple(shapes))
@@ -313,17 +323,21 @@ def decode_update_bytes(
     whatever else the corruption broke (``out`` may then have been written).
 
     An update whose every tensor has a plain dense codec (``dense-fp16``, ``dense-fp32``,
-    ``identity``), decoded on CPU without ``per_tensor``, is read, from the second update of the
-    same tensors and codecs on, by one call of the wire kernel (:class:`DenseFrames`: its framing
+    ``identity``), decoded without ``per_tensor``, is read, from the second update of the same
+    tensors and codecs on, by one call of the wire kernel (:class:`DenseFrames`: its framing
     compared byte for byte with the last accepted one's, the values cast into the outputs with the
-    CRC taken in the same pass); bytes that differ in anything but values and base version take
-    the general path, which reports what is wrong."""
+    CRC taken in the same pass; onto a GPU into one host buffer per wire dtype, then one copy each
+    and the cast on the device: :func:`fedcomp.methods.dense_device.read_on_device`); bytes that
+    differ in anything but values and base version take the general path, which reports what is
+    wrong."""
     codecs = list(codecs)
-    fast = per_tensor is None and (device is None or torch.device(device).type == "cpu")
-    key = _read_key(specs, codecs) if fast else None
+    key = _read_key(specs, codecs) if per_tensor is None else None
     frames = _READ_FRAMES.get(key) if key is not None else None
     if frames is not None:
-        done = _read_frames(frames, data, specs, out)
+        if device is None or torch.device(device).type == "cpu":
+            done = _read_frames(frames, data, specs, out)
+        else:
+            done = read_on_device(frames, data, specs, concrete_device(device), out)
         if done is not None:
             return done
     update, verify = update_from_bytes_deferred(data, expected=specs)

@@ -275,15 +275,14 @@ Op = tuple[int, int, "int | bytes | bytearray | memoryview", int]
 
 def cast_op(src: torch.Tensor, encoding: str, dst: int, nbytes: int) -> Op | None:
     """The op writing the values of ``src`` as ``encoding`` into the ``nbytes`` at ``dst``, or
-    None where the kernel cannot (not a contiguous float32 CPU tensor of that many values,
-    float16 without F16C, bfloat16)."""
-    if src.dtype != torch.float32 or src.device.type != "cpu" or not src.is_contiguous():
+    None where the kernel cannot (not a contiguous CPU tensor of that many values, in the wire's
+    own dtype or float32; float32 to float16 without F16C; float32 to bfloat16). A tensor already
+    in the wire's dtype is copied (:mod:`fedcomp.methods.dense_device` casts on the device)."""
+    if src.device.type != "cpu" or not src.is_contiguous() or src.numel() * DTYPE_SIZES[encoding] != nbytes:
         return None
-    if src.numel() * DTYPE_SIZES[encoding] != nbytes:
-        return None
-    if encoding == "float32":
+    if src.dtype == TORCH_DTYPES[encoding]:
         return (OP_COPY, dst, src.data_ptr(), nbytes)
-    if encoding == "float16" and _F16C:
+    if src.dtype == torch.float32 and encoding == "float16" and _F16C:
         return (OP_F32_F16, dst, src.data_ptr(), nbytes)
     return None
 
