@@ -539,12 +539,12 @@ static inline void put_bits(bitwriter *w, uint64_t v, int n) {
     }
 }
 
-/* The length in bytes of the Golomb-Rice code of idx[0, nnz) with parameter b (0 <= b <= 62), or
- * -1 when the positions do not ascend from 0 up, -2 when the stream would be too long. */
-static Py_ssize_t golomb_size(const int64_t *idx, Py_ssize_t nnz, int b) {
+/* The length in bytes of the Golomb-Rice code of idx[0, nnz) - base with parameter b (0 <= b <= 62),
+ * or -1 when the positions do not ascend from base up, -2 when the stream would be too long. */
+static Py_ssize_t golomb_size(const int64_t *idx, Py_ssize_t nnz, int b, int64_t base) {
     /* total bits: nnz * b remainder bits, then sum(q) + nnz unary bits */
     uint64_t sum_q = 0;
-    int64_t prev = -1;
+    int64_t prev = base - 1;
     for (Py_ssize_t k = 0; k < nnz; k++) {
         if (idx[k] <= prev) return -1;
         sum_q += (uint64_t)(idx[k] - prev - 1) >> b;
@@ -556,10 +556,10 @@ static Py_ssize_t golomb_size(const int64_t *idx, Py_ssize_t nnz, int b) {
 }
 
 /* Write the code of golomb_size into out (that many bytes): the remainders, then the unary parts. */
-static void golomb_write(uint8_t *out, const int64_t *idx, Py_ssize_t nnz, int b) {
+static void golomb_write(uint8_t *out, const int64_t *idx, Py_ssize_t nnz, int b, int64_t base) {
     bitwriter w = {out, 0, 0};
     uint64_t mask = b ? (((uint64_t)1 << b) - 1) : 0;
-    int64_t prev = -1;
+    int64_t prev = base - 1;
     if (b)
         for (Py_ssize_t k = 0; k < nnz; k++) {
             uint64_t r = (uint64_t)(idx[k] - prev - 1) & mask;
@@ -571,7 +571,7 @@ static void golomb_write(uint8_t *out, const int64_t *idx, Py_ssize_t nnz, int b
                 put_bits(&w, r, b);
             }
         }
-    prev = -1;
+    prev = base - 1;
     for (Py_ssize_t k = 0; k < nnz; k++) {
         uint64_t q = (uint64_t)(idx[k] - prev - 1) >> b;
         prev = idx[k];
@@ -596,7 +596,7 @@ static PyObject *golomb_encode(PyObject *self, PyObject *args) {
     }
     Py_ssize_t nnz = ib.len / 8;
     const int64_t *idx = (const int64_t *)ib.buf;
-    Py_ssize_t nbytes = golomb_size(idx, nnz, b);
+    Py_ssize_t nbytes = golomb_size(idx, nnz, b, 0);
     if (nbytes < 0) {
         PyErr_SetString(PyExc_ValueError, nbytes == -1 ? "golomb_encode: positions must be non-negative and ascending"
                                                        : "golomb_encode: stream too long");
@@ -606,7 +606,7 @@ static PyObject *golomb_encode(PyObject *self, PyObject *args) {
     if (result == NULL) goto done;
     uint8_t *out = (uint8_t *)PyBytes_AS_STRING(result);
     Py_BEGIN_ALLOW_THREADS
-    golomb_write(out, idx, nnz, b);
+    golomb_write(out, idx, nnz, b, 0);
     Py_END_ALLOW_THREADS
 done:
     PyBuffer_Release(&ib);
@@ -624,7 +624,7 @@ done:
  * left to it. The tasks run on `threads` threads (team.h), the next one taken by whichever thread
  * is free: the caller lists them largest first. */
 
-/* What a task coded (the first member of encode_many's and sides_many's tasks, so that one
+/* What a task coded (the first member of encode_many's and sides_flat's tasks, so that one
  * helper reads both): the side kept, its exact sum and the Golomb-Rice code of its positions. */
 typedef struct {
     int done;     /* 0: left to the Python path */
@@ -729,10 +729,11 @@ static int golomb_b_of(Py_ssize_t nnz, Py_ssize_t n, double ln_phi) {
 }
 
 /* Both sides' exact sums, the side with the larger mean magnitude (the positive one on a tie) and
- * the Golomb-Rice code of its positions (ascending, below n) into *c; c->done stays 0 where a sum
- * is not exact in float64, a value is not finite or the positions are not so. */
+ * the Golomb-Rice code of its positions (ascending, in [base, base + n), coded less base) into *c;
+ * c->done stays 0 where a sum is not exact in float64, a value is not finite or the positions are
+ * not so. */
 static void code_side(sbc_coded *c, const int64_t *hp, const float *hv, Py_ssize_t nhi, const int64_t *lp,
-                      const float *lv, Py_ssize_t nlo, Py_ssize_t n, double ln_phi) {
+                      const float *lv, Py_ssize_t nlo, Py_ssize_t n, int64_t base, double ln_phi) {
     double sums[2];
     if (!exact_sum(hv, nhi, &sums[0]) || !exact_sum(lv, nlo, &sums[1])) return;
 #ifdef HAVE_INT128
@@ -744,11 +745,11 @@ static void code_side(sbc_coded *c, const int64_t *hp, const float *hv, Py_ssize
     const int64_t *pos = positive ? hp : lp;
     Py_ssize_t nnz = positive ? nhi : nlo;
     int b = golomb_b_of(nnz, n, ln_phi);
-    Py_ssize_t nbytes = golomb_size(pos, nnz, b);
-    if (nbytes < 0 || (nnz > 0 && pos[nnz - 1] >= n)) return;
+    Py_ssize_t nbytes = golomb_size(pos, nnz, b, base);
+    if (nbytes < 0 || (nnz > 0 && pos[nnz - 1] - base >= n)) return;
     uint8_t *bits = malloc(nbytes ? (size_t)nbytes : 1);
     if (bits == NULL) return;
-    golomb_write(bits, pos, nnz, b);
+    golomb_write(bits, pos, nnz, b, base);
     c->positive = positive;
     c->sum = positive ? sums[0] : sums[1];
     c->nnz = nnz;
@@ -823,7 +824,7 @@ static void sbc_run(const sbc_job *job, sbc_task *t, float *work, int64_t *hp, f
         nhi = exact_side(x, n, t_hi, k, 1, hp, hv);
         nlo = exact_side(x, n, t_lo, k, 0, lp, lv);
     }
-    code_side(&t->out, hp, hv, nhi, lp, lv, nlo, n, job->ln_phi);
+    code_side(&t->out, hp, hv, nhi, lp, lv, nlo, n, 0, job->ln_phi);
 }
 
 static void sbc_body(void *arg) {
@@ -892,7 +893,7 @@ done:
     return result;
 }
 
-/* --- sides_many: the side, sum and Golomb code of candidates chosen elsewhere ------------------------
+/* --- sides_flat's tasks: the side, sum and Golomb code of candidates chosen elsewhere ---------------
  *
  * What encode_many does after its selection, for candidates a device selected
  * (fedcomp.codecs.sbc_device): per task, both sides' exact sums, the side with the larger mean
@@ -904,6 +905,7 @@ typedef struct {
     const int64_t *hp, *lp;
     const float *hv, *lv;
     Py_ssize_t nhi, nlo, n;
+    int64_t base; /* the positions are base + the tensor's own (sides_flat) */
 } side_task;
 
 typedef struct {
@@ -913,7 +915,7 @@ typedef struct {
 } side_job;
 
 static void side_run(const side_job *job, side_task *t) {
-    code_side(&t->out, t->hp, t->hv, t->nhi, t->lp, t->lv, t->nlo, t->n, job->ln_phi);
+    code_side(&t->out, t->hp, t->hv, t->nhi, t->lp, t->lv, t->nlo, t->n, t->base, job->ln_phi);
 }
 
 static void side_body(void *arg) {
@@ -925,50 +927,133 @@ static void side_body(void *arg) {
     }
 }
 
-/* sides_many([(hi_pos, hi_vals, lo_pos, lo_vals, n), ...], ln_phi, threads, use_team) -> per task
- * None (left to Python) or (sum, nnz, b, bits, positive); positions int64 and values float32,
- * contiguous, ascending positions below n. */
-static PyObject *sides_many(PyObject *self, PyObject *args) {
-    PyObject *list, *result = NULL;
+#ifdef HAVE_INT128
+/* sum / nnz rounded to the nearest float32, ties to even, subnormals included (sum: an exact sum of
+ * float32 values, finite; nnz >= 1): fedcomp.codecs.sbc._round_f32(_units(sum), nnz << 149). */
+static double mean_f32(double sum, int64_t nnz) {
+    if (sum == 0.0) return 0.0;
+    int e;
+    uint64_t m = (uint64_t)ldexp(frexp(fabs(sum), &e), 53); /* |sum| = m * 2**(e - 53), 2**52 <= m < 2**53 */
+    unsigned __int128 num = (unsigned __int128)m << 64;     /* |sum| = num * 2**(e - 117) */
+    unsigned __int128 q = num / (uint64_t)nnz, rem = num % (uint64_t)nnz;
+    int scale = e - 117; /* |mean| = (q + rem / nnz) * 2**scale, q >= 2**116 / nnz >= 2**54 */
+    int bits = 0;
+    for (unsigned __int128 t = q; t; t >>= 1) bits++;
+    int last = bits - 1 + scale - 23; /* the exponent of the float32's last mantissa bit */
+    if (last < -149) last = -149;
+    int shift = last - scale; /* in [bits - 24, 116]: e >= -148 for a sum of float32 values */
+    unsigned __int128 mant = q >> shift, low = q - (mant << shift), half = (unsigned __int128)1 << (shift - 1);
+    if (low > half || (low == half && (rem != 0 || (mant & 1)))) mant++;
+    double out = ldexp((double)(uint64_t)mant, last);
+    return sum < 0 ? -out : out;
+}
+
+/* --- sides_flat: the sides of every tensor of an update, its candidates laid out flat ------------
+ *
+ * sides_flat(hi_pos, hi_vals, lo_pos, lo_vals, ranges, bases, numels, ln_phi, threads, use_team,
+ *            kept, value) -> (per tensor None or (mean, nnz, b, bits, positive), count)
+ *
+ * What fedcomp.codecs.sbc_device hands over without a Python object per tensor: every tensor's
+ * candidates in four flat arrays (positions int64 into the update's flat buffer, values float32),
+ * tensor i's high side hi_pos[ranges[4i], ranges[4i+1]), its low side lo_pos[ranges[4i+2],
+ * ranges[4i+3]), its positions in [bases[i], bases[i] + numels[i]), coded less bases[i]. Per tensor
+ * as above (the side, its exact sum, its Golomb code), the mean rounded to float32 here
+ * (mean_f32). Where every tensor was coded, kept (int64) and value (float32) get, in tensor order,
+ * each kept position as given and its tensor's mean, and count is how many; else count is -1 and
+ * they are not written. */
+static PyObject *sides_flat(PyObject *self, PyObject *args) {
+    Py_buffer hp = {0}, hv = {0}, lp = {0}, lv = {0}, rg = {0}, bs = {0}, nm = {0}, kp = {0}, vl = {0};
     double ln_phi;
     int threads, use_team;
+    PyObject *result = NULL, *list = NULL;
+    side_task *tasks = NULL;
+    Py_ssize_t ntasks = 0;
     (void)self;
-    if (!PyArg_ParseTuple(args, "O!dip", &PyList_Type, &list, &ln_phi, &threads, &use_team)) return NULL;
-    Py_ssize_t ntasks = PyList_GET_SIZE(list), held = 0;
-    side_task *tasks = PyMem_Calloc(ntasks ? (size_t)ntasks : 1, sizeof(side_task));
-    Py_buffer *views = PyMem_Calloc(ntasks ? (size_t)(4 * ntasks) : 1, sizeof(Py_buffer));
-    if (tasks == NULL || views == NULL) {
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*y*dipw*w*", &hp, &hv, &lp, &lv, &rg, &bs, &nm, &ln_phi, &threads,
+                          &use_team, &kp, &vl))
+        return NULL;
+    Py_ssize_t nh = hp.len / 8, nl = lp.len / 8;
+    ntasks = bs.len / 8;
+    if (hp.len % 8 || lp.len % 8 || hv.len != 4 * nh || lv.len != 4 * nl || bs.len % 8 || rg.len != 32 * ntasks ||
+        nm.len != 8 * ntasks || kp.len % 8 || vl.len != kp.len / 2) {
+        PyErr_SetString(PyExc_ValueError,
+                        "sides_flat: int64 positions with as many float32 values, 4 int64 per tensor in ranges, "
+                        "one in bases and numels, and as many float32 in value as int64 in kept");
+        goto done;
+    }
+    tasks = PyMem_Calloc(ntasks ? (size_t)ntasks : 1, sizeof(side_task));
+    if (tasks == NULL) {
         PyErr_NoMemory();
         goto done;
     }
+    const int64_t *r = rg.buf, *base = bs.buf, *numel = nm.buf;
     for (Py_ssize_t i = 0; i < ntasks; i++) {
-        PyObject *arrays[4];
+        const int64_t *q = r + 4 * i;
+        if (q[0] < 0 || q[0] > q[1] || q[1] > nh || q[2] < 0 || q[2] > q[3] || q[3] > nl || numel[i] < 1) {
+            PyErr_Format(PyExc_ValueError, "sides_flat: tensor %zd's ranges are not within the arrays, or n < 1", i);
+            goto done;
+        }
         side_task *t = &tasks[i];
-        if (!PyArg_ParseTuple(PyList_GET_ITEM(list, i), "OOOOn", &arrays[0], &arrays[1], &arrays[2], &arrays[3], &t->n))
-            goto done;
-        Py_ssize_t lens[4];
-        for (int a = 0; a < 4; a++) {
-            if (PyObject_GetBuffer(arrays[a], &views[held], PyBUF_C_CONTIGUOUS) < 0) goto done;
-            lens[a] = views[held].len;
-            held++;
-        }
-        t->hp = (const int64_t *)views[held - 4].buf;
-        t->hv = (const float *)views[held - 3].buf;
-        t->lp = (const int64_t *)views[held - 2].buf;
-        t->lv = (const float *)views[held - 1].buf;
-        t->nhi = lens[0] / 8;
-        t->nlo = lens[2] / 8;
-        if (lens[0] % 8 || lens[2] % 8 || lens[1] != 4 * t->nhi || lens[3] != 4 * t->nlo || t->n < 1) {
-            PyErr_Format(PyExc_ValueError, "sides_many: task %zd needs int64 positions, as many float32 values, n >= 1", i);
-            goto done;
-        }
+        t->hp = (const int64_t *)hp.buf + q[0];
+        t->hv = (const float *)hv.buf + q[0];
+        t->nhi = q[1] - q[0];
+        t->lp = (const int64_t *)lp.buf + q[2];
+        t->lv = (const float *)lv.buf + q[2];
+        t->nlo = q[3] - q[2];
+        t->n = numel[i];
+        t->base = base[i];
     }
     side_job job = {tasks, ntasks, 0, ln_phi};
-    result = run_coded(side_body, &job, threads, use_team, tasks, sizeof(side_task), ntasks, 1);
+    Py_BEGIN_ALLOW_THREADS;
+    team_run(side_body, &job, threads < 1 ? 1 : threads, use_team);
+    Py_END_ALLOW_THREADS;
+    list = PyList_New(ntasks);
+    Py_ssize_t count = 0;
+    int all = 1;
+    for (Py_ssize_t i = 0; list != NULL && i < ntasks; i++) {
+        const sbc_coded *c = &tasks[i].out;
+        PyObject *item;
+        if (!c->done) {
+            all = 0;
+            Py_INCREF(Py_None);
+            item = Py_None;
+        } else {
+            count += c->nnz;
+            item = Py_BuildValue("dniy#O", c->nnz ? mean_f32(c->sum, c->nnz) : 0.0, c->nnz, c->b, (const char *)c->bits,
+                                 c->nbytes, c->positive ? Py_True : Py_False);
+        }
+        if (item == NULL) Py_CLEAR(list);
+        else PyList_SET_ITEM(list, i, item);
+    }
+    if (list == NULL) goto done;
+    if (!all || count > kp.len / 8) {
+        count = -1;
+    } else {
+        int64_t *k = kp.buf;
+        float *v = vl.buf;
+        for (Py_ssize_t i = 0; i < ntasks; i++) {
+            const side_task *t = &tasks[i];
+            const int64_t *from = t->out.positive ? t->hp : t->lp;
+            float mean = (float)(t->out.nnz ? mean_f32(t->out.sum, t->out.nnz) : 0.0);
+            for (Py_ssize_t j = 0; j < t->out.nnz; j++) {
+                *k++ = from[j];
+                *v++ = mean;
+            }
+        }
+    }
+    result = Py_BuildValue("Nn", list, count);
+    list = NULL;
 done:
-    release_coded(views, held, tasks, sizeof(side_task), ntasks);
+    Py_XDECREF(list);
+    if (tasks != NULL)
+        for (Py_ssize_t i = 0; i < ntasks; i++) free(tasks[i].out.bits);
+    PyMem_Free(tasks);
+    Py_buffer *views[] = {&hp, &hv, &lp, &lv, &rg, &bs, &nm, &kp, &vl};
+    for (size_t i = 0; i < sizeof(views) / sizeof(views[0]); i++)
+        if (views[i]->obj != NULL) PyBuffer_Release(views[i]);
     return result;
 }
+#endif
 
 /* A big-endian bit reader over buf[0, end): the next `avail` bits (at most 63) are the top of `acc`;
  * the bits below them are zero or the stream's next bits, in place (a refill ORs the same bits
@@ -1358,7 +1443,9 @@ static PyMethodDef methods[] = {
     {"sum_stats", sum_stats, METH_VARARGS, "float64 sum and min/max magnitude bits of float32 values."},
     {"fast_select", fast_select, METH_VARARGS, "sample_thresholds, scan and both sides' sum_stats in one call."},
     {"encode_many", encode_many, METH_VARARGS, "Whole SBC encodings of a list of tensors on several threads."},
-    {"sides_many", sides_many, METH_VARARGS, "Side, exact sum and Golomb code of candidates selected elsewhere."},
+#ifdef HAVE_INT128
+    {"sides_flat", sides_flat, METH_VARARGS, "Side, mean and Golomb code of every tensor, its candidates selected elsewhere and laid out flat."},
+#endif
     {"golomb_encode", golomb_encode, METH_VARARGS, "Golomb-Rice code ascending int64 positions."},
     {"golomb_decode", golomb_decode, METH_VARARGS, "Decode positions; False on an invalid stream."},
     {"reply_check", reply_check, METH_VARARGS, "Decode a reply's positions into scratch, check its values; (bad, squares)."},

@@ -42,6 +42,7 @@ import struct
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, TypeVar
 
@@ -901,37 +902,60 @@ def choose_side(
     return lo, _round_f32(s_lo, c_lo << 149)
 
 
-def choose_sides(
-    candidates: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]], numels: Sequence[int]
-) -> list[tuple[np.ndarray, float, int, bytes] | None]:
-    """:func:`choose_side` and the Golomb code of the side chosen, for many tensors' candidates
-    ``(hi, hi_vals, lo, lo_vals)`` (ascending int64 positions below ``numels[i]``, their float32
-    values) in one call of the C kernel (``sides_many``, on the CPU threads): per tensor
-    ``(positions, mean, golomb_b, bits)``, the same as :func:`choose_side` with
-    :func:`~fedcomp.codecs.golomb.encode_positions` (tested), or None where the caller is left to
-    do that itself (no kernel; sums a float64 cannot hold exactly; a value not finite). What the
-    whole-update engine runs on the candidates a device selected: one call instead of a few
-    Python-driven steps per tensor."""
-    out: list[tuple[np.ndarray, float, int, bytes] | None] = [None] * len(candidates)
+@dataclass(frozen=True)
+class FlatSides:
+    """What :func:`choose_sides_flat` found: per tensor ``(mean, nnz, golomb_b, bits, positive)``
+    (the side's mean rounded to float32, its count, Golomb parameter and code; ``positive``: the
+    high side) or None where the caller is left to do it (:func:`choose_side`: no kernel, sums a
+    float64 cannot hold exactly); and, where no tensor was left, every tensor's kept positions as
+    given and its mean at each, in tensor order (else None)."""
+
+    sides: list[tuple[float, int, int, bytes, bool] | None]
+    kept: np.ndarray | None
+    value: np.ndarray | None
+
+
+def choose_sides_flat(
+    positions: np.ndarray, values: np.ndarray, ranges: np.ndarray, bases: np.ndarray, numels: np.ndarray
+) -> FlatSides:
+    """:func:`choose_side` and the Golomb code of the side chosen for many tensors at once, their
+    candidates laid out flat (what the whole-update engine, :mod:`fedcomp.codecs.sbc_device`,
+    brings to the host in one copy): ``positions`` (int64, ascending within a side, tensor ``i``'s
+    in ``[bases[i], bases[i] + numels[i])``) and their float32 ``values``; tensor ``i``'s high side
+    ``positions[ranges[i, 0]:ranges[i, 1]]``, its low side ``positions[ranges[i, 2]:ranges[i, 3]]``.
+    One call of the C kernel (``sides_flat``, on the CPU threads) with no Python object per tensor
+    but its result: the same sides, means and codes as :func:`choose_side` with
+    :func:`~fedcomp.codecs.golomb.encode_positions` (tested)."""
+    count = int(bases.shape[0])
     kernel = _KERNEL
-    if kernel is None or not hasattr(kernel, "sides_many") or not candidates:
-        return out
-    tasks = [
-        (
-            np.ascontiguousarray(hi, dtype=np.int64),
-            np.ascontiguousarray(hv, dtype=np.float32),
-            np.ascontiguousarray(lo, dtype=np.int64),
-            np.ascontiguousarray(lv, dtype=np.float32),
-            n,
-        )
-        for (hi, hv, lo, lv), n in zip(candidates, numels, strict=True)
-    ]
-    found = kernel.sides_many(tasks, LN_PHI_MINUS_1, *team_threads())
-    for i, res in enumerate(found):
-        if res is None:
-            continue
-        total, nnz, b, bits, positive = res
-        mean = _kernel_mean(total, nnz, b, numels[i]) if nnz else None
-        if mean is not None:
-            out[i] = (tasks[i][0] if positive else tasks[i][2], mean, b, bits)
-    return out
+    if kernel is None or not hasattr(kernel, "sides_flat") or not count:
+        return FlatSides([None] * count, None, None)
+    lengths = ranges[:, 1::2] - ranges[:, 0::2]
+    room = int(lengths.max(axis=1).sum())
+    kept, value = np.empty(room, np.int64), np.empty(room, np.float32)
+    positions = np.ascontiguousarray(positions, dtype=np.int64)
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    sides, written = kernel.sides_flat(
+        positions,
+        values,
+        positions,
+        values,
+        np.ascontiguousarray(ranges, dtype=np.int64),
+        np.ascontiguousarray(bases, dtype=np.int64),
+        np.ascontiguousarray(numels, dtype=np.int64),
+        LN_PHI_MINUS_1,
+        *team_threads(),
+        kept,
+        value,
+    )
+    for i, side in enumerate(sides):
+        # the kernel's b is golomb_b's (its libm and Python's agree; were they not, Python codes it)
+        if side is not None and side[2] != golomb_b(side[1] / int(numels[i])):
+            mean, nnz, _, _, positive = side
+            r = ranges[i]
+            idx = positions[r[0] : r[1]] if positive else positions[r[2] : r[3]]
+            b = golomb_b(nnz / int(numels[i]))
+            sides[i] = (mean, nnz, b, encode_positions(torch.from_numpy(idx - bases[i]), b), positive)
+    if written < 0:
+        return FlatSides(sides, None, None)
+    return FlatSides(sides, kept[:written], value[:written])

@@ -12,12 +12,16 @@ buffer (:class:`fedcomp.codecs.flat.Layout`) and every step runs once for all of
    tensor's thresholds (gathered by the values' tensor indices,
    :func:`fedcomp.codecs.segments.segment_ids`: no sync), both comparisons into one ``2 x N``
    mask and one ``nonzero``: the candidates of every tensor, both sides.
-2. **Exact mode** (the small tensors; all of them in ``mode="exact"``; a fast-mode tensor whose
-   side came back empty or over ``2 k``): the tensors as the rows of a padded matrix (chunks of
-   about ``_EXACT_BUDGET`` values), one stable sort per side per chunk: the first ``k`` of a row
-   are its ``k`` most extreme values, ties to the lowest index, as on CPU.
-3. The candidates come to the host in a few copies; there, per tensor and in NumPy, the exact
-   means, the side (:func:`fedcomp.codecs.sbc.choose_side`) and the Golomb code, as on CPU.
+2. **Exact mode** (the small tensors; all of them in ``mode="exact"``): the tensors as the rows
+   of a padded matrix (chunks of about ``_EXACT_BUDGET`` values), one stable sort per side per
+   chunk: the first ``k`` of a row are its ``k`` most extreme values, ties to the lowest index, as
+   on CPU; each side's length is known (``k``), so they are laid out flat with no sync.
+3. Both modes' candidates and the finiteness flag come to the host in one copy (four bytes a
+   value where positions fit in int32); there every tensor's side, exact mean and Golomb code, and
+   the kept positions and values the error feedback needs, come from one call of the C kernel
+   (:func:`fedcomp.codecs.sbc.choose_sides_flat`: no Python object per tensor but its result),
+   as on CPU. A fast-mode tensor whose side came back empty or over ``2 k`` goes through exact
+   mode in a second pass (rare: a tensor of many ties).
 
 The bytes are :meth:`SBC.encode`'s (tested against it on CPU, where these same operators run).
 A value that is not finite anywhere in the update makes :func:`encode_update` return None: the
@@ -37,7 +41,7 @@ import torch
 
 from fedcomp.codecs.flat import Layout, host_side, to_device, to_host
 from fedcomp.codecs.golomb import encode_positions, golomb_b
-from fedcomp.codecs.sbc import SBC, _sample_positions_np, choose_side, choose_sides
+from fedcomp.codecs.sbc import SBC, _sample_positions_np, choose_side, choose_sides_flat
 from fedcomp.codecs.segments import segment_ids
 from fedcomp.wire.payloads import EncodedTensor, SBCPayload
 
@@ -67,65 +71,161 @@ def encode_update(
     layout = Layout.of(tensors)
     if flat is None:
         flat = torch.cat([t.detach().reshape(-1) for _, t in tensors])
-    device = flat.device
-    plan = _plan(layout.numels, layout.offsets, codec.p, codec.sample_size, codec.mode, str(device))
-    finite = torch.isfinite(flat).all()
-    fast: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
-    exact_rows = list(plan.exact)
-    if plan.fast:
-        candidates = _fast_candidates(flat, plan, codec, layout)
-        for row in plan.fast:
-            hi, _, lo, _ = candidates[row]
-            k = plan.ks[row]
-            if 0 < hi.shape[0] <= 2 * k and 0 < lo.shape[0] <= 2 * k:
-                fast[row] = candidates[row]
-            else:
-                exact_rows.append(row)
-    if not bool(to_host(finite)):
+    plan = _plan(layout.numels, layout.offsets, codec.p, codec.sample_size, codec.mode, str(flat.device))
+    hits = _fast_hits(flat, plan, codec, layout) if plan.fast else None
+    exact = _exact_select(flat, layout, plan.ks, plan.exact) if plan.exact else None
+    got = _to_host(hits, exact, torch.isfinite(flat).all(), layout.total)
+    if got is None:
         return None
-    picked = _exact_candidates(flat, layout, plan.ks, sorted(exact_rows))
-    picked.update(fast)
     with host_side():
-        return _finish(codec, tensors, layout, picked)
+        cands = _candidates(got, plan, layout, exact)
+        redo = cands.redo(plan)
+    if redo:  # fast-mode tensors whose side came back empty or over 2 k: exact mode
+        more = _exact_select(flat, layout, plan.ks, redo)
+        more_got = _to_host(None, more, None, layout.total)
+        assert more_got is not None
+        with host_side():
+            cands = cands.with_exact(redo, more_got, more)
+    with host_side():
+        return _finish(codec, tensors, layout, plan, cands)
+
+
+@dataclass(frozen=True)
+class _OnHost:
+    """What one copy brought to the host: fast mode's hits (``side * total + position``, ascending)
+    and their values; exact mode's candidates (flat positions) and values, as
+    :func:`_exact_select` laid them out."""
+
+    hits: np.ndarray
+    hit_values: np.ndarray
+    exact: np.ndarray
+    exact_values: np.ndarray
+
+
+def _to_host(
+    hits: tuple[torch.Tensor, torch.Tensor] | None,
+    exact: _Exact | None,
+    finite: torch.Tensor | None,
+    total: int,
+) -> _OnHost | None:
+    """The fast hits, the exact candidates and the finiteness flag in one copy to the host, four
+    bytes each where positions fit in int32 (on an H100, copying int64 positions and the values
+    separately took about 5.3 of an encode's 8.3 ms of GPU time; this took it to 3.3 ms); None
+    where a value is not finite."""
+    dev_hits = hits[0] if hits is not None else None
+    parts_i: list[torch.Tensor] = []
+    parts_f: list[torch.Tensor] = []
+    if hits is not None:
+        parts_i.append(hits[0])
+        parts_f.append(hits[1])
+    if exact is not None:
+        parts_i.append(exact.positions)
+        parts_f.append(exact.values)
+    flag = [finite.reshape(1)] if finite is not None else []
+    m = 0 if dev_hits is None else int(dev_hits.shape[0])
+    e = 0 if exact is None else int(exact.positions.shape[0])
+    if 2 * total <= _INT32_HITS:
+        both = to_host(torch.cat([t.to(torch.int32) for t in parts_i + flag] + [t.view(torch.int32) for t in parts_f]))
+        ints, floats = both[: m + e + len(flag)], both[m + e + len(flag) :].view(np.float32)
+    else:
+        ints = to_host(torch.cat([t.to(torch.int64) for t in parts_i + flag]))
+        floats = to_host(torch.cat(parts_f)) if parts_f else np.zeros(0, np.float32)
+    if flag and not ints[-1]:
+        return None
+    return _OnHost(ints[:m], floats[:m], ints[m : m + e], floats[m : m + e])
+
+
+@dataclass(frozen=True)
+class _Candidates:
+    """Every tensor's candidates, flat: positions into the update's flat buffer (int64) and their
+    values (float32); tensor ``i``'s high side ``positions[ranges[i, 0]:ranges[i, 1]]``, its low
+    side ``positions[ranges[i, 2]:ranges[i, 3]]``, each ascending."""
+
+    positions: np.ndarray
+    values: np.ndarray
+    ranges: np.ndarray  # (tensors, 4) int64
+
+    def redo(self, plan: _Plan) -> tuple[int, ...]:
+        """The fast-mode tensors whose side is empty or holds more than ``2 k``: exact mode's."""
+        if not plan.fast:
+            return ()
+        fast = np.asarray(plan.fast)
+        r = self.ranges[fast]
+        nh, nl = r[:, 1] - r[:, 0], r[:, 3] - r[:, 2]
+        two_k = 2 * np.asarray(plan.ks, dtype=np.int64)[fast]
+        bad = (nh == 0) | (nh > two_k) | (nl == 0) | (nl > two_k)
+        return tuple(int(i) for i in fast[bad])
+
+    def with_exact(self, rows: Sequence[int], got: _OnHost, exact: _Exact) -> _Candidates:
+        """These candidates with ``rows``' replaced by exact mode's ``got``."""
+        ranges = self.ranges.copy()
+        ranges[list(rows)] = exact.ranges + self.positions.shape[0]
+        return _Candidates(
+            np.concatenate([self.positions, got.exact.astype(np.int64)]),
+            np.concatenate([self.values, got.exact_values]),
+            ranges,
+        )
+
+
+def _candidates(got: _OnHost, plan: _Plan, layout: Layout, exact: _Exact | None) -> _Candidates:
+    """The flat candidates of what :func:`_to_host` brought (fast hits first, then the exact rows')."""
+    m, total = got.hits.shape[0], layout.total
+    positions = np.empty(m + got.exact.shape[0], dtype=np.int64)
+    positions[:m] = got.hits
+    positions[m:] = got.exact
+    values = np.concatenate([got.hit_values, got.exact_values])
+    ranges = np.zeros((len(layout.numels), 4), dtype=np.int64)
+    if plan.fast:
+        n_hi = int(np.searchsorted(positions[:m], total))
+        positions[n_hi:m] -= total
+        offsets = plan.offsets
+        hi = np.searchsorted(positions[:n_hi], offsets)
+        lo = np.searchsorted(positions[n_hi:m], offsets) + n_hi
+        fast = np.asarray(plan.fast)
+        ranges[fast, 0] = hi[fast]
+        ranges[fast, 1] = np.append(hi[1:], n_hi)[fast]
+        ranges[fast, 2] = lo[fast]
+        ranges[fast, 3] = np.append(lo[1:], m)[fast]
+    if exact is not None:
+        ranges[list(plan.exact)] = exact.ranges + m
+    return _Candidates(positions, values, ranges)
 
 
 def _finish(
-    codec: SBC,
-    tensors: Sequence[tuple[str, torch.Tensor]],
-    layout: Layout,
-    picked: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]],
+    codec: SBC, tensors: Sequence[tuple[str, torch.Tensor]], layout: Layout, plan: _Plan, cands: _Candidates
 ) -> FlatEncoding | None:
     """Per tensor, on the host: the side, the mean and the Golomb code of its candidates, all
-    tensors in one call of the C kernel where it can (:func:`choose_sides`: on an H100 host this
-    loop in Python was about half of an SBC encode's time), else one by one."""
-    candidates = [picked[i] for i in range(len(tensors))]
-    found = choose_sides(candidates, layout.numels)
+    tensors in one call of the C kernel (:func:`choose_sides_flat`, which also lays out the kept
+    positions and values: on an H100 host the per-tensor Python of this step was about half of an
+    SBC encode's time), else, for a tensor it leaves, in Python (:func:`choose_side`)."""
+    found = choose_sides_flat(cands.positions, cands.values, cands.ranges, plan.offsets, plan.numels)
     encoded: list[EncodedTensor] = []
     kept: list[np.ndarray] = []
-    means: list[float] = []
-    for i, (name, t) in enumerate(tensors):
-        n = layout.numels[i]
-        done = found[i]
-        if done is not None:
-            idx, mean, b, bits = done
+    pos, vals = cands.positions, cands.values
+    for i, ((name, t), (h0, h1, l0, l1)) in enumerate(zip(tensors, cands.ranges.tolist(), strict=True)):
+        side = found.sides[i]
+        if side is not None:
+            mean, nnz, b, bits, positive = side
+            if found.kept is None:
+                kept.append(pos[h0:h1] if positive else pos[l0:l1])
         else:
-            chosen = choose_side(*candidates[i])
+            off = plan.offsets[i]
+            chosen = choose_side(pos[h0:h1] - off, vals[h0:h1], pos[l0:l1] - off, vals[l0:l1])
             if chosen is None:  # (not after the finiteness check)
                 return None
-            side, mean = chosen
-            assert isinstance(side, np.ndarray)
-            idx = side
-            b = golomb_b(idx.shape[0] / n)
+            idx, mean = chosen
+            assert isinstance(idx, np.ndarray)
+            nnz = int(idx.shape[0])
+            b = golomb_b(nnz / layout.numels[i])
             bits = encode_positions(torch.from_numpy(idx), b)
-        encoded.append(codec._envelope(t, name, SBCPayload(mean=mean, golomb_b=b, nnz=int(idx.shape[0]), bits=bits)))
-        kept.append(idx)
-        means.append(mean)
-    if not kept:
-        return FlatEncoding(encoded, np.zeros(0, np.int64), np.zeros(0, np.float32))
+            kept.append(idx + off)
+        encoded.append(codec._envelope(t, name, SBCPayload(mean=mean, golomb_b=b, nnz=nnz, bits=bits)))
+    if found.kept is not None and found.value is not None:
+        return FlatEncoding(encoded, found.kept, found.value)
     counts = np.array([k.shape[0] for k in kept], dtype=np.int64)
-    flat_kept = np.concatenate(kept)  # (a new array: the positions into the flat buffer)
-    flat_kept += np.repeat(np.array(layout.offsets, dtype=np.int64), counts)
-    return FlatEncoding(encoded, flat_kept, np.repeat(np.array(means, dtype=np.float32), counts))
+    means = np.array([e.payload.mean for e in encoded], dtype=np.float32)  # type: ignore[union-attr]
+    flat_kept = np.concatenate(kept) if kept else np.zeros(0, np.int64)
+    return FlatEncoding(encoded, flat_kept, np.repeat(means, counts))
 
 
 @dataclass(frozen=True)
@@ -137,6 +237,8 @@ class _Plan:
     exact: tuple[int, ...]  # the others
     where: torch.Tensor | None  # (len(fast), s) sample positions into the flat buffer
     fast_rows: torch.Tensor | None  # the fast tensors' indices, on the device
+    offsets: np.ndarray  # the layout's, int64
+    numels: np.ndarray
 
 
 @lru_cache(maxsize=16)
@@ -150,18 +252,18 @@ def _plan(numels: tuple[int, ...], offsets: tuple[int, ...], p: float, s: int, m
     if fast:
         where = to_device(np.stack([_sample_positions_np(numels[i], s) + offsets[i] for i in fast]), dev)
         fast_rows = to_device(np.array(fast, dtype=np.int64), dev)
-    return _Plan(ks, fast, exact, where, fast_rows)
+    return _Plan(ks, fast, exact, where, fast_rows, np.array(offsets, dtype=np.int64), np.array(numels, dtype=np.int64))
 
 
-#: Hits (``side * total + position``) travel to the host as int32 up to this (else int64).
+#: Positions (``side * total + position`` for the fast hits) travel to the host as int32 up to
+#: this (else int64).
 _INT32_HITS = int(np.iinfo(np.int32).max)
 
 
-def _fast_candidates(
-    flat: torch.Tensor, plan: _Plan, codec: SBC, layout: Layout
-) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
-    """Per fast-mode tensor: the ascending positions (into the tensor) and values of
-    ``x >= thr_hi`` and of ``x <= thr_lo``, the thresholds read off its sample."""
+def _fast_hits(flat: torch.Tensor, plan: _Plan, codec: SBC, layout: Layout) -> tuple[torch.Tensor, torch.Tensor]:
+    """On the device, every fast-mode tensor's values ``x >= thr_hi`` and ``x <= thr_lo``, the
+    thresholds read off its sample: ``side * total + position`` (ascending: the high side first)
+    and the values there."""
     assert plan.where is not None and plan.fast_rows is not None
     s = codec.sample_size
     r = max(1, round(codec.p * s))
@@ -177,88 +279,98 @@ def _fast_candidates(
     torch.ge(flat, thresholds[0][ids], out=mask[0])
     torch.le(flat, thresholds[1][ids], out=mask[1])
     del ids
-    total = layout.total
-    # side * total + position, ascending: the high side first. One copy to the host of these and
-    # the values, four bytes each where they fit in int32: on an H100, copying (side, position)
-    # int64 pairs and the values separately took about 5.3 of the encode's 8.3 ms of GPU time; this
-    # takes it to 3.3 ms (the host's share of the encode, not the copy, sets its wall time).
     found = mask.view(-1).nonzero().squeeze(1)
     del mask
-    vals_dev = flat[found.remainder(total)]
-    if 2 * total <= _INT32_HITS:
-        both = to_host(torch.cat([found.to(torch.int32), vals_dev.view(torch.int32)]))
-        m = found.shape[0]
-        hits, vals = both[:m].astype(np.int64), both[m:].view(np.float32)
-    else:
-        hits, vals = to_host(found), to_host(vals_dev)
-    with host_side():
-        n_hi = int(np.searchsorted(hits, total))
-        pos = hits
-        pos[n_hi:] -= total
-        offsets = np.asarray(layout.offsets, dtype=np.int64)
-        out: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
-        hi_cut = np.searchsorted(pos[:n_hi], offsets)
-        lo_cut = np.searchsorted(pos[n_hi:], offsets) + n_hi
-        ends = len(offsets)
-        for row in plan.fast:
-            h0, h1 = hi_cut[row], hi_cut[row + 1] if row + 1 < ends else n_hi
-            l0, l1 = lo_cut[row], lo_cut[row + 1] if row + 1 < ends else pos.shape[0]
-            off = offsets[row]
-            out[row] = (pos[h0:h1] - off, vals[h0:h1], pos[l0:l1] - off, vals[l0:l1])
-    return out
+    return found, flat[found.remainder(layout.total)]
 
 
-def _exact_candidates(
-    flat: torch.Tensor, layout: Layout, ks: Sequence[int], rows: Sequence[int]
-) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
-    """Per tensor of ``rows``: the ascending positions and values of its ``k`` largest and of
-    its ``k`` smallest values, ties to the lowest index (:func:`fedcomp.codecs.sbc._exact_select`
-    on every device). Tensors of like size share a padded matrix."""
-    out: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
-    by_size = sorted(rows, key=lambda i: -layout.numels[i])
-    start = 0
+@dataclass(frozen=True)
+class _Exact:
+    """Exact mode's candidates of some tensors, on the device: flat positions (ascending within a
+    side) and values; ``ranges`` (one row per tensor, in the order asked for) as in
+    :class:`_Candidates`, into these."""
+
+    positions: torch.Tensor
+    values: torch.Tensor
+    ranges: np.ndarray
+
+
+def _exact_select(flat: torch.Tensor, layout: Layout, ks: Sequence[int], rows: Sequence[int]) -> _Exact:
+    """Per tensor of ``rows``: the ascending positions and values of its ``k`` largest and of its
+    ``k`` smallest values, ties to the lowest index (:func:`fedcomp.codecs.sbc._exact_select` on
+    every device), laid out flat on the device with no sync (each side's length is known: ``k``,
+    or the whole tensor). Tensors of like size share a padded matrix."""
+    chunks, ranges = _exact_layout(layout.offsets, layout.numels, tuple(ks), tuple(rows), str(flat.device))
+    positions, values = [], []
+    for chunk in chunks:
+        pos, val = _exact_chunk(flat, chunk)
+        positions.append(pos)
+        values.append(val)
+    return _Exact(torch.cat(positions), torch.cat(values), ranges)
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """Tensors of like size that exact mode sorts as the rows of one padded matrix."""
+
+    width: int  # the widest tensor's values
+    k_max: int
+    meta: torch.Tensor  # (3, rows): offsets, sizes and k, on the device
+    take: torch.Tensor  # where each row's first min(k, size) entries lie in a (rows, k_max) matrix
+
+
+@lru_cache(maxsize=64)
+def _exact_layout(
+    offsets: tuple[int, ...], numels: tuple[int, ...], ks: tuple[int, ...], rows: tuple[int, ...], device: str
+) -> tuple[list[_Chunk], np.ndarray]:
+    """The chunks of ``rows`` (at most about ``_EXACT_BUDGET`` values each; a tensor larger than
+    that is a chunk of its own) and where each row's sides lie in their concatenated output: per
+    chunk, every row's high side, then every row's low side (kept: an encoder meets the same
+    layout every round)."""
+    dev = torch.device(device)
+    by_size = sorted(rows, key=lambda i: -numels[i])
+    chunks: list[_Chunk] = []
+    ranges = np.zeros((len(rows), 4), dtype=np.int64)
+    where = {row: j for j, row in enumerate(rows)}
+    start = at = 0
     while start < len(by_size):
-        width = layout.numels[by_size[start]]
+        width = numels[by_size[start]]
         end = start + 1
         while end < len(by_size) and (end - start + 1) * width <= _EXACT_BUDGET:
             end += 1
         chunk = by_size[start:end]
-        out.update(_exact_chunk(flat, layout, ks, chunk, width))
+        kk = np.array([min(ks[i], numels[i]) for i in chunk], dtype=np.int64)
+        k_max = max(ks[i] for i in chunk)
+        firsts = np.concatenate(([0], np.cumsum(kk)[:-1]))
+        take = np.concatenate([j * k_max + np.arange(n) for j, n in enumerate(kk)])
+        meta = np.array([[offsets[i] for i in chunk], [numels[i] for i in chunk], [ks[i] for i in chunk]])
+        chunks.append(_Chunk(width, k_max, to_device(meta.astype(np.int64), dev), to_device(take, dev)))
+        side = int(kk.sum())
+        for j, i in enumerate(chunk):
+            ranges[where[i]] = (
+                at + firsts[j],
+                at + firsts[j] + kk[j],
+                at + side + firsts[j],
+                at + side + firsts[j] + kk[j],
+            )
+        at += 2 * side
         start = end
-    return out
+    return chunks, ranges
 
 
-@lru_cache(maxsize=64)
-def _chunk_meta(offsets: tuple[int, ...], numels: tuple[int, ...], ks: tuple[int, ...], device: str) -> torch.Tensor:
-    """A chunk's offsets, sizes and ``k`` as one ``3 x rows`` tensor on ``device`` (kept: an
-    encoder meets the same layout every round)."""
-    return to_device(np.array([offsets, numels, ks], dtype=np.int64), torch.device(device))
-
-
-def _exact_chunk(
-    flat: torch.Tensor, layout: Layout, ks: Sequence[int], chunk: Sequence[int], width: int
-) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
-    dev = flat.device
-    offsets, numels, k = _chunk_meta(
-        tuple(layout.offsets[i] for i in chunk),
-        tuple(layout.numels[i] for i in chunk),
-        tuple(ks[i] for i in chunk),
-        str(dev),
-    ).unbind(0)
-    k_max = max(ks[i] for i in chunk)
+def _exact_chunk(flat: torch.Tensor, chunk: _Chunk) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk's sides on the device: flat positions and values, the rows' high sides, then
+    their low sides."""
+    dev, width, k_max = flat.device, chunk.width, chunk.k_max
+    offsets, numels, k = chunk.meta.unbind(0)
     cols = torch.arange(width, device=dev)
     valid = cols < numels[:, None]
     values = flat[(offsets[:, None] + cols).masked_fill_(~valid, 0)]
     keep = cols[:k_max] < k[:, None]
-    picked = []
+    positions, vals = [], []
     for largest, pad in ((True, float("-inf")), (False, float("inf"))):
         order = values.masked_fill(~valid, pad).sort(dim=1, descending=largest, stable=True).indices[:, :k_max]
         at = order.masked_fill_(~keep, width).sort(dim=1).values  # ascending; the unused at the end
-        picked += [at, values.gather(1, at.clamp(max=width - 1))]
-    positions = to_host(torch.stack([picked[0], picked[2]]))
-    vals = to_host(torch.stack([picked[1], picked[3]]))
-    out = {}
-    for j, i in enumerate(chunk):
-        kk = min(ks[i], layout.numels[i])
-        out[i] = (positions[0, j, :kk], vals[0, j, :kk], positions[1, j, :kk], vals[1, j, :kk])
-    return out
+        positions.append((at + offsets[:, None]).reshape(-1)[chunk.take])
+        vals.append(values.gather(1, at.clamp(max=width - 1)).reshape(-1)[chunk.take])
+    return torch.cat(positions), torch.cat(vals)

@@ -69,7 +69,7 @@ def test_hits_past_int32_travel_as_int64_with_the_same_bytes(codec: SBC, monkeyp
     assert got is not None and want is not None
     assert got.encoded == want.encoded == [codec.encode(t, n) for n, t in items]
     assert np.array_equal(got.kept, want.kept) and np.array_equal(got.value, want.value)
-    assert work.to_host == packed.to_host + 1  # positions and values in two copies, not one
+    assert work.to_host == 2 * packed.to_host  # positions and values in two copies, not one
 
 
 def _candidates(g: np.random.Generator, n: int, kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -94,25 +94,82 @@ def _candidates(g: np.random.Generator, n: int, kind: str) -> tuple[np.ndarray, 
     return hi, hv, lo, lv
 
 
-def test_choose_sides_is_choose_side_and_the_golomb_code() -> None:
+def _laid_out(cands: list, numels: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per-tensor candidates as ``choose_sides_flat`` takes them: flat positions (the tensors back to
+    back, in a shuffled order of sides), values, ranges and bases."""
+    bases = np.concatenate(([0], np.cumsum(numels)[:-1])).astype(np.int64)
+    pieces = [(i, side) for i in range(len(cands)) for side in (0, 1)]
+    np.random.default_rng(3).shuffle(pieces)  # the ranges, not the order, say where a side lies
+    positions, values, ranges, at = [], [], np.zeros((len(cands), 4), np.int64), 0
+    for i, side in pieces:
+        pos, val = cands[i][2 * side], cands[i][2 * side + 1]
+        positions.append(pos + bases[i])
+        values.append(val)
+        ranges[i, 2 * side : 2 * side + 2] = (at, at + pos.shape[0])
+        at += pos.shape[0]
+    return np.concatenate(positions), np.concatenate(values), ranges, bases
+
+
+def test_choose_sides_flat_is_choose_side_and_the_golomb_code() -> None:
     from fedcomp.codecs.golomb import encode_positions, golomb_b
-    from fedcomp.codecs.sbc import choose_side, choose_sides
+    from fedcomp.codecs.sbc import choose_side, choose_sides_flat
 
     g = np.random.default_rng(11)
-    kinds = ["plain", "tie", "zeros", "wide", "nan"] * 8
-    numels = [int(g.integers(40, 100_000)) for _ in kinds]
-    cands = [_candidates(g, n, kind) for n, kind in zip(numels, kinds, strict=True)]
-    got = choose_sides(cands, numels)
-    for kind, n, c, res in zip(kinds, numels, cands, got, strict=True):
-        want = choose_side(*c)
-        if kind in ("wide", "nan"):
-            assert res is None, kind  # the caller's choose_side says what (None for a NaN)
-            continue
-        assert res is not None and want is not None, kind
-        idx, mean, b, bits = res
-        assert np.array_equal(idx, want[0]) and mean == want[1], kind
-        assert b == golomb_b(idx.shape[0] / n) and bits == encode_positions(torch.from_numpy(want[0]), b)
-    assert choose_sides([], []) == []
+    for kinds in (["plain", "tie", "zeros"] * 8, ["plain", "tie", "zeros", "wide", "nan"] * 8):
+        numels = [int(g.integers(40, 100_000)) for _ in kinds]
+        cands = [_candidates(g, n, kind) for n, kind in zip(numels, kinds, strict=True)]
+        positions, values, ranges, bases = _laid_out(cands, numels)
+        found = choose_sides_flat(positions, values, ranges, bases, np.array(numels, np.int64))
+        kept, value = [], []
+        for kind, n, c, res, base in zip(kinds, numels, cands, found.sides, bases, strict=True):
+            want = choose_side(*c)
+            if kind in ("wide", "nan"):
+                assert res is None, kind  # the caller's choose_side says what (None for a NaN)
+                continue
+            assert res is not None and want is not None, kind
+            mean, nnz, b, bits, positive = res
+            assert np.array_equal(c[0] if positive else c[2], want[0]) and mean == want[1], kind
+            assert nnz == want[0].shape[0] and b == golomb_b(nnz / n)
+            assert bits == encode_positions(torch.from_numpy(want[0]), b)
+            kept.append(want[0] + base)
+            value.append(np.full(nnz, mean, np.float32))
+        if "wide" in kinds:
+            assert found.kept is None and found.value is None  # some tensor was left to Python
+        else:
+            assert found.kept is not None and found.value is not None
+            assert np.array_equal(found.kept, np.concatenate(kept))
+            assert np.array_equal(found.value, np.concatenate(value))
+    empty = choose_sides_flat(
+        np.zeros(0, np.int64), np.zeros(0, np.float32), np.zeros((0, 4), np.int64), *[np.zeros(0, np.int64)] * 2
+    )
+    assert empty.sides == []
+
+
+@given(
+    st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False, allow_subnormal=True), min_size=1, max_size=40),
+    st.integers(0, 30),
+)
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_the_kernels_mean_is_the_exact_mean_rounded_to_float32(vals: list[float], scale: int) -> None:
+    """``sides_flat``'s mean (C, 128-bit integers) against ``_round_f32`` of the exact sum (Python
+    integers), subnormal means included: one tensor whose high side is ``vals`` (as magnitudes)
+    and whose low side is one zero, so the high side is kept."""
+    from fedcomp.codecs.sbc import _exact_sum, _round_f32, choose_sides_flat
+
+    hv = np.abs(np.array(vals, np.float32)) * np.float32(2.0**-scale)
+    if not np.all(np.isfinite(hv)) or hv.sum() == 0:
+        return
+    n = 2 * hv.shape[0] + 2
+    positions = np.concatenate([np.arange(hv.shape[0]), [n - 1]]).astype(np.int64)
+    values = np.concatenate([hv, np.zeros(1, np.float32)])  # mean 0: the high side is kept, a tie too
+    ranges = np.array([[0, hv.shape[0], hv.shape[0], hv.shape[0] + 1]], np.int64)
+    found = choose_sides_flat(positions, values, ranges, np.zeros(1, np.int64), np.array([n], np.int64))
+    side = found.sides[0]
+    total = _exact_sum(hv)
+    if side is None:  # sums a float64 cannot hold exactly: left to Python
+        return
+    assert total is not None
+    assert side[4] and side[0] == _round_f32(total, hv.shape[0] << 149)
 
 
 def test_without_the_kernel_the_engine_chooses_in_python(monkeypatch) -> None:
@@ -121,7 +178,9 @@ def test_without_the_kernel_the_engine_chooses_in_python(monkeypatch) -> None:
     codec = SBC(0.02, "fast", sample_size=SAMPLE)
     items = _kinds(5)
     monkeypatch.setattr(sbc, "_KERNEL", None)
-    assert sbc.choose_sides([_candidates(np.random.default_rng(0), 100, "plain")], [100]) == [None]
+    one = [_candidates(np.random.default_rng(0), 100, "plain")]
+    found = sbc.choose_sides_flat(*_laid_out(one, [100]), np.array([100], np.int64))
+    assert found.sides == [None] and found.kept is None
     found = encode_update(codec, items)
     assert found is not None and found.encoded == [codec.encode(t, n) for n, t in items]
 
@@ -131,8 +190,10 @@ def test_exact_rows_in_many_chunks_give_the_same_bytes(monkeypatch) -> None:
     items = _kinds(3)
     want = encode_update(codec, items)
     monkeypatch.setattr(sbc_device, "_EXACT_BUDGET", 4_096)  # about a chunk per tensor
+    sbc_device._exact_layout.cache_clear()  # (the chunks are kept by layout)
     with count_device_work() as work:
         got = encode_update(codec, items)
+    sbc_device._exact_layout.cache_clear()
     assert got is not None and want is not None
     assert got.encoded == want.encoded
     assert work.by_op["aten.sort"] > 4 * 4  # (it did split: two sorts per side per chunk)

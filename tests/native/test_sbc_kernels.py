@@ -170,30 +170,77 @@ def test_kernel_argument_checks_raise_value_error():
         KERNEL.golomb_decode(b"\x00", 1, 0, 10, np.zeros(1, dtype=np.int64).tobytes())
 
 
+def _sides_flat(tasks, threads: int = 2, room: int | None = None):
+    """``sides_flat`` of ``[(hi_pos, hi_vals, lo_pos, lo_vals, n, base), ...]`` laid out flat."""
+    assert KERNEL is not None
+    pos, val, ranges, at = [], [], [], 0
+    for hp, hv, lp, lv, _, _ in tasks:
+        ranges.append([at, at + len(hp), at + len(hp), at + len(hp) + len(lp)])
+        pos += [hp, lp]
+        val += [hv, lv]
+        at += len(hp) + len(lp)
+    room = sum(max(len(t[0]), len(t[2])) for t in tasks) if room is None else room
+    kept, value = np.zeros(room, np.int64), np.zeros(room, np.float32)
+    flat_pos = np.concatenate(pos) if pos else np.zeros(0, np.int64)
+    flat_val = np.concatenate(val) if val else np.zeros(0, np.float32)
+    args = (np.array(ranges, np.int64).reshape(-1, 4), np.array([t[5] for t in tasks], np.int64))
+    sides, count = KERNEL.sides_flat(
+        flat_pos, flat_val, flat_pos, flat_val, *args, np.array([t[4] for t in tasks], np.int64),
+        golomb.LN_PHI_MINUS_1, threads, False, kept, value,
+    )  # fmt: skip
+    return sides, count, kept, value
+
+
 @needs_kernel
-def test_sides_many_checks_its_arguments_and_leaves_what_it_cannot_code():
+def test_sides_flat_checks_its_arguments_and_leaves_what_it_cannot_code():
     assert KERNEL is not None
     pos, val = np.array([1, 4], dtype=np.int64), np.array([0.5, 2.0], dtype=np.float32)
     neg = np.array([2], dtype=np.int64), np.array([-1.0], dtype=np.float32)
-    ok = (pos, val, *neg, 10)
     b = golomb.golomb_b(0.2)
-    assert KERNEL.sides_many([ok], golomb.LN_PHI_MINUS_1, 2, False) == [(2.5, 2, b, KERNEL.golomb_encode(pos, b), True)]
+    code = KERNEL.golomb_encode(pos, b)
+    for base in (0, 1000):  # positions are base + the tensor's own, coded less base
+        ok = (pos + base, val, neg[0] + base, neg[1], 10, base)
+        sides, count, kept, value = _sides_flat([ok])
+        assert sides == [(1.25, 2, b, code, True)] and count == 2
+        assert kept.tolist() == [1 + base, 4 + base] and value.tolist() == [1.25, 1.25]
+    ok = (pos, val, *neg, 10, 0)
+    lo_wins = (pos + 10, -val, neg[0] + 10, np.array([-5.0], np.float32), 10, 10)
+    sides, count, kept, value = _sides_flat([ok, lo_wins])
+    assert sides[1] == (-5.0, 1, golomb.golomb_b(0.1), KERNEL.golomb_encode(neg[0], golomb.golomb_b(0.1)), False)
+    assert count == 3 and kept.tolist()[:3] == [1, 4, 12] and value.tolist()[:3] == [1.25, 1.25, -5.0]
+    flat = np.concatenate([pos, neg[0]])
+    flat_v = np.concatenate([val, neg[1]])
+    z = np.zeros(1, np.int64)
+    room = np.zeros(3, np.int64), np.zeros(3, np.float32)
     for bad in (
-        (pos, val[:1], *neg, 10),  # fewer values than positions
-        (pos.astype(np.int32), val, *neg, 10),  # 4-byte positions: lengths disagree
-        (pos, val, *neg, 0),  # no elements
+        (flat, flat_v[:2], flat, flat_v, np.array([[0, 2, 2, 3]]), z, z + 10),  # fewer values than positions
+        (flat, flat_v, flat, flat_v, np.array([[0, 2, 2, 4]]), z, z + 10),  # a range past the arrays
+        (flat, flat_v, flat, flat_v, np.array([[2, 1, 2, 3]]), z, z + 10),  # a range that ends before it starts
+        (flat, flat_v, flat, flat_v, np.array([[0, 2, 2, 3]]), z, z),  # no elements
+        (flat, flat_v, flat, flat_v, np.array([[0, 2, 2, 3, 0]]), z, z + 10),  # ranges of 5
     ):
-        with pytest.raises(ValueError, match="sides_many: task 0"):
-            KERNEL.sides_many([bad], golomb.LN_PHI_MINUS_1, 1, False)
-    with pytest.raises(TypeError):
-        KERNEL.sides_many([(pos, val, *neg)], golomb.LN_PHI_MINUS_1, 1, False)
-    # positions out of order or past n, a value not finite: left to the Python path (None)
+        with pytest.raises(ValueError, match="sides_flat"):
+            KERNEL.sides_flat(*bad, golomb.LN_PHI_MINUS_1, 1, False, *room)
+    with pytest.raises(ValueError, match="sides_flat"):  # as many values as kept positions
+        KERNEL.sides_flat(
+            flat, flat_v, flat, flat_v, np.array([[0, 2, 2, 3]]), z, z + 10, 0.5, 1, False, room[0], room[1][:2]
+        )
+    with pytest.raises(TypeError):  # a read-only output
+        KERNEL.sides_flat(
+            flat, flat_v, flat, flat_v, np.array([[0, 2, 2, 3]]), z, z + 10, 0.5, 1, False, room[0].tobytes(), room[1]
+        )
+    # positions out of order or past n, a value not finite: left to the Python path (None); then
+    # no kept positions are written (count -1)
     for left in (
-        (pos[::-1].copy(), val, *neg, 10),
-        (pos, val, *neg, 4),
-        (pos, np.array([np.inf, 1.0], dtype=np.float32), *neg, 10),
+        (pos[::-1].copy(), val, *neg, 10, 0),
+        (pos, val, *neg, 4, 0),
+        (pos + 5, val, neg[0] + 5, neg[1], 10, 7),  # below the base
+        (pos, np.array([np.inf, 1.0], dtype=np.float32), *neg, 10, 0),
     ):
-        assert KERNEL.sides_many([ok, left], golomb.LN_PHI_MINUS_1, 2, False)[1] is None
+        sides, count, kept, _ = _sides_flat([ok, left])
+        assert sides[0] is not None and sides[1] is None and count == -1 and not kept.any()
+    sides, count, _, _ = _sides_flat([ok], room=1)  # no room for the kept positions: none written
+    assert sides[0] is not None and count == -1
 
 
 @needs_kernel
