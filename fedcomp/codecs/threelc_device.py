@@ -5,13 +5,14 @@ server's downlink when its model lives on a GPU, and the client's decoding of it
 The update is one flat buffer (:class:`fedcomp.codecs.flat.Layout`):
 
 - **Encode** (:func:`encode_update`): every tensor's ``max|T|`` in two balanced segmented
-  reductions (:func:`fedcomp.codecs.segments.segment_max`); the scales ``m`` on the host
-  (:func:`fedcomp.codecs.threelc.scale_for`, float32 arithmetic, as every path); ``q = round(T /
-  m)`` for all values in one true division by each value's own scale (gathered by the values'
-  tensor indices, :func:`fedcomp.codecs.segments.segment_ids`, no sync), so the bytes are those
-  of the per-tensor division; the base-3^5 packing of every tensor's five parts by five gathers over the
-  packed bytes of the whole update (a byte's five digits sit at ``k * G + j`` of its tensor,
-  ``G = ceil(n / 5)``); the packed bytes to the host in one copy, where every tensor's zero runs
+  reductions (:func:`fedcomp.codecs.segments.segment_max`); the scales ``m`` on the device
+  (:func:`fedcomp.codecs.threelc.scale_for`'s float32 arithmetic, as every path, with no sync);
+  ``q = round(T / m)`` for all values in one true division by each value's own scale (gathered by
+  the values' tensor indices, :func:`fedcomp.codecs.segments.segment_ids`, no sync), so the bytes
+  are those of the per-tensor division; the base-3^5 packing of every tensor's five parts by five
+  gathers over the packed bytes of the whole update (a byte's five digits sit at ``k * G + j`` of
+  its tensor, ``G = ceil(n / 5)``); the packed bytes, the scales and the finiteness flag to the
+  host in one copy (the only sync), where every tensor's zero runs
   are coded by one call of the C kernel (``zero_runs_many``; tensor by tensor in NumPy without
   it). The reconstruction ``m * q``, when asked for (error feedback), is one multiply.
 - **Decode** (:func:`decode_into`): the payloads are checked on the host and reduced to their
@@ -39,7 +40,7 @@ from fedcomp.codecs.base import TensorSpec
 from fedcomp.codecs.flat import Layout, host_side, to_device, to_host
 from fedcomp.codecs.sbc import team_threads
 from fedcomp.codecs.segments import segment_ids, segment_max
-from fedcomp.codecs.threelc import WEIGHTS, ThreeLC, _zero_run_encode_np, groups, scale_for
+from fedcomp.codecs.threelc import _F32_MAX, WEIGHTS, ThreeLC, _zero_run_encode_np, groups
 from fedcomp.errors import PayloadError
 from fedcomp.wire.payloads import EncodedTensor, Payload, ThreeLCPayload
 
@@ -84,13 +85,10 @@ def encode_update(
     if flat is None:
         flat = torch.cat([t.detach().reshape(-1) for _, t in tensors])
     dev = flat.device
-    top = segment_max(flat.abs(), layout.numels)  # NaN where a NaN is
-    finite_and_top = to_host(torch.cat([torch.isfinite(flat).all().to(top.dtype).reshape(1), top]))
-    if finite_and_top[0] != 1.0:
-        return None
-    with host_side():
-        scales = np.array([scale_for(float(v), codec.s) for v in finite_and_top[1:]], dtype=np.float32)
-    m = to_device(scales, dev)
+    # scale_for on the device: float32(s) * max|T| in float32 arithmetic (exact: s is a float32),
+    # an infinite product clamped to the float32 maximum; a NaN stays (the update is refused below).
+    m = (segment_max(flat.abs(), layout.numels) * float(np.float32(codec.s))).clamp_(max=_F32_MAX)
+    finite = torch.isfinite(flat).all()
     # Division by each value's own scale (never a multiplication by 1 / m: the per-tensor bytes);
     # a tensor whose scale is 0 is all zeros: divided by 1 instead, every q is 0.
     ids = segment_ids(layout.numels, dev)
@@ -106,9 +104,13 @@ def encode_update(
         inside = at < plan.end
         digit = q[torch.where(inside, at, 0)].add_(1.0).mul_(inside)  # the padding digit is 0
         packed.add_(digit, alpha=w)
-    data = to_host(packed.to(torch.uint8))
+    # the packed bytes, the scales and the finiteness flag in one copy to the host
+    both = to_host(torch.cat([packed.to(torch.uint8), m.view(torch.uint8), finite.to(torch.uint8).reshape(1)]))
     del q, packed
+    if not both[-1]:
+        return None
     with host_side():
+        data, scales = both[: plan.first.shape[0]], both[plan.first.shape[0] : -1].view(np.float32)
         bodies = _bodies(data, layout.numels, codec.zero_run)
         encoded = [
             codec._envelope(t, name, ThreeLCPayload(scale=float(scale), numel=n, zero_run=codec.zero_run, data=body))
