@@ -1222,51 +1222,90 @@ static inline float load_f32(const uint8_t *p) {
     return x;
 }
 
-/* reply_check(tasks, scratch) -> (bad, squares): decode kind 0's positions into int64 `scratch`
- * and check kind 1's values are finite, summing the squares of all (nnz * value**2 for kind 0);
- * `bad` is the index of the first task that fails (the caller reruns its Python check for the
- * error), else -1. */
+/* One task of reply_check: 1 where it passes (its positions decoded, its values finite), and its
+ * squares into *squares. */
+static int check_task(const reply_task *t, int64_t *pos, double *squares) {
+    if (t->kind == 0) {
+        *squares = (double)t->nnz * t->value * t->value;
+        return decode_core(t->buf, t->len, t->nnz, t->b, t->numel, pos + t->offset);
+    }
+    double s = 0.0;
+    int finite = 1;
+    for (Py_ssize_t j = 0; j < (Py_ssize_t)t->numel; j++) {
+        double x = (double)load_f32(t->buf + 4 * j);
+        finite &= isfinite(x) != 0;
+        s += x * x;
+    }
+    *squares = s;
+    return finite;
+}
+
+typedef struct {
+    const reply_task *tasks;
+    Py_ssize_t ntasks, next; /* next: the first task no thread has taken (atomic) */
+    int64_t *pos;
+    double *squares;
+    int *ok;
+} check_job;
+
+static void check_body(void *arg) {
+    check_job *job = arg;
+    for (;;) {
+        Py_ssize_t i = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
+        if (i >= job->ntasks) break;
+        job->ok[i] = check_task(&job->tasks[i], job->pos, &job->squares[i]);
+    }
+}
+
+/* reply_check(tasks, scratch[, threads, use_team]) -> (bad, squares): decode kind 0's positions
+ * into int64 `scratch` and check kind 1's values are finite, summing the squares of all (nnz *
+ * value**2 for kind 0, in the tasks' order); `bad` is the index of the first task that fails (the
+ * caller reruns its Python check for the error), else -1. On one thread (the default: a server
+ * checks replies while others are added) the tasks after a failing one are not run; on more, every
+ * task runs (each writes only its own part of scratch) and the result is the same. */
 static PyObject *reply_check(PyObject *self, PyObject *args) {
     PyObject *list, *result = NULL;
     Py_buffer scratch;
+    int threads = 1, use_team = 0;
     (void)self;
-    if (!PyArg_ParseTuple(args, "O!w*", &PyList_Type, &list, &scratch)) return NULL;
+    if (!PyArg_ParseTuple(args, "O!w*|ip", &PyList_Type, &list, &scratch, &threads, &use_team)) return NULL;
     Py_ssize_t ntasks = PyList_GET_SIZE(list), held = 0;
     reply_task *tasks = PyMem_Calloc(ntasks ? (size_t)ntasks : 1, sizeof(reply_task));
     Py_buffer *views = PyMem_Calloc(ntasks ? (size_t)ntasks : 1, sizeof(Py_buffer));
-    if (tasks == NULL || views == NULL) {
+    double *squares = PyMem_Calloc(ntasks ? (size_t)ntasks : 1, sizeof(double));
+    int *ok = PyMem_Calloc(ntasks ? (size_t)ntasks : 1, sizeof(int));
+    if (tasks == NULL || views == NULL || squares == NULL || ok == NULL) {
         PyErr_NoMemory();
         goto done;
     }
     if (reply_tasks(list, scratch.len / 8, tasks, views, &held) < 0) goto done;
     Py_ssize_t bad = -1;
-    double squares = 0.0;
+    double total = 0.0;
     int64_t *pos = (int64_t *)scratch.buf;
     Py_BEGIN_ALLOW_THREADS;
-    for (Py_ssize_t i = 0; i < ntasks && bad < 0; i++) {
-        const reply_task *t = &tasks[i];
-        if (t->kind == 0) {
-            if (!decode_core(t->buf, t->len, t->nnz, t->b, t->numel, pos + t->offset)) bad = i;
-            squares += (double)t->nnz * t->value * t->value;
-        } else {
-            double s = 0.0;
-            int finite = 1;
-            for (Py_ssize_t j = 0; j < (Py_ssize_t)t->numel; j++) {
-                double x = (double)load_f32(t->buf + 4 * j);
-                finite &= isfinite(x) != 0;
-                s += x * x;
+    if (threads > 1 && ntasks > 1) {
+        check_job job = {tasks, ntasks, 0, pos, squares, ok};
+        team_run(check_body, &job, threads, use_team);
+    } else {
+        for (Py_ssize_t i = 0; i < ntasks; i++)
+            if (!(ok[i] = check_task(&tasks[i], pos, &squares[i]))) {
+                ntasks = i + 1; /* (the rest are not run, nor counted) */
+                break;
             }
-            if (!finite) bad = i;
-            squares += s;
-        }
+    }
+    for (Py_ssize_t i = 0; i < ntasks && bad < 0; i++) {
+        total += squares[i];
+        if (!ok[i]) bad = i;
     }
     Py_END_ALLOW_THREADS;
-    result = Py_BuildValue("nd", bad, squares);
+    result = Py_BuildValue("nd", bad, total);
 done:
     for (Py_ssize_t i = 0; i < held; i++) PyBuffer_Release(&views[i]);
     PyBuffer_Release(&scratch);
     PyMem_Free(tasks);
     PyMem_Free(views);
+    PyMem_Free(squares);
+    PyMem_Free(ok);
     return result;
 }
 

@@ -15,6 +15,7 @@ import torch
 
 from fedcomp import _native
 from fedcomp.codecs.golomb import decode_positions
+from fedcomp.codecs.sbc import team_threads
 from fedcomp.errors import PayloadError
 
 _KERNEL = _native.load("sbc")
@@ -56,14 +57,17 @@ class ScatterSum:
         self.tasks.append((1, data, 0, 0, numel, 0, 0.0))
         self.names.append(name)
 
-    def check(self) -> float:
+    def check(self, threads: int | None = None) -> float:
         """Decode every position stream (into a scratch of the update's total ``nnz`` positions,
         the only allocation) and check every value is finite; the update's squared norm. Raise
         :class:`PayloadError` naming the first tensor that fails, worded as the per-tensor
-        decoders word it."""
+        decoders word it. The tensors spread over ``threads`` threads (default: torch's, one
+        inside a :func:`fedcomp.codecs.sbc.run_jobs` lane); the result is the same on any
+        number."""
         assert _KERNEL is not None, "check available() first"
         self._scratch = np.empty(self._nnz, dtype=np.int64)
-        bad, squares = _KERNEL.reply_check(self.tasks, self._scratch)
+        threads = team_threads()[0] if threads is None else threads
+        bad, squares = _KERNEL.reply_check(self.tasks, self._scratch, threads, os.getpid() == _KERNEL_PID)
         if bad >= 0:
             self._scratch = None
             kind, buf, nnz, b, numel = self.tasks[bad][:5]

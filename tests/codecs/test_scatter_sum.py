@@ -120,6 +120,33 @@ def test_the_adds_are_the_same_on_any_number_of_threads():
         two.add_into(1.0, [same, same], threads=2)
 
 
+@needs_kernel
+@pytest.mark.parametrize("broken", [None, 0, 1, 17, 38, 39], ids=lambda b: f"broken={b}")
+def test_the_check_is_the_same_on_any_number_of_threads(broken: int | None):
+    """``check(threads=)``: the squared norm (summed in the tensors' order), the positions and the
+    first tensor that fails, whichever thread ran it; a failing tensor is a position stream cut
+    short or a value made infinite."""
+    s, _ = _many(9)
+    for i in [] if broken is None else sorted({broken, 39}):  # a later tensor fails too
+        kind, buf, *rest = s.tasks[i]
+        if kind == 0:
+            s.tasks[i] = (kind, bytes(buf)[:1], *rest)
+        else:
+            raw = bytearray(buf)
+            raw[-4:] = np.array([np.inf], np.float32).tobytes()
+            s.tasks[i] = (kind, bytes(raw), *rest)
+    outcomes = []
+    for threads in (1, 2, 3, 8):
+        try:
+            squares = s.check(threads=threads)
+            outcomes.append((squares, s.decoded_positions().tolist()))
+        except PayloadError as exc:
+            outcomes.append((str(exc), None))
+    assert all(o == outcomes[0] for o in outcomes), [o[0] for o in outcomes]
+    if broken is not None:
+        assert s.names[broken] in outcomes[0][0]
+
+
 def _add_in_child(queue) -> None:  # type: ignore[no-untyped-def]
     s, sizes = _many(8)
     outs = [np.zeros(n) for n in sizes]
