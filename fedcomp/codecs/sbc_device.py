@@ -364,13 +364,13 @@ def _exact_chunk(flat: torch.Tensor, chunk: _Chunk) -> tuple[torch.Tensor, torch
     dev, width, k_max = flat.device, chunk.width, chunk.k_max
     offsets, numels, k = chunk.meta.unbind(0)
     cols = torch.arange(width, device=dev)
-    valid = cols < numels[:, None]
-    values = flat[(offsets[:, None] + cols).masked_fill_(~valid, 0)]
-    keep = cols[:k_max] < k[:, None]
+    padding = cols >= numels[:, None]
+    values = flat[(offsets[:, None] + cols).masked_fill_(padding, 0)]
+    unused = cols[:k_max] >= k[:, None]
     positions, vals = [], []
     for largest, pad in ((True, float("-inf")), (False, float("inf"))):
-        order = values.masked_fill(~valid, pad).sort(dim=1, descending=largest, stable=True).indices[:, :k_max]
-        at = order.masked_fill_(~keep, width).sort(dim=1).values  # ascending; the unused at the end
+        order = values.masked_fill(padding, pad).sort(dim=1, descending=largest, stable=True).indices[:, :k_max]
+        at = order.masked_fill_(unused, width).sort(dim=1).values  # ascending; the unused at the end
         positions.append((at + offsets[:, None]).reshape(-1)[chunk.take])
         vals.append(values.gather(1, at.clamp(max=width - 1)).reshape(-1)[chunk.take])
     return torch.cat(positions), torch.cat(vals)
