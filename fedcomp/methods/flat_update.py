@@ -32,7 +32,7 @@ import torch
 
 from fedcomp.codecs import threelc_device
 from fedcomp.codecs.base import Codec, TensorSpec
-from fedcomp.codecs.dense import _DenseCodec
+from fedcomp.codecs.dense import DenseFP16, DenseFP32, Identity, _DenseCodec
 from fedcomp.codecs.flat import Layout, concrete_device, host_side, to_device, to_host
 from fedcomp.codecs.sbc import SBC
 from fedcomp.codecs.sbc_device import encode_update
@@ -41,7 +41,8 @@ from fedcomp.codecs.scatter_sum import available as scatter_sum_available
 from fedcomp.codecs.threelc import ThreeLC
 from fedcomp.errors import PayloadError
 from fedcomp.methods.feedback import ErrorFeedback
-from fedcomp.wire.payloads import DensePayload, EncodedTensor, EncodedUpdate
+from fedcomp.wire.fast_writer import DeferredDensePayload
+from fedcomp.wire.payloads import TORCH_DTYPES, DensePayload, EncodedTensor, EncodedUpdate
 
 
 def _one_device(tensors: Iterable[torch.Tensor]) -> torch.device | None:
@@ -65,12 +66,14 @@ def encode_on_device(
     device: torch.device | None = None,
 ) -> tuple[EncodedUpdate, dict[str, torch.Tensor] | None] | None:
     """:meth:`UpdateEncoder.encode` (no per-tensor codecs) of ``tensors`` on one non-CPU device
-    with an SBC or 3LC ``codec``, and with ``keep_sent`` what the receiver decodes of it (float32, on the
-    device: :attr:`UpdateEncoder.sent`), or None where this is not that case (then the per-tensor
-    path runs): the same bytes, residuals and reconstructions. ``device``: run on that device even
-    when it is the CPU (what the tests do to compare with the per-tensor path)."""
-    if not tensors or not isinstance(codec, SBC | ThreeLC):
+    with an SBC, 3LC or plain dense ``codec``, and with ``keep_sent`` what the receiver decodes of
+    it (float32, on the device: :attr:`UpdateEncoder.sent`), or None where this is not that case
+    (then the per-tensor path runs): the same bytes, residuals and reconstructions. ``device``: run
+    on that device even when it is the CPU (what the tests do to compare with the per-tensor path)."""
+    if not tensors or not isinstance(codec, SBC | ThreeLC | DenseFP16 | DenseFP32 | Identity):
         return None
+    if isinstance(codec, _DenseCodec) and type(codec) not in (DenseFP16, DenseFP32, Identity):
+        return None  # (a subclass may code otherwise)
     dev = concrete_device(device) if device is not None else _one_device(tensors.values())
     if dev is None or any(t.device != dev for t in tensors.values()):
         return None
@@ -132,7 +135,7 @@ _EXACT_IN_FLOAT32 = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _encode_large(
-    codec: SBC | ThreeLC,
+    codec: SBC | ThreeLC | _DenseCodec,
     large: list[tuple[str, torch.Tensor]],
     layout: Layout,
     acc: torch.Tensor,
@@ -143,6 +146,8 @@ def _encode_large(
     ``keep_sent``, the reconstruction (flat); the residual taken off ``acc`` and kept. None where a
     value is not finite."""
     want_recon = feedback is not None or keep_sent
+    if isinstance(codec, _DenseCodec):
+        return _encode_dense(codec, large, layout, acc, feedback, want_recon)
     if isinstance(codec, ThreeLC):
         coded = threelc_device.encode_update(codec, large, flat=acc, want_recon=want_recon)
         if coded is None:
@@ -165,6 +170,36 @@ def _encode_large(
             acc.index_put_((kept,), value.neg_(), accumulate=True)
             feedback.keep_flat(layout, acc)
     return found.encoded, recon
+
+
+def _encode_dense(
+    codec: _DenseCodec,
+    large: list[tuple[str, torch.Tensor]],
+    layout: Layout,
+    acc: torch.Tensor,
+    feedback: ErrorFeedback | None,
+    want_recon: bool,
+) -> tuple[list[EncodedTensor], torch.Tensor | None]:
+    """:func:`_encode_large` for a plain dense codec: the values cast to the wire dtype on the
+    device and copied to the host once; each tensor's payload a view of that copy, written into
+    the update's bytes by the wire kernel (:class:`DeferredDensePayload`: a copy there, no cast).
+    The reconstruction is the cast back; the residual, the accumulator less it (float32 to
+    float32: zeros), as :meth:`ErrorFeedback.encode_with_reconstruction` keeps per tensor."""
+    encoding = codec._wire or "float32"  # (the tensors are float32)
+    wire = acc.to(TORCH_DTYPES[encoding])
+    host = layout.views(torch.from_numpy(to_host(wire)))
+    encoded = [codec._envelope(t, name, DeferredDensePayload(encoding, host[name])) for name, t in large]
+    recon = None
+    if want_recon:
+        if wire is acc:  # float32 on the wire: the receiver decodes the accumulator itself
+            recon = acc
+            if feedback is not None:  # acc - recon: zeros (NaN where acc is not finite), as per tensor
+                feedback.keep_flat(layout, acc - acc)
+        else:
+            recon = wire.to(torch.float32)
+            if feedback is not None:
+                feedback.keep_flat(layout, acc.sub_(recon))
+    return encoded, recon
 
 
 def decode_on_device(
