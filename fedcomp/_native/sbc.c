@@ -760,8 +760,8 @@ static void code_side(sbc_coded *c, const int64_t *hp, const float *hv, Py_ssize
 }
 
 /* The result list of `ntasks` tasks of `stride` bytes, each starting with its sbc_coded: None where
- * left to the Python path, else (sum, nnz, b, bits), with the side (True: positive) when with_side. */
-static PyObject *coded_results(const void *tasks, size_t stride, Py_ssize_t ntasks, int with_side) {
+ * left to the Python path, else (sum, nnz, b, bits). */
+static PyObject *coded_results(const void *tasks, size_t stride, Py_ssize_t ntasks) {
     PyObject *result = PyList_New(ntasks);
     for (Py_ssize_t i = 0; result != NULL && i < ntasks; i++) {
         const sbc_coded *c = (const sbc_coded *)((const char *)tasks + (size_t)i * stride);
@@ -769,9 +769,6 @@ static PyObject *coded_results(const void *tasks, size_t stride, Py_ssize_t ntas
         if (!c->done) {
             Py_INCREF(Py_None);
             item = Py_None;
-        } else if (with_side) {
-            item = Py_BuildValue("dniy#O", c->sum, c->nnz, c->b, (const char *)c->bits, c->nbytes,
-                                 c->positive ? Py_True : Py_False);
         } else {
             item = Py_BuildValue("dniy#", c->sum, c->nnz, c->b, (const char *)c->bits, c->nbytes);
         }
@@ -783,11 +780,11 @@ static PyObject *coded_results(const void *tasks, size_t stride, Py_ssize_t ntas
 
 /* Run `body` over `job` on up to `threads` threads without the GIL, then coded_results. */
 static PyObject *run_coded(void (*body)(void *), void *job, int threads, int use_team, const void *tasks, size_t stride,
-                           Py_ssize_t ntasks, int with_side) {
+                           Py_ssize_t ntasks) {
     Py_BEGIN_ALLOW_THREADS;
-    team_run(body, job, threads < 1 ? 1 : threads, use_team);
+    team_run(body, job, threads, use_team);
     Py_END_ALLOW_THREADS;
-    return coded_results(tasks, stride, ntasks, with_side);
+    return coded_results(tasks, stride, ntasks);
 }
 
 /* Release what a call of coded tasks holds: views[0, held), the tasks' codes and both arrays. */
@@ -834,9 +831,7 @@ static void sbc_body(void *arg) {
     int64_t *hp = malloc(8 * cap), *lp = malloc(8 * cap);
     float *hv = malloc(4 * cap), *lv = malloc(4 * cap);
     if (work != NULL && hp != NULL && lp != NULL && hv != NULL && lv != NULL) /* else the others do it */
-        for (;;) {
-            Py_ssize_t i = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
-            if (i >= job->ntasks) break;
+        for (Py_ssize_t i; (i = team_next(&job->next, job->ntasks)) >= 0;) {
             sbc_run(job, &job->tasks[i], work, hp, hv, lp, lv);
         }
     free(work);
@@ -887,7 +882,7 @@ static PyObject *encode_many(PyObject *self, PyObject *args) {
         job.cap = cap > job.cap ? cap : job.cap;
         job.work = work > job.work ? work : job.work;
     }
-    result = run_coded(sbc_body, &job, threads, use_team, tasks, sizeof(sbc_task), ntasks, 0);
+    result = run_coded(sbc_body, &job, threads, use_team, tasks, sizeof(sbc_task), ntasks);
 done:
     release_coded(views, held, tasks, sizeof(sbc_task), ntasks);
     return result;
@@ -920,9 +915,7 @@ static void side_run(const side_job *job, side_task *t) {
 
 static void side_body(void *arg) {
     side_job *job = arg;
-    for (;;) {
-        Py_ssize_t i = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
-        if (i >= job->ntasks) break;
+    for (Py_ssize_t i; (i = team_next(&job->next, job->ntasks)) >= 0;) {
         side_run(job, &job->tasks[i]);
     }
 }
@@ -967,6 +960,7 @@ static PyObject *sides_flat(PyObject *self, PyObject *args) {
     int threads, use_team;
     PyObject *result = NULL, *list = NULL;
     side_task *tasks = NULL;
+    double *means = NULL; /* each coded tensor's mean, rounded to float32 */
     Py_ssize_t ntasks = 0;
     (void)self;
     if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*y*dipw*w*", &hp, &hv, &lp, &lv, &rg, &bs, &nm, &ln_phi, &threads,
@@ -982,7 +976,8 @@ static PyObject *sides_flat(PyObject *self, PyObject *args) {
         goto done;
     }
     tasks = PyMem_Calloc(ntasks ? (size_t)ntasks : 1, sizeof(side_task));
-    if (tasks == NULL) {
+    means = PyMem_Calloc(ntasks ? (size_t)ntasks : 1, sizeof(double));
+    if (tasks == NULL || means == NULL) {
         PyErr_NoMemory();
         goto done;
     }
@@ -1005,7 +1000,7 @@ static PyObject *sides_flat(PyObject *self, PyObject *args) {
     }
     side_job job = {tasks, ntasks, 0, ln_phi};
     Py_BEGIN_ALLOW_THREADS;
-    team_run(side_body, &job, threads < 1 ? 1 : threads, use_team);
+    team_run(side_body, &job, threads, use_team);
     Py_END_ALLOW_THREADS;
     list = PyList_New(ntasks);
     Py_ssize_t count = 0;
@@ -1019,8 +1014,9 @@ static PyObject *sides_flat(PyObject *self, PyObject *args) {
             item = Py_None;
         } else {
             count += c->nnz;
-            item = Py_BuildValue("dniy#O", c->nnz ? mean_f32(c->sum, c->nnz) : 0.0, c->nnz, c->b, (const char *)c->bits,
-                                 c->nbytes, c->positive ? Py_True : Py_False);
+            means[i] = c->nnz ? mean_f32(c->sum, c->nnz) : 0.0;
+            item = Py_BuildValue("dniy#O", means[i], c->nnz, c->b, (const char *)c->bits, c->nbytes,
+                                 c->positive ? Py_True : Py_False);
         }
         if (item == NULL) Py_CLEAR(list);
         else PyList_SET_ITEM(list, i, item);
@@ -1034,7 +1030,7 @@ static PyObject *sides_flat(PyObject *self, PyObject *args) {
         for (Py_ssize_t i = 0; i < ntasks; i++) {
             const side_task *t = &tasks[i];
             const int64_t *from = t->out.positive ? t->hp : t->lp;
-            float mean = (float)(t->out.nnz ? mean_f32(t->out.sum, t->out.nnz) : 0.0);
+            float mean = (float)means[i];
             for (Py_ssize_t j = 0; j < t->out.nnz; j++) {
                 *k++ = from[j];
                 *v++ = mean;
@@ -1048,6 +1044,7 @@ done:
     if (tasks != NULL)
         for (Py_ssize_t i = 0; i < ntasks; i++) free(tasks[i].out.bits);
     PyMem_Free(tasks);
+    PyMem_Free(means);
     Py_buffer *views[] = {&hp, &hv, &lp, &lv, &rg, &bs, &nm, &kp, &vl};
     for (size_t i = 0; i < sizeof(views) / sizeof(views[0]); i++)
         if (views[i]->obj != NULL) PyBuffer_Release(views[i]);
@@ -1250,9 +1247,7 @@ typedef struct {
 
 static void check_body(void *arg) {
     check_job *job = arg;
-    for (;;) {
-        Py_ssize_t i = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
-        if (i >= job->ntasks) break;
+    for (Py_ssize_t i; (i = team_next(&job->next, job->ntasks)) >= 0;) {
         job->ok[i] = check_task(&job->tasks[i], job->pos, &job->squares[i]);
     }
 }
@@ -1337,9 +1332,7 @@ static void reply_add_task(const reply_job *job, const reply_task *t, double *o,
 static void reply_body(void *arg) {
     reply_job *job = arg;
     int bad = 0;
-    for (;;) {
-        Py_ssize_t i = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
-        if (i >= job->ntasks) break;
+    for (Py_ssize_t i; (i = team_next(&job->next, job->ntasks)) >= 0;) {
         reply_add_task(job, &job->tasks[i], job->outs[i], &bad);
     }
     if (bad) __atomic_store_n(&job->bad, 1, __ATOMIC_RELAXED);
@@ -1389,7 +1382,7 @@ static PyObject *reply_add(PyObject *self, PyObject *args) {
     }
     reply_job job = {tasks, ntasks, 0, (const int64_t *)scratch.buf, weight, outp, 0};
     Py_BEGIN_ALLOW_THREADS;
-    team_run(reply_body, &job, threads < 1 ? 1 : threads, use_team);
+    team_run(reply_body, &job, threads, use_team);
     Py_END_ALLOW_THREADS;
     if (job.bad) PyErr_SetString(PyExc_ValueError, "reply_add: a position in scratch is outside its tensor");
     else {

@@ -50,10 +50,18 @@ static inline void *team_thread(void *arg) {
 
 #define TEAM_MAX 16
 
-/* body(arg) on up to `threads` threads at once, the calling thread one of them (call it with the
- * GIL released). Each call must take its own share of the work (an atomic counter): the runtime
- * may grant fewer threads, down to the calling thread alone, which then does it all. */
+/* The next of n tasks a body of team_run takes (`next`: the job's counter, from 0), or -1 when
+ * every task is taken: the threads that are there share the tasks in turn. */
+static inline Py_ssize_t team_next(Py_ssize_t *next, Py_ssize_t n) {
+    Py_ssize_t i = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
+    return i < n ? i : -1;
+}
+
+/* body(arg) on up to `threads` threads at once (at least one), the calling thread one of them
+ * (call it with the GIL released). Each call must take its own share of the work (team_next): the
+ * runtime may grant fewer threads, down to the calling thread alone, which then does it all. */
 static inline void team_run(void (*body)(void *), void *arg, int threads, int use_team) {
+    if (threads < 1) threads = 1;
     if (threads > TEAM_MAX) threads = TEAM_MAX;
     if (threads > 1 && use_team && omp_found()) {
         GOMP_PARALLEL(body, arg, (unsigned)threads, 0);

@@ -745,9 +745,7 @@ typedef struct {
 
 static void zero_runs_body(void *arg) {
     zero_runs_job *job = arg;
-    for (;;) {
-        Py_ssize_t i = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
-        if (i >= job->ntasks) break;
+    for (Py_ssize_t i; (i = team_next(&job->next, job->ntasks)) >= 0;) {
         int64_t at = job->starts[i];
         job->lengths[i] = (int64_t)zero_runs_one(job->data + at, (Py_ssize_t)job->groups[i], job->out + at);
     }
@@ -783,7 +781,7 @@ static PyObject *zero_runs_many(PyObject *self, PyObject *args) {
     if (check_len(&out, data.len, 1, "zero_runs_many out")) goto done; /* a coding is never longer */
     zero_runs_job job = {(const uint8_t *)data.buf, (uint8_t *)out.buf, g, starts, (int64_t *)lb.buf, ntensors, 0};
     Py_BEGIN_ALLOW_THREADS
-    team_run(zero_runs_body, &job, threads < 1 ? 1 : threads, use_team);
+    team_run(zero_runs_body, &job, threads, use_team);
     Py_END_ALLOW_THREADS
     result = Py_None;
     Py_INCREF(result);

@@ -30,6 +30,7 @@ import torch
 
 from fedcomp.codecs.base import TensorSpec
 from fedcomp.codecs.flat import to_device, to_host
+from fedcomp.methods.flat_update import buffers_fit
 from fedcomp.wire.payloads import TORCH_DTYPES, EncodedUpdate
 from fedcomp.wire.serde import DenseFrames
 
@@ -93,17 +94,8 @@ def read_on_device(
         return None
     if any(spec.dtype != torch.float32 for spec in specs):
         return None
-    targets: list[torch.Tensor] | None = None
-    if out is not None:
-        targets = [t for spec in specs if (t := out.get(spec.name)) is not None]
-        if len(targets) != len(specs) or not all(
-            tuple(t.shape) == tuple(spec.shape)
-            and t.dtype == torch.float32
-            and t.is_contiguous()
-            and t.device == device
-            for t, spec in zip(targets, specs, strict=True)
-        ):
-            return None
+    if out is not None and not buffers_fit(out, specs, device):
+        return None
     sizes = [spec.numel for spec in specs]
     staged = {enc: torch.empty(sum(sizes[i] for i in rows), dtype=TORCH_DTYPES[enc]) for enc, rows in groups.items()}
     base = frames.read(data, _by_frame(groups, staged, sizes))
@@ -119,7 +111,8 @@ def read_on_device(
             part.copy_(to_device(buf.numpy(), device))  # the cast, on the device
         at += buf.numel()
     decoded = [v.view(spec.shape) for v, spec in zip(_by_frame(groups, parts, sizes), specs, strict=True)]
-    if targets is not None:
+    if out is not None:
+        targets = [out[spec.name] for spec in specs]
         torch._foreach_copy_(targets, decoded)
         decoded = targets
     return frames.update(data, base), {spec.name: t for spec, t in zip(specs, decoded, strict=True)}

@@ -217,7 +217,7 @@ def decode_on_device(
     if not specs or any(spec.dtype != torch.float32 or spec.numel == 0 for spec in specs):
         return None
     device = concrete_device(device)
-    if out is not None and not _fits(out, specs, device):
+    if out is not None and not buffers_fit(out, specs, device):
         return None
     targets = [out[spec.name] for spec in specs] if out is not None else None
     region = _one_region(targets) if targets is not None else None
@@ -229,7 +229,8 @@ def decode_on_device(
     return {spec.name: t for spec, t in zip(specs, targets, strict=True)}
 
 
-def _fits(out: Mapping[str, torch.Tensor], specs: Sequence[TensorSpec], device: torch.device) -> bool:
+def buffers_fit(out: Mapping[str, torch.Tensor], specs: Sequence[TensorSpec], device: torch.device) -> bool:
+    """Whether ``out`` holds a buffer for every spec: its shape and dtype, contiguous, on ``device``."""
     return all(
         (t := out.get(spec.name)) is not None
         and tuple(t.shape) == tuple(spec.shape)
