@@ -539,31 +539,40 @@ static inline void put_bits(bitwriter *w, uint64_t v, int n) {
     }
 }
 
+/* Position k of an ascending array of int64 (wide) or int32 positions: sides_flat takes either
+ * (a device's candidates come to the host as int32 where the update's positions fit). The helpers
+ * below take `wide` as a constant from their wrappers, so each is compiled once per width. */
+static inline int64_t pos_at(const void *idx, int wide, Py_ssize_t k) {
+    return wide ? ((const int64_t *)idx)[k] : (int64_t)((const int32_t *)idx)[k];
+}
+
 /* The length in bytes of the Golomb-Rice code of idx[0, nnz) - base with parameter b (0 <= b <= 62),
  * or -1 when the positions do not ascend from base up, -2 when the stream would be too long. */
-static Py_ssize_t golomb_size(const int64_t *idx, Py_ssize_t nnz, int b, int64_t base) {
+static inline Py_ssize_t golomb_size_of(const void *idx, int wide, Py_ssize_t nnz, int b, int64_t base) {
     /* total bits: nnz * b remainder bits, then sum(q) + nnz unary bits */
     uint64_t sum_q = 0;
     int64_t prev = base - 1;
     for (Py_ssize_t k = 0; k < nnz; k++) {
-        if (idx[k] <= prev) return -1;
-        sum_q += (uint64_t)(idx[k] - prev - 1) >> b;
-        prev = idx[k];
+        int64_t at = pos_at(idx, wide, k);
+        if (at <= prev) return -1;
+        sum_q += (uint64_t)(at - prev - 1) >> b;
+        prev = at;
     }
     uint64_t used = (uint64_t)nnz * (uint64_t)b + sum_q + (uint64_t)nnz;
     if (used / 8 >= (uint64_t)PY_SSIZE_T_MAX) return -2;
     return (Py_ssize_t)((used + 7) / 8);
 }
 
-/* Write the code of golomb_size into out (that many bytes): the remainders, then the unary parts. */
-static void golomb_write(uint8_t *out, const int64_t *idx, Py_ssize_t nnz, int b, int64_t base) {
+/* Write the code of golomb_size_of into out (that many bytes): the remainders, then the unary parts. */
+static inline void golomb_write_of(uint8_t *out, const void *idx, int wide, Py_ssize_t nnz, int b, int64_t base) {
     bitwriter w = {out, 0, 0};
     uint64_t mask = b ? (((uint64_t)1 << b) - 1) : 0;
     int64_t prev = base - 1;
     if (b)
         for (Py_ssize_t k = 0; k < nnz; k++) {
-            uint64_t r = (uint64_t)(idx[k] - prev - 1) & mask;
-            prev = idx[k];
+            int64_t at = pos_at(idx, wide, k);
+            uint64_t r = (uint64_t)(at - prev - 1) & mask;
+            prev = at;
             if (b > 32) {
                 put_bits(&w, r >> 32, b - 32);
                 put_bits(&w, r & 0xFFFFFFFFu, 32);
@@ -573,8 +582,9 @@ static void golomb_write(uint8_t *out, const int64_t *idx, Py_ssize_t nnz, int b
         }
     prev = base - 1;
     for (Py_ssize_t k = 0; k < nnz; k++) {
-        uint64_t q = (uint64_t)(idx[k] - prev - 1) >> b;
-        prev = idx[k];
+        int64_t at = pos_at(idx, wide, k);
+        uint64_t q = (uint64_t)(at - prev - 1) >> b;
+        prev = at;
         while (q >= 31) {
             put_bits(&w, 0x7FFFFFFFu, 31);
             q -= 31;
@@ -582,6 +592,15 @@ static void golomb_write(uint8_t *out, const int64_t *idx, Py_ssize_t nnz, int b
         put_bits(&w, (((uint64_t)1 << q) - 1) << 1, (int)q + 1); /* q ones, then a zero */
     }
     if (w.nacc) *w.out++ = (uint8_t)(w.acc << (8 - w.nacc));
+}
+
+static Py_ssize_t golomb_size(const void *idx, int wide, Py_ssize_t nnz, int b, int64_t base) {
+    return wide ? golomb_size_of(idx, 1, nnz, b, base) : golomb_size_of(idx, 0, nnz, b, base);
+}
+
+static void golomb_write(uint8_t *out, const void *idx, int wide, Py_ssize_t nnz, int b, int64_t base) {
+    if (wide) golomb_write_of(out, idx, 1, nnz, b, base);
+    else golomb_write_of(out, idx, 0, nnz, b, base);
 }
 
 static PyObject *golomb_encode(PyObject *self, PyObject *args) {
@@ -596,7 +615,7 @@ static PyObject *golomb_encode(PyObject *self, PyObject *args) {
     }
     Py_ssize_t nnz = ib.len / 8;
     const int64_t *idx = (const int64_t *)ib.buf;
-    Py_ssize_t nbytes = golomb_size(idx, nnz, b, 0);
+    Py_ssize_t nbytes = golomb_size(idx, 1, nnz, b, 0);
     if (nbytes < 0) {
         PyErr_SetString(PyExc_ValueError, nbytes == -1 ? "golomb_encode: positions must be non-negative and ascending"
                                                        : "golomb_encode: stream too long");
@@ -606,7 +625,7 @@ static PyObject *golomb_encode(PyObject *self, PyObject *args) {
     if (result == NULL) goto done;
     uint8_t *out = (uint8_t *)PyBytes_AS_STRING(result);
     Py_BEGIN_ALLOW_THREADS
-    golomb_write(out, idx, nnz, b, 0);
+    golomb_write(out, idx, 1, nnz, b, 0);
     Py_END_ALLOW_THREADS
 done:
     PyBuffer_Release(&ib);
@@ -729,11 +748,11 @@ static int golomb_b_of(Py_ssize_t nnz, Py_ssize_t n, double ln_phi) {
 }
 
 /* Both sides' exact sums, the side with the larger mean magnitude (the positive one on a tie) and
- * the Golomb-Rice code of its positions (ascending, in [base, base + n), coded less base) into *c;
- * c->done stays 0 where a sum is not exact in float64, a value is not finite or the positions are
- * not so. */
-static void code_side(sbc_coded *c, const int64_t *hp, const float *hv, Py_ssize_t nhi, const int64_t *lp,
-                      const float *lv, Py_ssize_t nlo, Py_ssize_t n, int64_t base, double ln_phi) {
+ * the Golomb-Rice code of its positions (ascending, in [base, base + n), coded less base; int64
+ * where wide, else int32) into *c; c->done stays 0 where a sum is not exact in float64, a value is
+ * not finite or the positions are not so. */
+static void code_side(sbc_coded *c, const void *hp, const float *hv, Py_ssize_t nhi, const void *lp, const float *lv,
+                      Py_ssize_t nlo, Py_ssize_t n, int64_t base, int wide, double ln_phi) {
     double sums[2];
     if (!exact_sum(hv, nhi, &sums[0]) || !exact_sum(lv, nlo, &sums[1])) return;
 #ifdef HAVE_INT128
@@ -742,14 +761,14 @@ static void code_side(sbc_coded *c, const int64_t *hp, const float *hv, Py_ssize
 #else
     return;
 #endif
-    const int64_t *pos = positive ? hp : lp;
+    const void *pos = positive ? hp : lp;
     Py_ssize_t nnz = positive ? nhi : nlo;
     int b = golomb_b_of(nnz, n, ln_phi);
-    Py_ssize_t nbytes = golomb_size(pos, nnz, b, base);
-    if (nbytes < 0 || (nnz > 0 && pos[nnz - 1] - base >= n)) return;
+    Py_ssize_t nbytes = golomb_size(pos, wide, nnz, b, base);
+    if (nbytes < 0 || (nnz > 0 && pos_at(pos, wide, nnz - 1) - base >= n)) return;
     uint8_t *bits = malloc(nbytes ? (size_t)nbytes : 1);
     if (bits == NULL) return;
-    golomb_write(bits, pos, nnz, b, base);
+    golomb_write(bits, pos, wide, nnz, b, base);
     c->positive = positive;
     c->sum = positive ? sums[0] : sums[1];
     c->nnz = nnz;
@@ -821,7 +840,7 @@ static void sbc_run(const sbc_job *job, sbc_task *t, float *work, int64_t *hp, f
         nhi = exact_side(x, n, t_hi, k, 1, hp, hv);
         nlo = exact_side(x, n, t_lo, k, 0, lp, lv);
     }
-    code_side(&t->out, hp, hv, nhi, lp, lv, nlo, n, 0, job->ln_phi);
+    code_side(&t->out, hp, hv, nhi, lp, lv, nlo, n, 0, 1, job->ln_phi);
 }
 
 static void sbc_body(void *arg) {
@@ -897,26 +916,44 @@ done:
 
 typedef struct {
     sbc_coded out;
-    const int64_t *hp, *lp;
+    const void *hp, *lp; /* int64 where the job is wide, else int32 */
     const float *hv, *lv;
     Py_ssize_t nhi, nlo, n;
     int64_t base; /* the positions are base + the tensor's own (sides_flat) */
+    Py_ssize_t at; /* where its kept positions go in sides_flat's output (set after the sides) */
 } side_task;
 
 typedef struct {
     side_task *tasks;
     Py_ssize_t ntasks, next;
     double ln_phi;
+    int wide;
+    void *kept; /* sides_flat's outputs (the fill pass): positions of the job's width, and values */
+    float *value;
+    const double *means;
 } side_job;
 
 static void side_run(const side_job *job, side_task *t) {
-    code_side(&t->out, t->hp, t->hv, t->nhi, t->lp, t->lv, t->nlo, t->n, t->base, job->ln_phi);
+    code_side(&t->out, t->hp, t->hv, t->nhi, t->lp, t->lv, t->nlo, t->n, t->base, job->wide, job->ln_phi);
 }
 
 static void side_body(void *arg) {
     side_job *job = arg;
     for (Py_ssize_t i; (i = team_next(&job->next, job->ntasks)) >= 0;) {
         side_run(job, &job->tasks[i]);
+    }
+}
+
+/* The fill pass: each tensor's kept positions (its side's, as given) and its mean, at t->at. */
+static void fill_body(void *arg) {
+    side_job *job = arg;
+    size_t width = job->wide ? 8 : 4;
+    for (Py_ssize_t i; (i = team_next(&job->next, job->ntasks)) >= 0;) {
+        const side_task *t = &job->tasks[i];
+        Py_ssize_t nnz = t->out.nnz;
+        memcpy((char *)job->kept + (size_t)t->at * width, t->out.positive ? t->hp : t->lp, (size_t)nnz * width);
+        float mean = (float)job->means[i], *v = job->value + t->at;
+        for (Py_ssize_t j = 0; j < nnz; j++) v[j] = mean;
     }
 }
 
@@ -943,36 +980,38 @@ static double mean_f32(double sum, int64_t nnz) {
 
 /* --- sides_flat: the sides of every tensor of an update, its candidates laid out flat ------------
  *
- * sides_flat(hi_pos, hi_vals, lo_pos, lo_vals, ranges, bases, numels, ln_phi, threads, use_team,
+ * sides_flat(hi_pos, hi_vals, lo_pos, lo_vals, ranges, bases, numels, wide, ln_phi, threads, use_team,
  *            kept, value) -> (per tensor None or (mean, nnz, b, bits, positive), count)
  *
  * What fedcomp.codecs.sbc_device hands over without a Python object per tensor: every tensor's
- * candidates in four flat arrays (positions int64 into the update's flat buffer, values float32),
- * tensor i's high side hi_pos[ranges[4i], ranges[4i+1]), its low side lo_pos[ranges[4i+2],
- * ranges[4i+3]), its positions in [bases[i], bases[i] + numels[i]), coded less bases[i]. Per tensor
- * as above (the side, its exact sum, its Golomb code), the mean rounded to float32 here
- * (mean_f32). Where every tensor was coded, kept (int64) and value (float32) get, in tensor order,
- * each kept position as given and its tensor's mean, and count is how many; else count is -1 and
- * they are not written. */
+ * candidates in four flat arrays (positions into the update's flat buffer, int64 where wide is
+ * true, else int32, as a device copied them; values float32), tensor i's high side
+ * hi_pos[ranges[4i], ranges[4i+1]), its low side lo_pos[ranges[4i+2], ranges[4i+3]), its positions
+ * in [bases[i], bases[i] + numels[i]), coded less bases[i]. Per tensor as above (the side, its exact
+ * sum, its Golomb code), the mean rounded to float32 here (mean_f32). Where every tensor was coded,
+ * kept (the positions' width) and value (float32) get, in tensor order, each kept position as given
+ * and its tensor's mean (on the threads too), and count is how many; else count is -1 and they are
+ * not written. */
 static PyObject *sides_flat(PyObject *self, PyObject *args) {
     Py_buffer hp = {0}, hv = {0}, lp = {0}, lv = {0}, rg = {0}, bs = {0}, nm = {0}, kp = {0}, vl = {0};
     double ln_phi;
-    int threads, use_team;
+    int wide, threads, use_team;
     PyObject *result = NULL, *list = NULL;
     side_task *tasks = NULL;
     double *means = NULL; /* each coded tensor's mean, rounded to float32 */
     Py_ssize_t ntasks = 0;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*y*dipw*w*", &hp, &hv, &lp, &lv, &rg, &bs, &nm, &ln_phi, &threads,
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*y*pdipw*w*", &hp, &hv, &lp, &lv, &rg, &bs, &nm, &wide, &ln_phi, &threads,
                           &use_team, &kp, &vl))
         return NULL;
-    Py_ssize_t nh = hp.len / 8, nl = lp.len / 8;
+    Py_ssize_t width = wide ? 8 : 4, nh = hp.len / width, nl = lp.len / width;
     ntasks = bs.len / 8;
-    if (hp.len % 8 || lp.len % 8 || hv.len != 4 * nh || lv.len != 4 * nl || bs.len % 8 || rg.len != 32 * ntasks ||
-        nm.len != 8 * ntasks || kp.len % 8 || vl.len != kp.len / 2) {
+    if (hp.len % width || lp.len % width || hv.len != 4 * nh || lv.len != 4 * nl || bs.len % 8 ||
+        rg.len != 32 * ntasks || nm.len != 8 * ntasks || kp.len % width || vl.len != 4 * (kp.len / width)) {
         PyErr_SetString(PyExc_ValueError,
-                        "sides_flat: int64 positions with as many float32 values, 4 int64 per tensor in ranges, "
-                        "one in bases and numels, and as many float32 in value as int64 in kept");
+                        "sides_flat: positions (int64 if wide, else int32) with as many float32 values, 4 int64 "
+                        "per tensor in ranges, one in bases and numels, and as many float32 in value as "
+                        "positions in kept");
         goto done;
     }
     tasks = PyMem_Calloc(ntasks ? (size_t)ntasks : 1, sizeof(side_task));
@@ -989,16 +1028,16 @@ static PyObject *sides_flat(PyObject *self, PyObject *args) {
             goto done;
         }
         side_task *t = &tasks[i];
-        t->hp = (const int64_t *)hp.buf + q[0];
+        t->hp = (const char *)hp.buf + q[0] * width;
         t->hv = (const float *)hv.buf + q[0];
         t->nhi = q[1] - q[0];
-        t->lp = (const int64_t *)lp.buf + q[2];
+        t->lp = (const char *)lp.buf + q[2] * width;
         t->lv = (const float *)lv.buf + q[2];
         t->nlo = q[3] - q[2];
         t->n = numel[i];
         t->base = base[i];
     }
-    side_job job = {tasks, ntasks, 0, ln_phi};
+    side_job job = {tasks, ntasks, 0, ln_phi, wide, kp.buf, vl.buf, means};
     Py_BEGIN_ALLOW_THREADS;
     team_run(side_body, &job, threads, use_team);
     Py_END_ALLOW_THREADS;
@@ -1006,13 +1045,15 @@ static PyObject *sides_flat(PyObject *self, PyObject *args) {
     Py_ssize_t count = 0;
     int all = 1;
     for (Py_ssize_t i = 0; list != NULL && i < ntasks; i++) {
-        const sbc_coded *c = &tasks[i].out;
+        side_task *t = &tasks[i];
+        const sbc_coded *c = &t->out;
         PyObject *item;
         if (!c->done) {
             all = 0;
             Py_INCREF(Py_None);
             item = Py_None;
         } else {
+            t->at = count;
             count += c->nnz;
             means[i] = c->nnz ? mean_f32(c->sum, c->nnz) : 0.0;
             item = Py_BuildValue("dniy#O", means[i], c->nnz, c->b, (const char *)c->bits, c->nbytes,
@@ -1022,20 +1063,13 @@ static PyObject *sides_flat(PyObject *self, PyObject *args) {
         else PyList_SET_ITEM(list, i, item);
     }
     if (list == NULL) goto done;
-    if (!all || count > kp.len / 8) {
+    if (!all || count > kp.len / width) {
         count = -1;
     } else {
-        int64_t *k = kp.buf;
-        float *v = vl.buf;
-        for (Py_ssize_t i = 0; i < ntasks; i++) {
-            const side_task *t = &tasks[i];
-            const int64_t *from = t->out.positive ? t->hp : t->lp;
-            float mean = (float)means[i];
-            for (Py_ssize_t j = 0; j < t->out.nnz; j++) {
-                *k++ = from[j];
-                *v++ = mean;
-            }
-        }
+        job.next = 0;
+        Py_BEGIN_ALLOW_THREADS;
+        team_run(fill_body, &job, threads, use_team);
+        Py_END_ALLOW_THREADS;
     }
     result = Py_BuildValue("Nn", list, count);
     list = NULL;

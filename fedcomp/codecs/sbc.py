@@ -920,8 +920,9 @@ def choose_sides_flat(
 ) -> FlatSides:
     """:func:`choose_side` and the Golomb code of the side chosen for many tensors at once, their
     candidates laid out flat (what the whole-update engine, :mod:`fedcomp.codecs.sbc_device`,
-    brings to the host in one copy): ``positions`` (int64, ascending within a side, tensor ``i``'s
-    in ``[bases[i], bases[i] + numels[i])``) and their float32 ``values``; tensor ``i``'s high side
+    brings to the host in one copy): ``positions`` (int64, or int32 as a device copied them: then
+    the kept positions are int32 too; ascending within a side, tensor ``i``'s in ``[bases[i],
+    bases[i] + numels[i])``) and their float32 ``values``; tensor ``i``'s high side
     ``positions[ranges[i, 0]:ranges[i, 1]]``, its low side ``positions[ranges[i, 2]:ranges[i, 3]]``.
     One call of the C kernel (``sides_flat``, on the CPU threads) with no Python object per tensor
     but its result: the same sides, means and codes as :func:`choose_side` with
@@ -930,10 +931,11 @@ def choose_sides_flat(
     kernel = _KERNEL
     if kernel is None or not hasattr(kernel, "sides_flat") or not count:
         return FlatSides([None] * count, None, None)
+    pos_dtype = np.int32 if positions.dtype == np.int32 else np.int64
     lengths = ranges[:, 1::2] - ranges[:, 0::2]
     room = int(lengths.max(axis=1).sum())
-    kept, value = np.empty(room, np.int64), np.empty(room, np.float32)
-    positions = np.ascontiguousarray(positions, dtype=np.int64)
+    kept, value = np.empty(room, pos_dtype), np.empty(room, np.float32)
+    positions = np.ascontiguousarray(positions, dtype=pos_dtype)
     values = np.ascontiguousarray(values, dtype=np.float32)
     sides, written = kernel.sides_flat(
         positions,
@@ -943,6 +945,7 @@ def choose_sides_flat(
         np.ascontiguousarray(ranges, dtype=np.int64),
         np.ascontiguousarray(bases, dtype=np.int64),
         np.ascontiguousarray(numels, dtype=np.int64),
+        pos_dtype is np.int64,
         LN_PHI_MINUS_1,
         *team_threads(),
         kept,
@@ -953,7 +956,7 @@ def choose_sides_flat(
         if side is not None and side[2] != golomb_b(side[1] / int(numels[i])):
             mean, nnz, _, _, positive = side
             r = ranges[i]
-            idx = positions[r[0] : r[1]] if positive else positions[r[2] : r[3]]
+            idx = (positions[r[0] : r[1]] if positive else positions[r[2] : r[3]]).astype(np.int64)
             b = golomb_b(nnz / int(numels[i]))
             sides[i] = (mean, nnz, b, encode_positions(torch.from_numpy(idx - bases[i]), b), positive)
     if written < 0:

@@ -56,7 +56,8 @@ class FlatEncoding:
 
     #: One per tensor, in the layout's order.
     encoded: list[EncodedTensor]
-    #: The kept positions of every tensor, into the flat buffer (ascending within a tensor).
+    #: The kept positions of every tensor, into the flat buffer (ascending within a tensor; int32
+    #: where the update's positions fit in it, else int64).
     kept: np.ndarray
     #: The value the receiver decodes at each kept position (float32: the tensor's mean).
     value: np.ndarray
@@ -92,53 +93,51 @@ def encode_update(
 
 @dataclass(frozen=True)
 class _OnHost:
-    """What one copy brought to the host: fast mode's hits (``side * total + position``, ascending)
-    and their values; exact mode's candidates (flat positions) and values, as
-    :func:`_exact_select` laid them out."""
+    """What one copy brought to the host, views of it: fast mode's hits (flat positions, the high
+    side's ascending, then the low side's; ``n_hi`` of the high side) followed by exact mode's
+    candidates (flat positions, as :func:`_exact_select` laid them out), ``hits`` of the former;
+    their values. Positions are int32 where the update's fit (:data:`_INT32_HITS`), else int64."""
 
-    hits: np.ndarray
-    hit_values: np.ndarray
-    exact: np.ndarray
-    exact_values: np.ndarray
+    positions: np.ndarray
+    values: np.ndarray
+    hits: int
+    n_hi: int
 
 
-def _to_host(
-    hits: tuple[torch.Tensor, torch.Tensor] | None,
-    exact: _Exact | None,
-    finite: torch.Tensor | None,
-    total: int,
-) -> _OnHost | None:
-    """The fast hits, the exact candidates and the finiteness flag in one copy to the host, four
-    bytes each where positions fit in int32 (on an H100, copying int64 positions and the values
-    separately took about 5.3 of an encode's 8.3 ms of GPU time; this took it to 3.3 ms); None
-    where a value is not finite."""
+def _to_host(hits: _Hits | None, exact: _Exact | None, finite: torch.Tensor | None, total: int) -> _OnHost | None:
+    """The fast hits, the exact candidates, the high side's count and the finiteness flag in one
+    copy to the host, four bytes each where positions fit in int32 (on an H100, copying int64
+    positions and the values separately took about 5.3 of an encode's 8.3 ms of GPU time; this
+    took it to 3.3 ms), laid out so that the host reads them where they land (no conversion, no
+    concatenation); None where a value is not finite."""
     parts_i: list[torch.Tensor] = []
     parts_f: list[torch.Tensor] = []
     if hits is not None:
-        parts_i.append(hits[0])
-        parts_f.append(hits[1])
+        parts_i.append(hits.positions)
+        parts_f.append(hits.values)
     if exact is not None:
         parts_i.append(exact.positions)
         parts_f.append(exact.values)
-    flag = [finite.reshape(1)] if finite is not None else []
-    m = 0 if hits is None else int(hits[0].shape[0])
-    e = 0 if exact is None else int(exact.positions.shape[0])
-    if 2 * total <= _INT32_HITS:
-        both = to_host(torch.cat([t.to(torch.int32) for t in parts_i + flag] + [t.view(torch.int32) for t in parts_f]))
-        ints, floats = both[: m + e + len(flag)], both[m + e + len(flag) :].view(np.float32)
+    tail = ([hits.n_hi.reshape(1)] if hits is not None else []) + ([finite.reshape(1)] if finite is not None else [])
+    m = 0 if hits is None else int(hits.positions.shape[0])
+    n = m + (0 if exact is None else int(exact.positions.shape[0]))
+    if total <= _INT32_HITS:
+        both = to_host(torch.cat([t.to(torch.int32) for t in parts_i + tail] + [t.view(torch.int32) for t in parts_f]))
+        ints, floats = both[: n + len(tail)], both[n + len(tail) :].view(np.float32)
     else:
-        ints = to_host(torch.cat([t.to(torch.int64) for t in parts_i + flag]))
+        ints = to_host(torch.cat([t.to(torch.int64) for t in parts_i + tail]))
         floats = to_host(torch.cat(parts_f)) if parts_f else np.zeros(0, np.float32)
-    if flag and not ints[-1]:
+    if finite is not None and not ints[-1]:
         return None
-    return _OnHost(ints[:m], floats[:m], ints[m : m + e], floats[m : m + e])
+    return _OnHost(ints[:n], floats, m, int(ints[n]) if hits is not None else 0)
 
 
 @dataclass(frozen=True)
 class _Candidates:
-    """Every tensor's candidates, flat: positions into the update's flat buffer (int64) and their
-    values (float32); tensor ``i``'s high side ``positions[ranges[i, 0]:ranges[i, 1]]``, its low
-    side ``positions[ranges[i, 2]:ranges[i, 3]]``, each ascending."""
+    """Every tensor's candidates, flat: positions into the update's flat buffer (int32 or int64, as
+    they came to the host) and their values (float32); tensor ``i``'s high side
+    ``positions[ranges[i, 0]:ranges[i, 1]]``, its low side ``positions[ranges[i, 2]:ranges[i, 3]]``,
+    each ascending."""
 
     positions: np.ndarray
     values: np.ndarray
@@ -160,24 +159,17 @@ class _Candidates:
         ranges = self.ranges.copy()
         ranges[list(rows)] = exact.ranges + self.positions.shape[0]
         return _Candidates(
-            np.concatenate([self.positions, got.exact.astype(np.int64)]),
-            np.concatenate([self.values, got.exact_values]),
-            ranges,
+            np.concatenate([self.positions, got.positions]), np.concatenate([self.values, got.values]), ranges
         )
 
 
 def _candidates(got: _OnHost, plan: _Plan, layout: Layout, exact: _Exact | None) -> _Candidates:
-    """The flat candidates of what :func:`_to_host` brought (fast hits first, then the exact rows')."""
-    m, total = got.hits.shape[0], layout.total
-    positions = np.empty(m + got.exact.shape[0], dtype=np.int64)
-    positions[:m] = got.hits
-    positions[m:] = got.exact
-    values = np.concatenate([got.hit_values, got.exact_values])
+    """The flat candidates of what :func:`_to_host` brought (fast hits first, then the exact rows'),
+    read where they landed: only each tensor's ranges are worked out here."""
+    positions, m, n_hi = got.positions, got.hits, got.n_hi
     ranges = np.zeros((len(layout.numels), 4), dtype=np.int64)
     if plan.fast:
-        n_hi = int(np.searchsorted(positions[:m], total))
-        positions[n_hi:m] -= total
-        offsets = plan.offsets
+        offsets = plan.offsets.astype(positions.dtype)  # (a search in int32 converts nothing)
         hi = np.searchsorted(positions[:n_hi], offsets)
         lo = np.searchsorted(positions[n_hi:m], offsets) + n_hi
         fast = np.asarray(plan.fast)
@@ -187,7 +179,7 @@ def _candidates(got: _OnHost, plan: _Plan, layout: Layout, exact: _Exact | None)
         ranges[fast, 3] = np.append(lo[1:], m)[fast]
     if exact is not None:
         ranges[list(plan.exact)] = exact.ranges + m
-    return _Candidates(positions, values, ranges)
+    return _Candidates(positions, got.values, ranges)
 
 
 def _finish(
@@ -254,15 +246,23 @@ def _plan(numels: tuple[int, ...], offsets: tuple[int, ...], p: float, s: int, m
     return _Plan(ks, fast, exact, where, fast_rows, np.array(offsets, dtype=np.int64), np.array(numels, dtype=np.int64))
 
 
-#: Positions (``side * total + position`` for the fast hits) travel to the host as int32 up to
-#: this (else int64).
+#: Positions travel to the host as int32 where the update holds up to this many values (else int64).
 _INT32_HITS = int(np.iinfo(np.int32).max)
 
 
-def _fast_hits(flat: torch.Tensor, plan: _Plan, codec: SBC, layout: Layout) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclass(frozen=True)
+class _Hits:
+    """Fast mode's hits on the device: flat positions (the high side's, ascending, then the low
+    side's), their values, and how many are the high side's (a one-value tensor: no sync)."""
+
+    positions: torch.Tensor
+    values: torch.Tensor
+    n_hi: torch.Tensor
+
+
+def _fast_hits(flat: torch.Tensor, plan: _Plan, codec: SBC, layout: Layout) -> _Hits:
     """On the device, every fast-mode tensor's values ``x >= thr_hi`` and ``x <= thr_lo``, the
-    thresholds read off its sample: ``side * total + position`` (ascending: the high side first)
-    and the values there."""
+    thresholds read off its sample."""
     assert plan.where is not None and plan.fast_rows is not None
     s = codec.sample_size
     r = max(1, round(codec.p * s))
@@ -278,9 +278,10 @@ def _fast_hits(flat: torch.Tensor, plan: _Plan, codec: SBC, layout: Layout) -> t
     torch.ge(flat, thresholds[0][ids], out=mask[0])
     torch.le(flat, thresholds[1][ids], out=mask[1])
     del ids
-    found = mask.view(-1).nonzero().squeeze(1)
+    found = mask.view(-1).nonzero().squeeze(1)  # side * total + position, ascending
     del mask
-    return found, flat[found.remainder(layout.total)]
+    positions = found.remainder(layout.total)
+    return _Hits(positions, flat[positions], (found < layout.total).sum())
 
 
 @dataclass(frozen=True)

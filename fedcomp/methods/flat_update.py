@@ -163,6 +163,7 @@ def _encode_large(
     recon = None
     if want_recon:  # SBC's reconstruction is sparse: one value at the kept positions
         kept, value = to_device(found.kept, acc.device), to_device(found.value, acc.device)
+        kept = kept.long()  # (int32 where the update's positions fit: half the bytes to copy over)
         if keep_sent:
             recon = torch.zeros(layout.total, dtype=torch.float32, device=acc.device)
             recon.index_put_((kept,), value)

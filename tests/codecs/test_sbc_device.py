@@ -110,7 +110,10 @@ def _laid_out(cands: list, numels: list[int]) -> tuple[np.ndarray, np.ndarray, n
     return np.concatenate(positions), np.concatenate(values), ranges, bases
 
 
-def test_choose_sides_flat_is_choose_side_and_the_golomb_code() -> None:
+@pytest.mark.parametrize("width", [np.int64, np.int32])
+def test_choose_sides_flat_is_choose_side_and_the_golomb_code(width: type) -> None:
+    """Positions in int64, or in int32 as a device copies them where they fit: the kept positions
+    come back in the same width."""
     from fedcomp.codecs.golomb import encode_positions, golomb_b
     from fedcomp.codecs.sbc import choose_side, choose_sides_flat
 
@@ -119,7 +122,7 @@ def test_choose_sides_flat_is_choose_side_and_the_golomb_code() -> None:
         numels = [int(g.integers(40, 100_000)) for _ in kinds]
         cands = [_candidates(g, n, kind) for n, kind in zip(numels, kinds, strict=True)]
         positions, values, ranges, bases = _laid_out(cands, numels)
-        found = choose_sides_flat(positions, values, ranges, bases, np.array(numels, np.int64))
+        found = choose_sides_flat(positions.astype(width), values, ranges, bases, np.array(numels, np.int64))
         kept, value = [], []
         for kind, n, c, res, base in zip(kinds, numels, cands, found.sides, bases, strict=True):
             want = choose_side(*c)
@@ -137,6 +140,7 @@ def test_choose_sides_flat_is_choose_side_and_the_golomb_code() -> None:
             assert found.kept is None and found.value is None  # some tensor was left to Python
         else:
             assert found.kept is not None and found.value is not None
+            assert found.kept.dtype == width
             assert np.array_equal(found.kept, np.concatenate(kept))
             assert np.array_equal(found.value, np.concatenate(value))
     empty = choose_sides_flat(
