@@ -194,6 +194,39 @@ def to_device(a: np.ndarray, device: torch.device, into: torch.Tensor | None = N
     return host.to(device) if into is None else into.copy_(host.view(into.shape))
 
 
+def to_device_many(
+    groups: Sequence[tuple[Sequence[np.ndarray], np.dtype | type]], device: torch.device
+) -> list[torch.Tensor | None]:
+    """Each group's arrays concatenated (1-D, cast to the group's dtype: ``same_kind``, e.g.
+    int64 positions to int32) as a tensor on ``device``, all groups in one copy from one host
+    buffer (each copy from pageable memory to a GPU is a wait of its own); None for an empty
+    group. The tensors are views of the one copy (each part 8-byte aligned)."""
+    sizes = [sum(int(a.shape[0]) for a in arrays) * np.dtype(dtype).itemsize for arrays, dtype in groups]
+    starts, at = [], 0
+    for size in sizes:
+        starts.append(at)
+        at += (size + 7) // 8 * 8
+    if not at:
+        return [None] * len(groups)
+    host = np.empty(at, dtype=np.uint8)
+    for (arrays, dtype), start, size in zip(groups, starts, sizes, strict=True):
+        if size:
+            np.concatenate(list(arrays), out=host[start : start + size].view(dtype), casting="same_kind")
+    on_device = to_device(host, device)
+    return [
+        on_device[start : start + size].view(_TORCH_OF[np.dtype(dtype)]) if size else None
+        for (_, dtype), start, size in zip(groups, starts, sizes, strict=True)
+    ]
+
+
+_TORCH_OF = {
+    np.dtype(np.int64): torch.int64,
+    np.dtype(np.int32): torch.int32,
+    np.dtype(np.float32): torch.float32,
+    np.dtype(np.uint8): torch.uint8,
+}
+
+
 def tensors_on_host(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The tensors on the CPU: float32 ones on one other device in one copy, as views of one
     buffer (a copy per tensor, and a wait for each, would cost a GPU client hundreds per round)."""

@@ -18,8 +18,9 @@ The update is one flat buffer (:class:`fedcomp.codecs.flat.Layout`):
 - **Decode** (:func:`decode_into`): the payloads are checked on the host and reduced to their
   groups other than 121 (:class:`LiteralBatch`: every stream read by one call of the C kernel,
   ``literals_many``; :meth:`ThreeLC.literals` tensor by tensor without it); those bytes, with
-  where each lands, go to the device in three copies, and five scatters write their digits times
-  the scale into zeros.
+  where each lands, go to the device in one copy (:func:`fedcomp.codecs.flat.to_device_many`,
+  with the update's other tensors where :mod:`fedcomp.methods.flat_update` decodes it), and five
+  scatters write their digits times the scale into zeros (:func:`decode_on_device`).
 
 Bytes, reconstructions and decoded values are the per-tensor path's (tested on CPU, where the
 same torch operators run). A value that is not finite makes :func:`encode_update` return None
@@ -37,7 +38,7 @@ import torch
 
 from fedcomp import _native
 from fedcomp.codecs.base import TensorSpec
-from fedcomp.codecs.flat import Layout, host_side, to_device, to_host
+from fedcomp.codecs.flat import Layout, host_side, to_device, to_device_many, to_host
 from fedcomp.codecs.sbc import team_threads
 from fedcomp.codecs.segments import segment_ids, segment_max
 from fedcomp.codecs.threelc import _F32_MAX, WEIGHTS, ThreeLC, _zero_run_encode_np, groups
@@ -236,16 +237,37 @@ def available() -> bool:
 
 def decode_into(flat: torch.Tensor, literals: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
     """Write every tensor's decoded values into ``flat`` (zeros at the tensors' places): the
-    groups of ``literals`` (:func:`literals_of`), digit by digit, the last digit first. A group's
-    padding digits (past its tensor's end) are written at its part-0 place, which its own part-0
-    digit, written last, then overwrites: no spare value, so ``flat`` can be the receiver's buffer."""
+    groups of ``literals`` (:func:`literals_of`), copied to ``flat``'s device in one copy, then
+    :func:`decode_on_device`."""
     if not literals:
         return
-    dev = flat.device
-    where = to_device(np.concatenate([w for w, _, _ in literals], axis=1), dev)
-    rest = to_device(np.concatenate([b for _, b, _ in literals]), dev).to(torch.int64)
-    scale = to_device(np.concatenate([s for _, _, s in literals]), dev)
-    first, step, end = where.unbind(0)
+    first, step, end, digits, scale = to_device_many(
+        [
+            *[([w[row] for w, _, _ in literals], np.int64) for row in range(3)],
+            ([b for _, b, _ in literals], np.uint8),
+            ([s for _, _, s in literals], np.float32),
+        ],
+        flat.device,
+    )
+    if first is not None and step is not None and end is not None and digits is not None and scale is not None:
+        decode_on_device(flat, first, step, end, digits, scale)
+
+
+def decode_on_device(
+    flat: torch.Tensor,
+    first: torch.Tensor,
+    step: torch.Tensor,
+    end: torch.Tensor,
+    digits: torch.Tensor,
+    scale: torch.Tensor,
+) -> None:
+    """:func:`decode_into` of literals already on ``flat``'s device: ``where``'s three rows
+    (integers) and the bytes and scales of :func:`literals_of`, concatenated. Digit by digit, the
+    last digit first: a group's padding digits (past its tensor's end) are written at its part-0
+    place, which its own part-0 digit, written last, then overwrites: no spare value, so ``flat``
+    can be the receiver's buffer."""
+    first, step, end = first.long(), step.long(), end.long()
+    rest = digits.to(torch.int64)
     for k in range(4, -1, -1):
         digit = rest % 3
         rest = rest.div_(3, rounding_mode="floor")

@@ -33,7 +33,7 @@ import torch
 from fedcomp.codecs import threelc_device
 from fedcomp.codecs.base import Codec, TensorSpec
 from fedcomp.codecs.dense import DenseFP16, DenseFP32, Identity, _DenseCodec
-from fedcomp.codecs.flat import Layout, concrete_device, host_side, to_device, to_host
+from fedcomp.codecs.flat import Layout, concrete_device, host_side, to_device, to_device_many, to_host
 from fedcomp.codecs.sbc import SBC
 from fedcomp.codecs.sbc_device import encode_update
 from fedcomp.codecs.scatter_sum import ScatterSum
@@ -162,8 +162,11 @@ def _encode_large(
         return None
     recon = None
     if want_recon:  # SBC's reconstruction is sparse: one value at the kept positions
-        kept, value = to_device(found.kept, acc.device), to_device(found.value, acc.device)
-        kept = kept.long()  # (int32 where the update's positions fit: half the bytes to copy over)
+        # (one copy; the positions int32 where the update's fit: half the bytes)
+        kept_on, value_on = to_device_many([([found.kept], found.kept.dtype), ([found.value], np.float32)], acc.device)
+        if kept_on is None or value_on is None:  # nothing kept (every side empty)
+            kept_on, value_on = torch.zeros(0, dtype=torch.int64, device=acc.device), acc.new_zeros(0)
+        kept, value = kept_on.long(), value_on
         if keep_sent:
             recon = torch.zeros(layout.total, dtype=torch.float32, device=acc.device)
             recon.index_put_((kept,), value)
@@ -275,15 +278,34 @@ def _decode_flat(
     if len(found.dense_rows) == len(specs):
         return layout, to_device(np.concatenate(found.dense), device, into=into)
     flat = torch.zeros(layout.total, dtype=torch.float32, device=device) if into is None else into.zero_()
-    if found.kept:
-        flat.index_put_(
-            (to_device(np.concatenate(found.kept), device),), to_device(np.concatenate(found.values), device)
-        )
-    if found.dense_rows:
-        where = _dense_positions(layout.offsets, layout.numels, tuple(found.dense_rows), str(device))
-        flat.index_put_((where,), to_device(np.concatenate(found.dense), device))
-    threelc_device.decode_into(flat, found.literals)
+    # Everything the device needs in one copy, the positions four bytes each where the update's
+    # fit in int32 (on a GPU each copy from pageable memory is a wait of its own; the SBC
+    # positions were two thirds of an update's bytes to copy, as int64).
+    where = np.int64 if layout.total > _INT32_MAX else np.int32
+    lits = found.literals
+    kept, values, dense, first, step, end, digits, scale = to_device_many(
+        [
+            (found.kept, where),
+            (found.values, np.float32),
+            (found.dense, np.float32),
+            *[([w[row] for w, _, _ in lits], where) for row in range(3)],
+            ([b for _, b, _ in lits], np.uint8),
+            ([s for _, _, s in lits], np.float32),
+        ],
+        device,
+    )
+    if kept is not None and values is not None:
+        flat.index_put_((kept.long(),), values)
+    if dense is not None:
+        at = _dense_positions(layout.offsets, layout.numels, tuple(found.dense_rows), str(device))
+        flat.index_put_((at,), dense)
+    if first is not None and step is not None and end is not None and digits is not None and scale is not None:
+        threelc_device.decode_on_device(flat, first, step, end, digits, scale)
     return layout, flat
+
+
+#: Positions travel to the device as int32 where the update holds up to this many values.
+_INT32_MAX = int(np.iinfo(np.int32).max)
 
 
 @dataclass

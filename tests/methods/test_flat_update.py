@@ -16,6 +16,7 @@ from fedcomp.codecs import SBC, DenseFP16, DenseFP32, Identity, ThreeLC, TopK, s
 from fedcomp.codecs.flat import Layout, count_device_work
 from fedcomp.codecs.golomb import encode_positions
 from fedcomp.errors import PayloadError
+from fedcomp.methods import flat_update
 from fedcomp.methods.feedback import ErrorFeedback, StaleResidual
 from fedcomp.methods.flat_update import decode_on_device, encode_on_device
 from fedcomp.methods.update import UpdateEncoder, decode_update, specs_of
@@ -158,17 +159,23 @@ def _sbc_update(seed: int) -> tuple[dict[str, torch.Tensor], EncodedUpdate]:
     return update, UpdateEncoder(SBC(0.02, "fast", sample_size=SAMPLE), min_numel=200).encode(update, 1)
 
 
-def test_decode_gives_the_per_tensor_values_as_views_of_one_buffer() -> None:
+@pytest.mark.parametrize("wide", [False, True], ids=["int32-positions", "int64-positions"])
+def test_decode_gives_the_per_tensor_values_as_views_of_one_buffer(wide: bool, monkeypatch) -> None:
+    """The SBC positions and values and the dense tensors' values in one copy to the device, the
+    positions as int32 where the update's fit, else (as past 2**31 values) int64."""
+    if wide:
+        monkeypatch.setattr(flat_update, "_INT32_MAX", 0)
     update, encoded = _sbc_update(4)
     specs = specs_of(update)
     codecs = [SBC(0.02, "fast", sample_size=SAMPLE), DenseFP32()]
+    decode_on_device(encoded, specs, codecs, CPU)  # (the dense tensors' positions are kept by layout)
     with count_device_work() as work:
         got = decode_on_device(encoded, specs, codecs, CPU)
     want = decode_update(encoded, specs, codecs, CPU)
     assert got is not None and list(got) == list(want)
     assert all(torch.equal(got[k], want[k]) and got[k].shape == want[k].shape for k in want)
     assert len({t.untyped_storage().data_ptr() for t in got.values()}) == 1
-    assert work.to_device <= 4 and work.syncs == 0, work
+    assert work.to_device == 1 and work.syncs == 0, work
     dense = EncodedUpdate(1, tuple(DenseFP32().encode(t, n) for n, t in update.items()))
     got = decode_on_device(dense, specs, codecs, CPU)
     assert got is not None and all(torch.equal(got[k], update[k]) for k in update)
@@ -325,7 +332,10 @@ def test_decode_errors_come_in_tensor_order_whichever_check_finds_them(
     assert got is not None and all(got[k].view(torch.int32).equal(want[k].view(torch.int32)) for k in want)
 
 
-def test_decode_of_3lc_and_mixed_updates_gives_the_per_tensor_values() -> None:
+@pytest.mark.parametrize("wide", [False, True], ids=["int32-positions", "int64-positions"])
+def test_decode_of_3lc_and_mixed_updates_gives_the_per_tensor_values(wide: bool, monkeypatch) -> None:
+    if wide:
+        monkeypatch.setattr(flat_update, "_INT32_MAX", 0)
     update = _model(6)
     codecs = [ThreeLC(1.5), ThreeLC(1.0, False), SBC(0.02, "fast", sample_size=SAMPLE), DenseFP32(), DenseFP16()]
     specs = specs_of(update)
@@ -339,12 +349,13 @@ def test_decode_of_3lc_and_mixed_updates_gives_the_per_tensor_values() -> None:
         ),
     )
     for encoded in (three, mixed):
+        decode_on_device(encoded, specs, codecs, CPU)  # (the dense tensors' positions are kept by layout)
         with count_device_work() as work:
             got = decode_on_device(encoded, specs, codecs, CPU)
         want = decode_update(encoded, specs, codecs, CPU)
         assert got is not None
         assert all(got[k].view(torch.int32).equal(want[k].view(torch.int32)) for k in want)
-        assert work.syncs == 0 and work.to_device <= 7, work
+        assert work.syncs == 0 and work.to_device == 1, work  # SBC, 3LC and dense parts in one copy
 
 
 def test_hostile_3lc_payloads_are_refused_with_the_per_tensor_words() -> None:
