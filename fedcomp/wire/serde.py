@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import struct
 from array import array
 from collections.abc import Callable, Mapping, Sequence
@@ -769,20 +770,21 @@ def _parse_update(
     if expected is not None and count != len(expected):
         raise PayloadError("", f"update has {count} tensors, expected {len(expected)}")
     tensors = []
+    model = _model_of(expected) if expected is not None else None
+    scanned = _scan_fast(view, spans, model) if model is not None else None
     for i in range(count):
         start, stop = spans[2 * i], spans[2 * i + 1]
-        if expected is not None:
-            want = expected[i]
-            numel = 1
-            for d in want.shape:
-                numel *= int(d)
+        if expected is not None and model is not None:
+            want, numel = expected[i], model.numels[i]
             if stop - start > 16 * numel + TENSOR_SLACK:
                 raise PayloadError(
                     want.name,
                     f"{stop - start} bytes on the wire for {numel} elements (at most {16 * numel + TENSOR_SLACK})",
                 )
-        if expected is not None:
-            fast = _fast_tensor(view[start:stop], want)
+            if scanned is not None:
+                fast = _fast_built(scanned[i], view, want.name, model.dims[i])
+            else:
+                fast = _fast_tensor(view[start:stop], want)
             if fast is not None:
                 tensors.append(fast)
                 continue
@@ -919,6 +921,106 @@ _FAST_PAYLOADS: dict[str, Callable[[memoryview, int, int], Payload | None]] = {
     "three_lc": _fast_threelc,
     "dense": _fast_dense,
 }
+
+
+# --- the same reading of every tensor of an update in one call of the wire kernel ------------------
+
+#: ``fedcomp._native._wire`` where it has ``scan_tensors``, else None (then :func:`_fast_tensor`).
+_SCAN = getattr(fast_writer.load_wire(), "scan_tensors", None)
+#: The tables ``scan_tensors`` reads: each dtype enum byte's index + 1 in :data:`_DTYPES`, the
+#: codec ids and their payload kinds (0 SBC, 1 3LC, 2 dense, 3 any other), and the keys.
+_DTYPES = tuple(_DTYPE_TO_PB)
+_DTYPE_OF = bytes((_DTYPES.index(_PB_TO_DTYPE[b]) + 1) if b in _PB_TO_DTYPE else 0 for b in range(256))
+_CODEC_IDS = tuple(PAYLOAD_OF_CODEC)
+_KINDS = bytes({"sbc": 0, "three_lc": 1, "dense": 2}.get(PAYLOAD_OF_CODEC[c], 3) for c in _CODEC_IDS)
+_SCAN_KEYS = bytes(
+    [
+        _DTYPE_KEY,
+        _CODEC_ID_KEY,
+        _VERSION_KEY,
+        _SBC_KEY[0],
+        _TLC_KEY[0],
+        _DENSE_KEY[0],
+        _SBC_MEAN_KEY[0],
+        _SBC_B_KEY[0],
+        _SBC_NNZ_KEY[0],
+        _SBC_BITS_KEY[0],
+        _TLC_SCALE_KEY[0],
+        _TLC_NUMEL_KEY[0],
+        _TLC_ZERO_RUN_KEY[0],
+        _TLC_DATA_KEY[0],
+        _DENSE_ENCODING_KEY,
+        _DENSE_DATA_KEY[0],
+    ]
+)
+#: Scanned tensors as ``scan_tensors`` gives them: None, or (codec, dtype, version, float, a, b,
+#: blob start, blob stop).
+_Scanned = tuple[int, int, int, float, int, int, int, int] | None
+
+
+def _scan_fast(view: memoryview, spans: array[int], model: _Model) -> list[_Scanned] | None:
+    """:func:`_fast_tensor`'s reading of every tensor in ``spans`` by one call of the wire kernel
+    (the same rules in C, tested on mutated tensors against it), or None without the kernel."""
+    if _SCAN is None:
+        return None
+    return _SCAN(view, spans, spans.itemsize == 8, model.prefixes, _DTYPE_OF, _CODEC_ID_BYTES_TUPLE, _KINDS, _SCAN_KEYS)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Model:
+    """What :func:`_parse_update` reads off the receiver's tensors: each one's shape as ints, its
+    number of values, and its name and shape fields as a canonical tensor starts with them (None
+    past :data:`MAX_RANK`: never read fast)."""
+
+    dims: tuple[tuple[int, ...], ...]
+    numels: tuple[int, ...]
+    prefixes: tuple[bytes | None, ...]
+
+
+def _model_of(expected: Sequence[TensorShape]) -> _Model:
+    """:class:`_Model` of ``expected``, kept for the last specs seen (a receiver passes the same
+    ones every round; compared element by element, an identity compare first)."""
+    global _LAST_MODEL
+    key = tuple(expected)
+    last = _LAST_MODEL  # (one read: a server may parse on several threads)
+    if last is not None and last[0] == key:
+        return last[1]
+    dims = tuple(tuple(int(d) for d in w.shape) for w in expected)
+    numels = tuple(math.prod(d) for d in dims)
+    prefixes = tuple(
+        None if len(d) > MAX_RANK else _name_and_shape(w.name, d) for w, d in zip(expected, dims, strict=True)
+    )
+    model = _Model(dims, numels, prefixes)
+    _LAST_MODEL = (key, model)
+    return model
+
+
+_LAST_MODEL: tuple[tuple[Any, ...], _Model] | None = None
+_CODEC_ID_BYTES_TUPLE = tuple(c.encode() for c in _CODEC_IDS)
+
+
+def _fast_built(found: _Scanned, view: memoryview, name: str, dims: tuple[int, ...]) -> EncodedTensor | None:
+    """The tensor :func:`_fast_tensor` makes, from what ``scan_tensors`` read of it."""
+    if found is None:
+        return None
+    ci, di, version, value, a, b, at, stop = found
+    codec_id = _CODEC_IDS[ci]
+    kind = PAYLOAD_OF_CODEC[codec_id]
+    payload: Payload
+    if kind == "sbc":
+        payload = SBCPayload(mean=value, golomb_b=a, nnz=b, bits=bytes(view[at:stop]))
+    elif kind == "three_lc":
+        payload = ThreeLCPayload(scale=value, numel=a, zero_run=bool(b), data=bytes(view[at:stop]))
+    else:
+        payload = DensePayload(_DTYPES[a], view[at:stop].toreadonly())
+    return EncodedTensor(
+        name=name,
+        shape=dims,
+        dtype=_DTYPES[di],
+        codec_id=codec_id,
+        codec_version=version,
+        payload=payload,
+    )
 
 
 # --- messages that are not updates: DEFT allocations, GradiVeQ compressors -------------------

@@ -1,10 +1,14 @@
-"""The server's fast read of a tensor (``serde._fast_tensor``): it may only accept bytes the general
-path (protobuf, canonical check) accepts, and must make the same tensor of them; on the tensors
-a server or client receives every round (SBC, 3LC, dense) it must accept. Checked on valid tensors of every
-codec and on mutated ones (a byte changed, inserted, dropped; a field's value moved to a non-
-canonical form)."""
+"""The server's fast read of a tensor (``serde._fast_tensor``, and the wire kernel's
+``scan_tensors``, which reads every tensor of an update at once by the same rules): it may only
+accept bytes the general path (protobuf, canonical check) accepts, and must make the same tensor of
+them; on the tensors a server or client receives every round (SBC, 3LC, dense) it must accept.
+Checked on valid tensors of every codec and on mutated ones (a byte changed, inserted, dropped; a
+field's value moved to a non-canonical form), for both readers, which must also agree with each
+other."""
 
 from __future__ import annotations
+
+from array import array
 
 import numpy as np
 import pytest
@@ -17,6 +21,23 @@ from fedcomp.codecs.base import TensorSpec
 from fedcomp.errors import PayloadError
 from fedcomp.wire import serde
 from fedcomp.wire.payloads import DensePayload, EncodedTensor, SBCPayload, ThreeLCPayload
+
+
+def _kernel_read(data: bytes | memoryview, spec: TensorSpec) -> EncodedTensor | None:
+    """``scan_tensors`` on an update of this one tensor (its span the whole of ``data``)."""
+    view = memoryview(data)
+    model = serde._model_of([spec])
+    found = serde._scan_fast(view, array("I", [0, len(view)]), model)
+    assert found is not None
+    return serde._fast_built(found[0], view, spec.name, model.dims[0])
+
+
+READERS = [
+    pytest.param(serde._fast_tensor, id="python"),
+    pytest.param(
+        _kernel_read, id="kernel", marks=pytest.mark.skipif(serde._SCAN is None, reason="the wire kernel is not built")
+    ),
+]
 
 
 def _general(data: bytes, spec: TensorSpec) -> EncodedTensor | str:
@@ -61,11 +82,12 @@ def _tensors(seed: int) -> list[tuple[EncodedTensor, TensorSpec]]:
     return out
 
 
-def test_valid_tensors_are_read_as_the_general_path_reads_them() -> None:
+@pytest.mark.parametrize("read", READERS)
+def test_valid_tensors_are_read_as_the_general_path_reads_them(read) -> None:
     accepted = 0
     for enc, spec in _tensors(0):
         data = serde.tensor_to_bytes(enc)
-        fast = serde._fast_tensor(memoryview(data), spec)
+        fast = read(memoryview(data), spec)
         general = _general(data, spec)
         if fast is not None:
             assert isinstance(general, EncodedTensor) and _same(fast, general), spec.name
@@ -77,12 +99,13 @@ def test_valid_tensors_are_read_as_the_general_path_reads_them() -> None:
     assert accepted == 8
 
 
-def test_an_sbc_mean_or_3lc_scale_of_zero_and_an_empty_payload_go_the_general_way() -> None:
+@pytest.mark.parametrize("read", READERS)
+def test_an_sbc_mean_or_3lc_scale_of_zero_and_an_empty_payload_go_the_general_way(read) -> None:
     spec = TensorSpec("w", (10,))
     for payload in (SBCPayload(0.0, 3, 0, b""), SBCPayload(-0.0, 1, 1, b"\x01"), SBCPayload(0.5, 0, 0, b"")):
         enc = EncodedTensor("w", (10,), "float32", "sbc", 1, payload)
         data = serde.tensor_to_bytes(enc)
-        assert serde._fast_tensor(memoryview(data), spec) is None
+        assert read(memoryview(data), spec) is None
         general = _general(data, spec)
         assert isinstance(general, EncodedTensor) and _same(general, enc)
     for p3 in (
@@ -92,11 +115,11 @@ def test_an_sbc_mean_or_3lc_scale_of_zero_and_an_empty_payload_go_the_general_wa
     ):
         enc = EncodedTensor("w", (10,), "float32", "3lc", 1, p3)
         data = serde.tensor_to_bytes(enc)
-        assert serde._fast_tensor(memoryview(data), spec) is None
+        assert read(memoryview(data), spec) is None
         general = _general(data, spec)
         assert isinstance(general, EncodedTensor) and _same(general, enc)
     dense = EncodedTensor("w", (0,), "float32", "dense-fp32", 1, DensePayload("float32", b""))
-    assert serde._fast_tensor(memoryview(serde.tensor_to_bytes(dense)), TensorSpec("w", (0,))) is None
+    assert read(memoryview(serde.tensor_to_bytes(dense)), TensorSpec("w", (0,))) is None
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -108,7 +131,8 @@ def test_an_sbc_mean_or_3lc_scale_of_zero_and_an_empty_payload_go_the_general_wa
         max_size=3,
     ),
 )
-def test_mutated_tensors_are_never_read_otherwise_than_by_the_general_path(which: int, edits) -> None:
+@pytest.mark.parametrize("read", READERS)
+def test_mutated_tensors_are_never_read_otherwise_than_by_the_general_path(read, which: int, edits) -> None:
     enc, spec = _tensors(1)[which]
     data = bytearray(serde.tensor_to_bytes(enc))
     for op, at, value in edits:
@@ -119,7 +143,7 @@ def test_mutated_tensors_are_never_read_otherwise_than_by_the_general_path(which
             data.insert(at, value)
         elif data:
             del data[at % len(data)]
-    fast = serde._fast_tensor(memoryview(bytes(data)), spec)
+    fast = read(memoryview(bytes(data)), spec)
     if fast is not None:
         general = _general(bytes(data), spec)
         assert isinstance(general, EncodedTensor), general
@@ -130,17 +154,23 @@ def test_mutated_tensors_are_never_read_otherwise_than_by_the_general_path(which
     "change",
     [
         lambda d: d.replace(b"\x10\x06", b"\x10\x86\x00", 1),  # golomb_b as a non-minimal varint
+        lambda d: d.replace(b"\x10\x06", b"\x10\x00", 1),  # golomb_b 0, encoded (not canonical)
+        lambda d: d.replace(b"\x18\x29", b"\x18\x00", 1),  # nnz 0, encoded (not canonical)
         lambda d: d.replace(b"\x28\x01", b"\x28\x00", 1),  # codec_version 0, encoded (not canonical)
         lambda d: d.replace(b"\x18\x01", b"\x18\x09", 1),  # an unknown dtype
     ],
 )
-def test_non_canonical_fields_are_left_to_the_general_path_which_refuses_them(change) -> None:
+@pytest.mark.parametrize("read", READERS)
+def test_non_canonical_fields_are_left_to_the_general_path_which_refuses_them(read, change) -> None:
     t = torch.from_numpy(np.random.default_rng(2).standard_t(3, 4096).astype(np.float32))
     enc = SBC(0.01).encode(t, "w")
     assert isinstance(enc.payload, SBCPayload) and enc.payload.golomb_b == 6
-    data = change(serde.tensor_to_bytes(enc))
+    original = serde.tensor_to_bytes(enc)
+    assert enc.payload.nnz == 0x29 and b"\x18\x29" in original
+    data = change(original)
+    assert data != original
     spec = TensorSpec("w", (4096,))
-    assert serde._fast_tensor(memoryview(data), spec) is None
+    assert read(memoryview(data), spec) is None
     assert isinstance(_general(data, spec), str)
 
 
@@ -148,11 +178,13 @@ def test_non_canonical_fields_are_left_to_the_general_path_which_refuses_them(ch
     "change",
     [
         lambda d: d.replace(b"\x10\x80\x20", b"\x10\x80\xa0\x00", 1),  # numel as a non-minimal varint
+        lambda d: d.replace(b"\x10\x80\x20", b"\x10\x00", 1),  # numel 0, encoded (not canonical)
         lambda d: d.replace(b"\x18\x01", b"\x18\x02", 1),  # zero_run 2: not a canonical bool
         lambda d: d.replace(b"\x18\x01", b"\x18\x00", 1),  # zero_run false, encoded (not canonical)
     ],
 )
-def test_non_canonical_3lc_fields_are_left_to_the_general_path_which_refuses_them(change) -> None:
+@pytest.mark.parametrize("read", READERS)
+def test_non_canonical_3lc_fields_are_left_to_the_general_path_which_refuses_them(read, change) -> None:
     t = torch.from_numpy(np.random.default_rng(3).standard_t(3, 4096).astype(np.float32))
     enc = ThreeLC().encode(t, "w")
     head = serde._head("w", (4096,), "float32", "3lc", 1)
@@ -164,11 +196,11 @@ def test_non_canonical_3lc_fields_are_left_to_the_general_path_which_refuses_the
     changed = change(sub)
     assert changed != sub
     data = _tensor_bytes(head, key, changed)
-    assert serde._fast_tensor(memoryview(data), spec) is None
+    assert read(memoryview(data), spec) is None
     assert isinstance(_general(data, spec), str)
     # zero_run dropped: a valid tensor (without zero runs), read alike by both paths
     dropped = _tensor_bytes(head, key, sub.replace(b"\x18\x01", b"", 1))
-    fast = serde._fast_tensor(memoryview(dropped), spec)
+    fast = read(memoryview(dropped), spec)
     general = _general(dropped, spec)
     assert fast is not None and isinstance(general, EncodedTensor) and _same(fast, general)
     assert isinstance(fast.payload, ThreeLCPayload) and not fast.payload.zero_run
@@ -179,7 +211,8 @@ def _tensor_bytes(head: bytes, payload_key: int, sub: bytes) -> bytes:
 
 
 @pytest.mark.parametrize("kind", ["sbc", "dense"])
-def test_an_empty_bytes_field_written_out_is_left_to_the_general_path_which_refuses_it(kind: str) -> None:
+@pytest.mark.parametrize("read", READERS)
+def test_an_empty_bytes_field_written_out_is_left_to_the_general_path_which_refuses_it(read, kind: str) -> None:
     spec = TensorSpec("w", (4,))
     if kind == "sbc":
         head = serde._head("w", (4,), "float32", "sbc", 1)
@@ -190,10 +223,62 @@ def test_an_empty_bytes_field_written_out_is_left_to_the_general_path_which_refu
         sub = serde._DENSE_ENCODING["float32"] + serde._DENSE_DATA_KEY + b"\x00"
         key = serde._DENSE_KEY[0]
     data = _tensor_bytes(head, key, sub)
-    assert serde._fast_tensor(memoryview(data), spec) is None
+    assert read(memoryview(data), spec) is None
     assert "present but empty" in str(_general(data, spec))
     # the same with one byte of data: both paths read it, and alike
     one = _tensor_bytes(head, key, sub[:-1] + b"\x01\x07")
-    fast = serde._fast_tensor(memoryview(one), spec)
+    fast = read(memoryview(one), spec)
     general = _general(one, spec)
     assert fast is not None and isinstance(general, EncodedTensor) and _same(fast, general)
+
+
+@pytest.mark.skipif(serde._SCAN is None, reason="the wire kernel is not built")
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    which=st.integers(0, 9),
+    edits=st.lists(
+        st.tuples(st.sampled_from(["set", "insert", "drop"]), st.integers(0, 10**6), st.integers(0, 255)),
+        min_size=0,
+        max_size=3,
+    ),
+)
+def test_the_kernel_reads_exactly_what_the_python_reader_reads(which: int, edits) -> None:
+    """Not only bytes the general path accepts: the same tensors as ``_fast_tensor``, None where it
+    says None (the server's choice of path does not depend on whether the kernel is built)."""
+    enc, spec = _tensors(2)[which]
+    data = bytearray(serde.tensor_to_bytes(enc))
+    for op, at, value in edits:
+        at %= len(data) + (op == "insert")
+        if op == "set" and data:
+            data[at % len(data)] = value
+        elif op == "insert":
+            data.insert(at, value)
+        elif data:
+            del data[at % len(data)]
+    python, kernel = serde._fast_tensor(memoryview(bytes(data)), spec), _kernel_read(bytes(data), spec)
+    assert (python is None) == (kernel is None)
+    if python is not None and kernel is not None:
+        assert _same(python, kernel)
+
+
+def test_an_update_is_scanned_tensor_by_tensor_with_its_own_prefixes(monkeypatch) -> None:
+    """Through ``update_from_bytes``: every tensor of a mixed update read (by the kernel where it
+    is built, never then by ``_fast_tensor``) as the general path reads it; a tensor under another
+    tensor's name is not read fast (the general path reports it)."""
+    if serde._SCAN is not None:
+
+        def python_reader(*args: object) -> None:
+            raise AssertionError("the Python reader ran beside the kernel")
+
+        monkeypatch.setattr(serde, "_fast_tensor", python_reader)
+    pairs = _tensors(3)[:8]
+    specs = [spec for _, spec in pairs]
+    data = serde.update_to_bytes(serde.EncodedUpdate(1, tuple(enc for enc, _ in pairs)))
+    got = serde.update_from_bytes(data, expected=specs)
+    general = serde.update_from_bytes(data)  # (no model: every tensor by the general path)
+    assert all(_same(a, b) for a, b in zip(got.tensors, general.tensors, strict=True))
+    if serde._SCAN is not None:
+        assert serde._scan_fast(memoryview(data), array("I", [0, 0]), serde._model_of(specs[:1])) == [None]  # (empty)
+    swapped = [specs[1], specs[0], *specs[2:]]
+    with pytest.raises(PayloadError, match="found tensor"):
+        serde.update_from_bytes(data, expected=swapped)
