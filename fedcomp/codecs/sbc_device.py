@@ -16,11 +16,12 @@ buffer (:class:`fedcomp.codecs.flat.Layout`) and every step runs once for all of
    of a padded matrix (chunks of about ``_EXACT_BUDGET`` values), one stable sort per side per
    chunk: the first ``k`` of a row are its ``k`` most extreme values, ties to the lowest index, as
    on CPU; each side's length is known (``k``), so they are laid out flat with no sync.
-3. Both modes' candidates and the finiteness flag come to the host in one copy (four bytes a
-   value where positions fit in int32); there every tensor's side, exact mean and Golomb code, and
-   the kept positions and values the error feedback needs, come from one call of the C kernel
-   (:func:`fedcomp.codecs.sbc.choose_sides_flat`: no Python object per tensor but its result),
-   as on CPU. A fast-mode tensor whose side came back empty or over ``2 k`` goes through exact
+3. Both modes' candidates (flat positions; the high side's count of fast mode's), and the
+   finiteness flag come to the host in one copy (four bytes a value where positions fit in
+   int32), laid out so that the host reads them where they land; there every tensor's side, exact
+   mean and Golomb code, and the kept positions (in the same width) and values the error feedback
+   needs, come from one call of the C kernel (:func:`fedcomp.codecs.sbc.choose_sides_flat`: no
+   Python object per tensor but its result, no conversion of the positions), as on CPU. A fast-mode tensor whose side came back empty or over ``2 k`` goes through exact
    mode in a second pass (rare: a tensor of many ties).
 
 The bytes are :meth:`SBC.encode`'s (tested against it on CPU, where these same operators run).

@@ -15,10 +15,12 @@ is one this module covers; everything else keeps the per-tensor path, whose byte
 - **Decode** (:func:`decode_on_device`): every payload is checked and decoded on the host (the CPU
   kernels: every SBC position stream in one call, every 3LC stream in one more, the plain dense
   values read from the received bytes, so that the host's share does not grow by a Python call
-  and a tensor per tensor); on the device one buffer of zeros, the SBC positions and values
-  copied over and written by one ``index_put_``, the 3LC groups other than 121 by five
-  scatters, every other tensor's values by one more ``index_put_``. The tensors returned are
-  views of that buffer (or the receiver's buffers, written by one copy).
+  and a tensor per tensor); everything the device needs (the SBC positions, int32 where the
+  update's fit, and values, the 3LC groups other than 121, the other tensors' values) in one copy
+  to it (:func:`fedcomp.codecs.flat.to_device_many`); there one buffer of zeros, the SBC
+  positions written by one ``index_put_``, the 3LC groups by five scatters, every other tensor's
+  values by one more ``index_put_``. The tensors returned are views of that buffer (or the
+  receiver's buffers, written by one copy).
 """
 
 from __future__ import annotations
@@ -163,10 +165,9 @@ def _encode_large(
     recon = None
     if want_recon:  # SBC's reconstruction is sparse: one value at the kept positions
         # (one copy; the positions int32 where the update's fit: half the bytes)
-        kept_on, value_on = to_device_many([([found.kept], found.kept.dtype), ([found.value], np.float32)], acc.device)
-        if kept_on is None or value_on is None:  # nothing kept (every side empty)
-            kept_on, value_on = torch.zeros(0, dtype=torch.int64, device=acc.device), acc.new_zeros(0)
-        kept, value = kept_on.long(), value_on
+        kept_on, value = to_device_many([([found.kept], found.kept.dtype), ([found.value], np.float32)], acc.device)
+        assert kept_on is not None and value is not None  # (a tensor of at least one value keeps one)
+        kept = kept_on.long()
         if keep_sent:
             recon = torch.zeros(layout.total, dtype=torch.float32, device=acc.device)
             recon.index_put_((kept,), value)

@@ -978,10 +978,10 @@ class _Model:
 
 
 def _model_of(expected: Sequence[TensorShape]) -> _Model:
-    """:class:`_Model` of ``expected``, kept for the last specs seen (a receiver passes the same
-    ones every round; compared element by element, an identity compare first)."""
+    """:class:`_Model` of ``expected``, kept for the last names and shapes seen (a receiver passes
+    the same ones every round; compared by value, so a spec changed in place is not missed)."""
     global _LAST_MODEL
-    key = tuple(expected)
+    key = tuple((w.name, tuple(w.shape)) for w in expected)
     last = _LAST_MODEL  # (one read: a server may parse on several threads)
     if last is not None and last[0] == key:
         return last[1]

@@ -185,7 +185,7 @@ def _sides_flat(tasks, threads: int = 2, room: int | None = None):
     flat_val = np.concatenate(val) if val else np.zeros(0, np.float32)
     args = (np.array(ranges, np.int64).reshape(-1, 4), np.array([t[5] for t in tasks], np.int64))
     sides, count = KERNEL.sides_flat(
-        flat_pos, flat_val, flat_pos, flat_val, *args, np.array([t[4] for t in tasks], np.int64),
+        flat_pos, flat_val, flat_pos, flat_val, *args, np.array([t[4] for t in tasks], np.int64), True,
         golomb.LN_PHI_MINUS_1, threads, False, kept, value,
     )  # fmt: skip
     return sides, count, kept, value
@@ -220,14 +220,28 @@ def test_sides_flat_checks_its_arguments_and_leaves_what_it_cannot_code():
         (flat, flat_v, flat, flat_v, np.array([[0, 2, 2, 3, 0]]), z, z + 10),  # ranges of 5
     ):
         with pytest.raises(ValueError, match="sides_flat"):
-            KERNEL.sides_flat(*bad, golomb.LN_PHI_MINUS_1, 1, False, *room)
+            KERNEL.sides_flat(*bad, True, golomb.LN_PHI_MINUS_1, 1, False, *room)
+    with pytest.raises(ValueError, match="sides_flat"):  # int64 positions said to be int32
+        KERNEL.sides_flat(flat, flat_v, flat, flat_v, np.array([[0, 2, 2, 3]]), z, z + 10, False, 0.5, 1, False, *room)
     with pytest.raises(ValueError, match="sides_flat"):  # as many values as kept positions
         KERNEL.sides_flat(
-            flat, flat_v, flat, flat_v, np.array([[0, 2, 2, 3]]), z, z + 10, 0.5, 1, False, room[0], room[1][:2]
+            flat, flat_v, flat, flat_v, np.array([[0, 2, 2, 3]]), z, z + 10, True, 0.5, 1, False, room[0], room[1][:2]
         )
     with pytest.raises(TypeError):  # a read-only output
         KERNEL.sides_flat(
-            flat, flat_v, flat, flat_v, np.array([[0, 2, 2, 3]]), z, z + 10, 0.5, 1, False, room[0].tobytes(), room[1]
+            flat,
+            flat_v,
+            flat,
+            flat_v,
+            np.array([[0, 2, 2, 3]]),
+            z,
+            z + 10,
+            True,
+            0.5,
+            1,
+            False,
+            room[0].tobytes(),
+            room[1],
         )
     # positions out of order or past n, a value not finite: left to the Python path (None); then
     # no kept positions are written (count -1)

@@ -282,3 +282,20 @@ def test_an_update_is_scanned_tensor_by_tensor_with_its_own_prefixes(monkeypatch
     swapped = [specs[1], specs[0], *specs[2:]]
     with pytest.raises(PayloadError, match="found tensor"):
         serde.update_from_bytes(data, expected=swapped)
+
+
+def test_a_spec_changed_in_place_is_read_afresh() -> None:
+    """The receiver's names and shapes are kept from update to update by value: a spec object
+    changed in place (a user's own mutable spec type) is not read with its old name."""
+
+    class Spec:
+        def __init__(self, name: str, shape: tuple[int, ...]) -> None:
+            self.name, self.shape = name, shape
+
+    pairs = _tensors(4)[:3]
+    specs = [Spec(spec.name, spec.shape) for _, spec in pairs]
+    data = serde.update_to_bytes(serde.EncodedUpdate(1, tuple(enc for enc, _ in pairs)))
+    assert [t.name for t in serde.update_from_bytes(data, expected=specs).tensors] == [s.name for s in specs]
+    specs[1].name = "renamed"
+    with pytest.raises(PayloadError, match="renamed"):
+        serde.update_from_bytes(data, expected=specs)
