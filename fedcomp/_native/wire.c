@@ -669,6 +669,69 @@ done:
     return result;
 }
 
+/* scan_update(data, end, most, wide, spans) -> (format_version, base_model_version, count) | None
+ *
+ * fedcomp.wire.serde._scan_update's walk of an update's top-level fields in data[0, end) for an
+ * update that passes it: fields 1 and 2 (non-zero varints, in order), then field 3 (tensors)
+ * repeated, each tensor's start and stop into spans (uint32, or int64 where wide; room for `most`
+ * tensors); None where the walk would raise (the caller then runs it in Python, which says what
+ * is wrong). */
+static PyObject *scan_update(PyObject *self, PyObject *args) {
+    Py_buffer data = {0}, spans = {0};
+    Py_ssize_t end, most;
+    int wide;
+    PyObject *result = NULL;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*nnpw*", &data, &end, &most, &wide, &spans)) return NULL;
+    if (end < 0 || end > data.len || most < 0 || spans.len < 2 * most * (wide ? 8 : 4)) {
+        PyErr_SetString(PyExc_ValueError, "scan_update: end within the data and room for `most` tensors");
+        goto done;
+    }
+    const uint8_t *d = data.buf;
+    Py_ssize_t pos = 0, count = 0;
+    uint64_t key, value, version = 0, base = 0, last = 0;
+    int ok = 1;
+    while (ok && pos < end) {
+        if (!scan_varint(d, &pos, end, &key)) {
+            ok = 0;
+            break;
+        }
+        uint64_t field = key >> 3, wire = key & 7;
+        if ((field == 1 || field == 2) && wire == 0 && field > last) {
+            if (!scan_varint(d, &pos, end, &value) || value == 0) ok = 0;
+            else if (field == 1) version = value;
+            else base = value;
+        } else if (field == 3 && wire == 2 && last <= 3) {
+            if (!scan_varint(d, &pos, end, &value) || value > (uint64_t)(end - pos) || count == most) {
+                ok = 0;
+            } else {
+                if (wide) {
+                    ((int64_t *)spans.buf)[2 * count] = pos;
+                    ((int64_t *)spans.buf)[2 * count + 1] = pos + (Py_ssize_t)value;
+                } else {
+                    ((uint32_t *)spans.buf)[2 * count] = (uint32_t)pos;
+                    ((uint32_t *)spans.buf)[2 * count + 1] = (uint32_t)(pos + (Py_ssize_t)value);
+                }
+                count++;
+                pos += (Py_ssize_t)value;
+            }
+        } else {
+            ok = 0;
+        }
+        last = field;
+    }
+    if (ok) {
+        result = Py_BuildValue("KKn", (unsigned long long)version, (unsigned long long)base, count);
+    } else {
+        Py_INCREF(Py_None);
+        result = Py_None;
+    }
+done:
+    if (data.obj != NULL) PyBuffer_Release(&data);
+    if (spans.obj != NULL) PyBuffer_Release(&spans);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"crc32", crc32, METH_VARARGS, "zlib.crc32(buffer, crc)."},
     {"crc32_combine", crc32_combine, METH_VARARGS, "The CRC-32 of A + B from crc32(A), crc32(B) and len(B)."},
@@ -677,6 +740,7 @@ static PyMethodDef methods[] = {
     {"features", features, METH_NOARGS, "The instruction paths in use."},
     {"crc_variant", crc_variant, METH_VARARGS, "The CRC variant in use; switch with a name (tests)."},
     {"scan_tensors", scan_tensors, METH_VARARGS, "An update's canonical SBC, 3LC and dense tensors read without protobuf."},
+    {"scan_update", scan_update, METH_VARARGS, "An update's top-level fields and tensor spans, or None to ask Python why not."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_wire", "One-pass casts, copies and CRC-32 for the wire layer.", -1, methods, NULL, NULL, NULL, NULL};

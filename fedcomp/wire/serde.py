@@ -636,6 +636,21 @@ def _varint(data: bytes | memoryview, pos: int, end: int) -> tuple[int, int]:
 
 
 def _scan_update(data: bytes | memoryview, end: int, most: int, bound: str) -> tuple[int, int, array[int]]:
+    """:func:`_scan_update_py`, by the wire kernel where it is built (room for ``most`` spans is
+    made first: call it with a model's count): Python then walks only an update the kernel
+    refuses, to say what is wrong."""
+    if _SCAN_UPDATE is not None:
+        wide = end >= 1 << 32
+        spans = array("q" if wide else "I", bytes(2 * most * (8 if wide else 4)))
+        found = _SCAN_UPDATE(data, end, most, wide, spans)
+        if found is not None:
+            version, base, count = found
+            del spans[2 * count :]
+            return version, base, spans
+    return _scan_update_py(data, end, most, bound)
+
+
+def _scan_update_py(data: bytes | memoryview, end: int, most: int, bound: str) -> tuple[int, int, array[int]]:
     """Walk the top-level fields of ``data[:end]`` (a ``CompressedUpdate`` without its CRC)
     without parsing any tensor: ``(format_version, base_model_version, tensor bounds)``, the
     bounds flat as ``start0, stop0, start1, stop1, ...`` (8 bytes a tensor below 4 GiB, else 16:
@@ -763,7 +778,8 @@ def _parse_update(
         most, bound = max_tensors, "the limit without a model"
     else:
         most, bound = len(expected), "the model's count"
-    version, base, spans = _scan_update(view, end, most, bound)
+    scan = _scan_update_py if expected is None else _scan_update  # (the kernel makes room for most)
+    version, base, spans = scan(view, end, most, bound)
     if version != FORMAT_VERSION:
         raise PayloadError("", f"format version {version} is not supported (have {FORMAT_VERSION})")
     count = len(spans) // 2
@@ -927,6 +943,8 @@ _FAST_PAYLOADS: dict[str, Callable[[memoryview, int, int], Payload | None]] = {
 
 #: ``fedcomp._native._wire`` where it has ``scan_tensors``, else None (then :func:`_fast_tensor`).
 _SCAN = getattr(fast_writer.load_wire(), "scan_tensors", None)
+#: Its ``scan_update`` (where a model bounds the tensor count), else None.
+_SCAN_UPDATE = getattr(fast_writer.load_wire(), "scan_update", None)
 #: The tables ``scan_tensors`` reads: each dtype enum byte's index + 1 in :data:`_DTYPES`, the
 #: codec ids and their payload kinds (0 SBC, 1 3LC, 2 dense, 3 any other), and the keys.
 _DTYPES = tuple(_DTYPE_TO_PB)

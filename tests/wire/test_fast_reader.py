@@ -299,3 +299,69 @@ def test_a_spec_changed_in_place_is_read_afresh() -> None:
     specs[1].name = "renamed"
     with pytest.raises(PayloadError, match="renamed"):
         serde.update_from_bytes(data, expected=specs)
+
+
+@pytest.mark.skipif(serde._SCAN_UPDATE is None, reason="the wire kernel is not built")
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    edits=st.lists(
+        st.tuples(st.sampled_from(["set", "insert", "drop"]), st.integers(0, 10**6), st.integers(0, 255)),
+        min_size=0,
+        max_size=3,
+    ),
+    most=st.integers(0, 10),
+)
+def test_the_kernels_walk_of_an_update_is_the_python_walk(edits, most: int) -> None:
+    """``scan_update`` against ``_scan_update_py`` on mutated updates: the same fields and spans,
+    or (the kernel saying None) the Python walk raises."""
+    pairs = _tensors(5)[:6]
+    data = bytearray(serde.update_to_bytes(serde.EncodedUpdate(3, tuple(enc for enc, _ in pairs))))[:-5]
+    for op, at, value in edits:
+        at %= len(data) + (op == "insert")
+        if op == "set" and data:
+            data[at % len(data)] = value
+        elif op == "insert":
+            data.insert(at, value)
+        elif data:
+            del data[at % len(data)]
+    view = memoryview(bytes(data))
+    try:
+        want = serde._scan_update_py(view, len(view), most, "a test's")
+    except PayloadError:
+        want = None
+    spans = array("I", bytes(8 * most))
+    got = serde._SCAN_UPDATE(view, len(view), most, False, spans)
+    if want is None:
+        assert got is None
+    else:
+        assert got is not None and got[:2] == want[:2] and list(spans[: 2 * got[2]]) == list(want[2])
+
+
+@pytest.mark.skipif(serde._SCAN_UPDATE is None, reason="the wire kernel is not built")
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"\x08\x02\x10\x05\x1a\x01\x00\x1a\x00",  # valid: version, base, two tensors
+        b"\x08\x00\x1a\x01\x00",  # version 0, encoded
+        b"\x08\x02\x10\x00",  # base 0, encoded
+        b"\x10\x05\x08\x02",  # base before version
+        b"\x08\x02\x08\x02",  # version twice
+        b"\x1a\x01\x00\x08\x02",  # a tensor before the version
+        b"\x08\x02\x22\x01\x00",  # field 4
+        b"\x08\x02\x1a\x05\x00",  # a tensor past the end
+        b"\x08\x02\x1a\x00\x1a\x00\x1a\x00",  # three tensors where the model has two
+        b"\x08\x82\x00",  # a non-minimal varint
+        b"\x0a\x00",  # field 1 as bytes
+    ],
+)
+def test_the_kernels_walk_refuses_what_the_python_walk_refuses(data: bytes) -> None:
+    view = memoryview(data)
+    try:
+        want = serde._scan_update_py(view, len(view), 2, "a test's")
+    except PayloadError:
+        want = None
+    spans = array("I", bytes(16))
+    got = serde._SCAN_UPDATE(view, len(view), 2, False, spans)
+    assert (got is None) == (want is None)
+    if want is not None:
+        assert got is not None and got[:2] == want[:2] and list(spans[: 2 * got[2]]) == list(want[2])
