@@ -242,9 +242,28 @@ __attribute__((target("avx,f16c"))) static void f16_to_f32(float *dst, const uin
         memcpy(dst + i, out, (n - i) * sizeof(float));
     }
 }
+
+/* f16_to_f32 with non-temporal stores (dst 32-byte aligned after a peel): for outputs larger than
+ * the caches, whose lines a normal store first reads from memory (a decode writes twice the bytes
+ * it reads). The caller fences once the op is done (run_op). */
+__attribute__((target("avx,f16c"))) static void f16_to_f32_stream(float *dst, const uint16_t *src, size_t n) {
+    size_t i = 0;
+    size_t peel = (size_t)((32 - ((uintptr_t)dst & 31)) & 31) / sizeof(float);
+    if (((uintptr_t)dst & 3) != 0 || peel >= n) { /* (a float32 buffer is 4-byte aligned) */
+        f16_to_f32(dst, src, n);
+        return;
+    }
+    if (peel) f16_to_f32(dst, src, peel);
+    for (i = peel; i + 8 <= n; i += 8)
+        _mm256_stream_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+    if (i < n) f16_to_f32(dst + i, src + i, n - i);
+}
 #endif
 
 /* --- run ---------------------------------------------------------------------------------------- */
+
+/* Ops at least this large write their float32 output with non-temporal stores. */
+#define STREAM_MIN ((size_t)1 << 20)
 
 enum { OP_COPY = 0, OP_F32_F16 = 1, OP_F16_F32 = 2, OP_CRC = 3 };
 
@@ -276,7 +295,8 @@ static uint32_t run_op(const op_t *op, uint32_t state) {
             break;
         case OP_F16_F32:
             state = crc_raw(state, op->src + done, m);
-            f16_to_f32((float *)(op->dst + 2 * done), (const uint16_t *)(op->src + done), m / 2);
+            if (n >= STREAM_MIN) f16_to_f32_stream((float *)(op->dst + 2 * done), (const uint16_t *)(op->src + done), m / 2);
+            else f16_to_f32((float *)(op->dst + 2 * done), (const uint16_t *)(op->src + done), m / 2);
             break;
 #endif
         default: /* OP_CRC */
@@ -286,6 +306,9 @@ static uint32_t run_op(const op_t *op, uint32_t state) {
         }
         done += m;
     }
+#ifdef HAVE_X86_DISPATCH
+    if (op->kind == OP_F16_F32 && n >= STREAM_MIN) _mm_sfence(); /* the streamed stores, visible */
+#endif
     return state;
 }
 

@@ -98,8 +98,9 @@ def _specials(n: int, seed: int) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("n", [*range(0, 40), 1000, 4097, 70_001])
+@pytest.mark.parametrize("n", [*range(0, 40), 1000, 4097, 70_001, 1 << 19, (1 << 19) + 3, 600_001])
 def test_the_casts_give_torchs_values(n):
+    """(From 2**19 values, 1 MiB of wire, a float32 output is written by non-temporal stores.)"""
     assert KERNEL is not None
     x = _specials(n, n)
     want = x.half().numpy().tobytes()
@@ -135,6 +136,24 @@ def test_unaligned_sources_and_destinations():
         dst = np.zeros(2 * 5000 + 8, np.uint8)
         KERNEL.run([(OP_F32_F16, dst.ctypes.data + shift, src.ctypes.data + shift, 10000)], 0)
         assert dst[shift : shift + 10000].tobytes() == x.half().numpy().tobytes()
+
+
+@pytest.mark.parametrize("shift", [0, 1, 4, 12, 28, 30])
+def test_a_large_cast_to_float32_at_any_alignment(shift: int) -> None:
+    """The non-temporal stores' peel to a 32-byte boundary (and a destination not 4-byte aligned,
+    written the ordinary way): every value, nothing before or after the slot."""
+    assert KERNEL is not None
+    n = (1 << 19) + 5
+    half = _specials(n, 7).half()
+    base = np.full(4 * n + 64, 0xAB, np.uint8)
+    start = (-base.ctypes.data) % 32 + shift  # shift bytes past a 32-byte boundary
+    crc = KERNEL.run([(OP_F16_F32, base.ctypes.data + start, half.data_ptr(), 2 * n)], 0)
+    got = torch.from_numpy(base[start : start + 4 * n].copy().view(np.float32))
+    ref = half.float()
+    nan = torch.isnan(ref)
+    assert torch.equal(got[~nan].view(torch.int32), ref[~nan].view(torch.int32)) and torch.isnan(got[nan]).all()
+    assert (base[:start] == 0xAB).all() and (base[start + 4 * n :] == 0xAB).all()
+    assert crc == zlib.crc32(half.numpy().tobytes())
 
 
 def test_an_op_list_is_one_crc_over_the_wire_side():
