@@ -16,7 +16,8 @@
  *       each op (kind, dst, src, nbytes) in order, the CRC continued over the wire side of each:
  *         COPY (0)     nbytes from src to dst (an address, or a bytes-like object for src);
  *         F32_F16 (1)  nbytes / 2 float32 values at src cast to float16 at dst (dst is the wire);
- *         F16_F32 (2)  nbytes / 2 float16 values at src (the wire) cast to float32 at dst;
+ *         F16_F32 (2)  nbytes / 2 float16 values at src (the wire) cast to float32 at dst (from
+ *                      1 MiB of wire on, by non-temporal stores: the output is not read first);
  *         CRC (3)      the CRC of nbytes at src only (dst is ignored).
  *       Returns the CRC; the GIL is released while the ops run.
  *   run2(first, second) -> (crc1, crc2) | None
@@ -25,6 +26,9 @@
  *   features() -> dict        the instruction paths in use: "crc" (as crc_variant), "f16c" (bool).
  *   crc_variant([name]) -> str                the CRC in use, "table", "pclmul" or "vpclmul" (chosen at
  *       import: the widest this CPU has; the same values, tested each way); a name switches (tests).
+ *   scan_update(...), scan_tensors(...)      an untrusted update's top-level fields and its tensors
+ *       read as fedcomp.wire.serde's Python readers read them (see each; bounds-checked, they
+ *       allocate nothing but their results and read nothing outside the data).
  *
  * Addresses are plain integers: this is a private kernel, called only by the wire layer
  * (fedcomp.wire.fast_writer, and fedcomp.wire.serde.DenseFrames through it) with addresses of
