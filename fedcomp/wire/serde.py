@@ -20,6 +20,13 @@ fields are small for every codec but dense). So parsing a 1.7 MB dense update al
 where parsing it whole allocated the message (1x), its re-serialization for the canonical check
 (1x) and the ``bytes`` of its data (1x).
 
+**The common tensors, fast.** With ``expected``, a tensor that is exactly the canonical encoding
+of an SBC, 3LC or dense payload (what senders write every round) is read by hand, without
+protobuf (:func:`_fast_tensor`); with the wire kernel built, the top-level walk and every tensor's
+reading are two C calls for the whole update (``scan_update``, ``scan_tensors``: the same rules
+byte for byte, tested against the Python readers on mutated bytes). Anything either declines goes
+the general way above, which says what is wrong.
+
 **Writing.** :func:`update_to_bytes` and :func:`tensor_to_bytes` write protobuf's canonical bytes
 without protobuf copying the payloads: the framing (keys, varint lengths, the small fields) is
 built here, each payload ``bytes`` field is copied once into the output, and a deferred dense
