@@ -40,6 +40,27 @@ READERS = [
 ]
 
 
+#: Up to three edits of a byte string: a byte set, inserted or dropped.
+EDITS = st.lists(
+    st.tuples(st.sampled_from(["set", "insert", "drop"]), st.integers(0, 10**6), st.integers(0, 255)),
+    min_size=0,
+    max_size=3,
+)
+
+
+def _edited(data: bytes, edits: list[tuple[str, int, int]]) -> bytes:
+    out = bytearray(data)
+    for op, at, value in edits:
+        at %= len(out) + (op == "insert")
+        if op == "set" and out:
+            out[at % len(out)] = value
+        elif op == "insert":
+            out.insert(at, value)
+        elif out:
+            del out[at % len(out)]
+    return bytes(out)
+
+
 def _general(data: bytes, spec: TensorSpec) -> EncodedTensor | str:
     try:
         msg, cut = serde._parse_tensor(memoryview(data), "tensor 0")
@@ -125,27 +146,15 @@ def test_an_sbc_mean_or_3lc_scale_of_zero_and_an_empty_payload_go_the_general_wa
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     which=st.integers(0, 9),
-    edits=st.lists(
-        st.tuples(st.sampled_from(["set", "insert", "drop"]), st.integers(0, 10**6), st.integers(0, 255)),
-        min_size=1,
-        max_size=3,
-    ),
+    edits=EDITS.filter(bool),
 )
 @pytest.mark.parametrize("read", READERS)
 def test_mutated_tensors_are_never_read_otherwise_than_by_the_general_path(read, which: int, edits) -> None:
     enc, spec = _tensors(1)[which]
-    data = bytearray(serde.tensor_to_bytes(enc))
-    for op, at, value in edits:
-        at %= len(data) + (op == "insert")
-        if op == "set" and data:
-            data[at % len(data)] = value
-        elif op == "insert":
-            data.insert(at, value)
-        elif data:
-            del data[at % len(data)]
-    fast = read(memoryview(bytes(data)), spec)
+    data = _edited(serde.tensor_to_bytes(enc), edits)
+    fast = read(memoryview(data), spec)
     if fast is not None:
-        general = _general(bytes(data), spec)
+        general = _general(data, spec)
         assert isinstance(general, EncodedTensor), general
         assert _same(fast, general)
 
@@ -236,26 +245,14 @@ def test_an_empty_bytes_field_written_out_is_left_to_the_general_path_which_refu
 @settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     which=st.integers(0, 9),
-    edits=st.lists(
-        st.tuples(st.sampled_from(["set", "insert", "drop"]), st.integers(0, 10**6), st.integers(0, 255)),
-        min_size=0,
-        max_size=3,
-    ),
+    edits=EDITS,
 )
 def test_the_kernel_reads_exactly_what_the_python_reader_reads(which: int, edits) -> None:
     """Not only bytes the general path accepts: the same tensors as ``_fast_tensor``, None where it
     says None (the server's choice of path does not depend on whether the kernel is built)."""
     enc, spec = _tensors(2)[which]
-    data = bytearray(serde.tensor_to_bytes(enc))
-    for op, at, value in edits:
-        at %= len(data) + (op == "insert")
-        if op == "set" and data:
-            data[at % len(data)] = value
-        elif op == "insert":
-            data.insert(at, value)
-        elif data:
-            del data[at % len(data)]
-    python, kernel = serde._fast_tensor(memoryview(bytes(data)), spec), _kernel_read(bytes(data), spec)
+    data = _edited(serde.tensor_to_bytes(enc), edits)
+    python, kernel = serde._fast_tensor(memoryview(data), spec), _kernel_read(data, spec)
     assert (python is None) == (kernel is None)
     if python is not None and kernel is not None:
         assert _same(python, kernel)
@@ -304,27 +301,15 @@ def test_a_spec_changed_in_place_is_read_afresh() -> None:
 @pytest.mark.skipif(serde._SCAN_UPDATE is None, reason="the wire kernel is not built")
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    edits=st.lists(
-        st.tuples(st.sampled_from(["set", "insert", "drop"]), st.integers(0, 10**6), st.integers(0, 255)),
-        min_size=0,
-        max_size=3,
-    ),
+    edits=EDITS,
     most=st.integers(0, 10),
 )
 def test_the_kernels_walk_of_an_update_is_the_python_walk(edits, most: int) -> None:
     """``scan_update`` against ``_scan_update_py`` on mutated updates: the same fields and spans,
     or (the kernel saying None) the Python walk raises."""
     pairs = _tensors(5)[:6]
-    data = bytearray(serde.update_to_bytes(serde.EncodedUpdate(3, tuple(enc for enc, _ in pairs))))[:-5]
-    for op, at, value in edits:
-        at %= len(data) + (op == "insert")
-        if op == "set" and data:
-            data[at % len(data)] = value
-        elif op == "insert":
-            data.insert(at, value)
-        elif data:
-            del data[at % len(data)]
-    view = memoryview(bytes(data))
+    data = _edited(serde.update_to_bytes(serde.EncodedUpdate(3, tuple(enc for enc, _ in pairs)))[:-5], edits)
+    view = memoryview(data)
     try:
         want = serde._scan_update_py(view, len(view), most, "a test's")
     except PayloadError:
