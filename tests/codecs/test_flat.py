@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedcomp.codecs.flat import concrete_device, count_device_work, to_host
+from fedcomp.codecs.flat import concrete_device, count_device_work, to_device_many, to_host
 
 
 def _cases() -> list[torch.Tensor]:
@@ -43,6 +43,46 @@ def test_to_host_of_cuda_tensors_is_their_values() -> None:
         assert got.dtype == t.numpy().dtype and got.shape == tuple(t.shape)
         assert np.array_equal(got, t.numpy())
         assert (work.to_host, work.syncs) == (1, 1)
+
+
+def _groups() -> list:
+    g = np.random.default_rng(1)
+    return [
+        ([g.integers(0, 2**31 - 1, 5), g.integers(0, 2**31 - 1, 0), g.integers(0, 2**31 - 1, 3)], np.int32),
+        ([g.standard_normal(7).astype(np.float32)], np.float32),
+        ([], np.float32),  # empty: None
+        ([g.integers(-(2**40), 2**40, 3)], np.int64),
+        ([g.integers(0, 256, 13).astype(np.uint8), g.integers(0, 256, 2).astype(np.uint8)], np.uint8),
+        ([g.standard_normal(1).astype(np.float32)], np.float32),
+    ]
+
+
+def _check_many(device: torch.device) -> None:
+    groups = _groups()
+    with count_device_work() as work:
+        got = to_device_many(groups, device)
+    assert work.to_device == 1  # every group in one copy
+    for (arrays, dtype), t in zip(groups, got, strict=True):
+        want = np.concatenate(arrays).astype(dtype) if arrays else np.zeros(0, dtype)
+        if want.size == 0:
+            assert t is None
+            continue
+        assert t is not None and t.device == device
+        on_host = t.cpu().numpy()
+        assert on_host.dtype == np.dtype(dtype) and np.array_equal(on_host, want)
+    assert to_device_many([([], np.int32)], device) == [None]
+
+
+def test_to_device_many_is_each_group_concatenated_in_one_copy() -> None:
+    """Typed views of one copy (each part 8-byte aligned, so a view of any dtype is allowed), int64
+    values cast to int32 where asked, an empty group None."""
+    _check_many(torch.device("cpu"))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_to_device_many_onto_cuda() -> None:
+    _check_many(torch.device("cuda", torch.cuda.current_device()))
 
 
 def test_a_device_named_without_an_index_is_resolved() -> None:
