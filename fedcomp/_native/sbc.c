@@ -1434,12 +1434,67 @@ done:
     return result;
 }
 
+/* fill's ordinary writes of [*at, stop): zeros, and `value` at the positions p[*i] below stop
+ * (ascending from *at, each below `end`); 0 on a position out of order or range. */
+static int fill_plain(float *o, Py_ssize_t *at, Py_ssize_t stop, const int64_t *p, Py_ssize_t *i, Py_ssize_t p1,
+                      Py_ssize_t end, float value) {
+    for (; *i < p1 && p[*i] < stop; (*i)++) {
+        int64_t j = p[*i];
+        if (j < *at || j >= end) return 0;
+        memset(o + *at, 0, (size_t)(j - *at) * 4);
+        o[j] = value;
+        *at = (Py_ssize_t)j + 1;
+    }
+    if (*i < p1 && p[*i] < *at) return 0; /* (a position at or past stop, but below what is written) */
+    if (stop > *at) memset(o + *at, 0, (size_t)(stop - *at) * 4);
+    if (stop > *at) *at = stop;
+    return 1;
+}
+
+#ifdef HAVE_SSE2
+/* Outputs at least this long (floats) are written with non-temporal stores. */
+#define FILL_STREAM_MIN ((Py_ssize_t)1 << 18)
+
+/* fill_plain of [*at, end) for a long output: its 16-byte-aligned middle written four floats at a
+ * time by non-temporal stores (a decode into a receiver's buffer larger than the caches: the
+ * lines are not read from memory before they are written), the ends the ordinary way. Asked for
+ * by the caller (fill's `stream`): into fresh pages, which the kernel has just zeroed through the
+ * cache, these stores measured slower (a ResNet-50 update's decode into new arrays 14-20 ->
+ * 26-27 ms), into a warm buffer faster (10.4-10.6 -> 8.2-8.8 ms). */
+static int fill_stream(float *o, Py_ssize_t *at, const int64_t *p, Py_ssize_t *i, Py_ssize_t p1, Py_ssize_t end,
+                       float value) {
+    Py_ssize_t first = *at + (Py_ssize_t)(((16 - ((uintptr_t)(o + *at) & 15)) & 15) / 4);
+    if (((uintptr_t)o & 3) != 0 || first + 4 > end) return fill_plain(o, at, end, p, i, p1, end, value);
+    Py_ssize_t last = first + (end - first) / 4 * 4;
+    if (!fill_plain(o, at, first, p, i, p1, end, value)) return 0;
+    const __m128 zero = _mm_setzero_ps();
+    for (Py_ssize_t blk = first; blk < last; blk += 4) {
+        if (*i < p1 && p[*i] < blk + 4) {
+            float lanes[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            for (; *i < p1 && p[*i] < blk + 4; (*i)++) {
+                int64_t j = p[*i];
+                if (j < *at) return 0;
+                lanes[j - blk] = value;
+                *at = (Py_ssize_t)j + 1;
+            }
+            _mm_stream_ps(o + blk, _mm_loadu_ps(lanes));
+        } else {
+            _mm_stream_ps(o + blk, zero);
+        }
+    }
+    _mm_sfence();
+    *at = last;
+    return fill_plain(o, at, end, p, i, p1, end, value);
+}
+#endif
+
 static PyObject *fill(PyObject *self, PyObject *args) {
     Py_buffer out, pos;
     Py_ssize_t begin, end, p0, p1;
     float value;
+    int stream = 0;
     (void)self;
-    if (!PyArg_ParseTuple(args, "w*nny*nnf", &out, &begin, &end, &pos, &p0, &p1, &value)) return NULL;
+    if (!PyArg_ParseTuple(args, "w*nny*nnf|p", &out, &begin, &end, &pos, &p0, &p1, &value, &stream)) return NULL;
     PyObject *result = NULL;
     Py_ssize_t n = out.len / 4, m = pos.len / 8;
     if (begin < 0 || end < begin || end > n || p0 < 0 || p1 < p0 || p1 > m) {
@@ -1450,18 +1505,13 @@ static PyObject *fill(PyObject *self, PyObject *args) {
     const int64_t *p = (const int64_t *)pos.buf;
     int bad = 0;
     Py_BEGIN_ALLOW_THREADS
-    Py_ssize_t at = begin; /* everything below `at` is written */
-    for (Py_ssize_t i = p0; i < p1; i++) {
-        int64_t j = p[i];
-        if (j < at || j >= end) { /* not ascending, or outside [begin, end) */
-            bad = 1;
-            break;
-        }
-        memset(o + at, 0, (size_t)(j - at) * 4);
-        o[j] = value;
-        at = (Py_ssize_t)j + 1;
-    }
-    if (!bad) memset(o + at, 0, (size_t)(end - at) * 4);
+    Py_ssize_t at = begin, i = p0; /* everything below `at` is written; p[i] is the next position */
+#ifdef HAVE_SSE2
+    if (stream && end - begin >= FILL_STREAM_MIN) bad = !fill_stream(o, &at, p, &i, p1, end, value);
+    else
+#endif
+        bad = !fill_plain(o, &at, end, p, &i, p1, end, value);
+    if (!bad && i < p1) bad = 1; /* a position at or past end */
     Py_END_ALLOW_THREADS
     if (bad) {
         PyErr_SetString(PyExc_ValueError, "fill: positions must ascend within [begin, end)");

@@ -270,7 +270,7 @@ class SBC(Codec):
         if out.device.type != "cpu" or out.dtype != torch.float32:
             return super()._decode_into(payload, spec, out)
         idx, mean32 = self.positions(payload, spec, out.device)
-        _fill_cpu(out.numpy(), idx.numpy(), mean32)  # the warm buffer written once
+        _fill_cpu(out.numpy(), idx.numpy(), mean32, stream=True)  # the warm buffer written once
 
     def positions(self, payload: Payload, spec: TensorSpec, device: torch.device) -> tuple[torch.Tensor, float]:
         """The decoder without its dense output: the kept positions (ascending, on ``device``) and
@@ -333,14 +333,16 @@ def _dense_cpu(idx: np.ndarray, numel: int, value: float) -> np.ndarray:
     return arr
 
 
-def _fill_cpu(arr: np.ndarray, idx: np.ndarray, value: float) -> None:
+def _fill_cpu(arr: np.ndarray, idx: np.ndarray, value: float, stream: bool = False) -> None:
     """Overwrite float32 ``arr`` with zeros but ``value`` at the ascending positions ``idx``
-    (one pass with the C kernel; NumPy's zero fill and scatter without it)."""
+    (one pass with the C kernel; NumPy's zero fill and scatter without it). ``stream``: ``arr`` is a
+    buffer the receiver keeps (its pages mapped), so the kernel may write a long one by
+    non-temporal stores (not into fresh pages: slower there)."""
     if _KERNEL is None:
         arr[:] = 0.0
         arr[idx] = value
     else:
-        _KERNEL.fill(arr, 0, arr.shape[0], np.ascontiguousarray(idx, dtype=np.int64), 0, idx.shape[0], value)
+        _KERNEL.fill(arr, 0, arr.shape[0], np.ascontiguousarray(idx, dtype=np.int64), 0, idx.shape[0], value, stream)
 
 
 # --- selection ------------------------------------------------------------------------------

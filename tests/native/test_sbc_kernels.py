@@ -488,6 +488,42 @@ def test_dense_output_equals_numpy(n, monkeypatch):
 
 
 @needs_kernel
+@pytest.mark.parametrize("shift", [0, 1, 2, 3])
+@pytest.mark.parametrize("density", [0.0, 0.01, 0.3, 1.0])
+def test_a_long_fill_at_any_alignment_equals_numpy(shift: int, density: float) -> None:
+    """From 2**18 values on, ``fill`` asked to stream writes its aligned middle by non-temporal
+    stores: every value as NumPy's, nothing outside [begin, end), at every alignment of the range."""
+    assert KERNEL is not None
+    rng = np.random.default_rng(shift)
+    n, begin = (1 << 18) + 37, 5 + shift
+    end = begin + n
+    idx = np.flatnonzero(rng.random(n) < density).astype(np.int64) + begin
+    idx = np.concatenate([[begin], idx[idx > begin]]) if density else idx  # (a position at begin too)
+    out = np.full(end + 9, 7.0, dtype=np.float32)
+    KERNEL.fill(out, begin, end, idx, 0, idx.shape[0], -2.5, True)
+    want = np.full(end + 9, 7.0, dtype=np.float32)
+    want[begin:end] = 0.0
+    want[idx] = -2.5
+    assert out.tobytes() == want.tobytes()
+
+
+@needs_kernel
+@pytest.mark.parametrize("where", [3, 1000, 150_000, (1 << 18) + 30])
+def test_a_long_fill_refuses_positions_out_of_order_anywhere(where: int) -> None:
+    assert KERNEL is not None
+    n = (1 << 18) + 40
+    idx = np.arange(0, n, 97, dtype=np.int64)
+    k = min(int(np.searchsorted(idx, where)), idx.shape[0] - 1)
+    bad = idx.copy()
+    bad[k] = bad[k - 1]  # a repeat: not strictly ascending
+    with pytest.raises(ValueError, match="ascend"):
+        KERNEL.fill(np.empty(n, np.float32), 0, n, bad, 0, bad.shape[0], 1.0, True)
+    past = np.append(idx, n)  # past the end
+    with pytest.raises(ValueError, match="ascend"):
+        KERNEL.fill(np.empty(n, np.float32), 0, n, past, 0, past.shape[0], 1.0, True)
+
+
+@needs_kernel
 def test_fill_checks_its_positions():
     assert KERNEL is not None
     out = np.empty(10, dtype=np.float32)
