@@ -980,20 +980,20 @@ static double mean_f32(double sum, int64_t nnz) {
 
 /* --- sides_flat: the sides of every tensor of an update, its candidates laid out flat ------------
  *
- * sides_flat(hi_pos, hi_vals, lo_pos, lo_vals, ranges, bases, numels, wide, ln_phi, threads, use_team,
- *            kept, value) -> (per tensor None or (mean, nnz, b, bits, positive), count)
+ * sides_flat(positions, values, ranges, bases, numels, wide, ln_phi, threads, use_team, kept, value)
+ *     -> (per tensor None or (mean, nnz, b, bits, positive), count)
  *
  * What fedcomp.codecs.sbc_device hands over without a Python object per tensor: every tensor's
- * candidates in four flat arrays (positions into the update's flat buffer, int64 where wide is
+ * candidates in two flat arrays (positions into the update's flat buffer, int64 where wide is
  * true, else int32, as a device copied them; values float32), tensor i's high side
- * hi_pos[ranges[4i], ranges[4i+1]), its low side lo_pos[ranges[4i+2], ranges[4i+3]), its positions
+ * positions[ranges[4i], ranges[4i+1]), its low side positions[ranges[4i+2], ranges[4i+3]), its positions
  * in [bases[i], bases[i] + numels[i]), coded less bases[i]. Per tensor as above (the side, its exact
  * sum, its Golomb code), the mean rounded to float32 here (mean_f32). Where every tensor was coded,
  * kept (the positions' width) and value (float32) get, in tensor order, each kept position as given
  * and its tensor's mean (on the threads too), and count is how many; else count is -1 and they are
  * not written. */
 static PyObject *sides_flat(PyObject *self, PyObject *args) {
-    Py_buffer hp = {0}, hv = {0}, lp = {0}, lv = {0}, rg = {0}, bs = {0}, nm = {0}, kp = {0}, vl = {0};
+    Py_buffer ps = {0}, vs = {0}, rg = {0}, bs = {0}, nm = {0}, kp = {0}, vl = {0};
     double ln_phi;
     int wide, threads, use_team;
     PyObject *result = NULL, *list = NULL;
@@ -1001,12 +1001,12 @@ static PyObject *sides_flat(PyObject *self, PyObject *args) {
     double *means = NULL; /* each coded tensor's mean, rounded to float32 */
     Py_ssize_t ntasks = 0;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*y*pdipw*w*", &hp, &hv, &lp, &lv, &rg, &bs, &nm, &wide, &ln_phi, &threads,
-                          &use_team, &kp, &vl))
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*pdipw*w*", &ps, &vs, &rg, &bs, &nm, &wide, &ln_phi, &threads, &use_team,
+                          &kp, &vl))
         return NULL;
-    Py_ssize_t width = wide ? 8 : 4, nh = hp.len / width, nl = lp.len / width;
+    Py_ssize_t width = wide ? 8 : 4, np_ = ps.len / width;
     ntasks = bs.len / 8;
-    if (hp.len % width || lp.len % width || hv.len != 4 * nh || lv.len != 4 * nl || bs.len % 8 ||
+    if (ps.len % width || vs.len != 4 * np_ || bs.len % 8 ||
         rg.len != 32 * ntasks || nm.len != 8 * ntasks || kp.len % width || vl.len != 4 * (kp.len / width)) {
         PyErr_SetString(PyExc_ValueError,
                         "sides_flat: positions (int64 if wide, else int32) with as many float32 values, 4 int64 "
@@ -1023,16 +1023,16 @@ static PyObject *sides_flat(PyObject *self, PyObject *args) {
     const int64_t *r = rg.buf, *base = bs.buf, *numel = nm.buf;
     for (Py_ssize_t i = 0; i < ntasks; i++) {
         const int64_t *q = r + 4 * i;
-        if (q[0] < 0 || q[0] > q[1] || q[1] > nh || q[2] < 0 || q[2] > q[3] || q[3] > nl || numel[i] < 1) {
+        if (q[0] < 0 || q[0] > q[1] || q[1] > np_ || q[2] < 0 || q[2] > q[3] || q[3] > np_ || numel[i] < 1) {
             PyErr_Format(PyExc_ValueError, "sides_flat: tensor %zd's ranges are not within the arrays, or n < 1", i);
             goto done;
         }
         side_task *t = &tasks[i];
-        t->hp = (const char *)hp.buf + q[0] * width;
-        t->hv = (const float *)hv.buf + q[0];
+        t->hp = (const char *)ps.buf + q[0] * width;
+        t->hv = (const float *)vs.buf + q[0];
         t->nhi = q[1] - q[0];
-        t->lp = (const char *)lp.buf + q[2] * width;
-        t->lv = (const float *)lv.buf + q[2];
+        t->lp = (const char *)ps.buf + q[2] * width;
+        t->lv = (const float *)vs.buf + q[2];
         t->nlo = q[3] - q[2];
         t->n = numel[i];
         t->base = base[i];
@@ -1079,7 +1079,7 @@ done:
         for (Py_ssize_t i = 0; i < ntasks; i++) free(tasks[i].out.bits);
     PyMem_Free(tasks);
     PyMem_Free(means);
-    Py_buffer *views[] = {&hp, &hv, &lp, &lv, &rg, &bs, &nm, &kp, &vl};
+    Py_buffer *views[] = {&ps, &vs, &rg, &bs, &nm, &kp, &vl};
     for (size_t i = 0; i < sizeof(views) / sizeof(views[0]); i++)
         if (views[i]->obj != NULL) PyBuffer_Release(views[i]);
     return result;
@@ -1445,9 +1445,10 @@ static int fill_plain(float *o, Py_ssize_t *at, Py_ssize_t stop, const int64_t *
         o[j] = value;
         *at = (Py_ssize_t)j + 1;
     }
-    if (*i < p1 && p[*i] < *at) return 0; /* (a position at or past stop, but below what is written) */
-    if (stop > *at) memset(o + *at, 0, (size_t)(stop - *at) * 4);
-    if (stop > *at) *at = stop;
+    if (stop > *at) {
+        memset(o + *at, 0, (size_t)(stop - *at) * 4);
+        *at = stop;
+    }
     return 1;
 }
 

@@ -538,6 +538,15 @@ def _round1_down(run: Mapping[str, Any]) -> int:
     return 0 if r1 is None else int(r1["downlink_bytes"]) // max(1, int(r1["num_clients"]))
 
 
+def _scored(run: Mapping[str, Any]) -> list[tuple[float, int]]:
+    """(accuracy, round) of a run's trained rounds that have an accuracy, in order."""
+    return [
+        (float(r["accuracy"]), int(r["round"]))
+        for r in run["rounds"]
+        if int(r["round"]) > 0 and r.get("accuracy") is not None
+    ]
+
+
 def _target_line(slowest: dict[str, Any], dense: dict[str, Any], comp: dict[str, Any], name: str = "compressed") -> str:
     """The report's last line: the slowest link's speedup beside the issue's target; where a run
     did not reach the target, how close it came and how much the dense run's own accuracy moved
@@ -546,12 +555,8 @@ def _target_line(slowest: dict[str, Any], dense: dict[str, Any], comp: dict[str,
     if slowest["speedup"] is not None:
         return f"speedup at {where}: {slowest['speedup']:.1f}x (issue target {REPORTED_TARGET_SPEEDUP:g}x)"
     which, run = (name, comp) if slowest["compressed_time_s"] is None else ("dense", dense)
-    trained = [r for r in run["rounds"] if int(r["round"]) > 0 and r.get("accuracy") is not None]
-    scored = [(float(r["accuracy"]), int(r["round"])) for r in trained]
-    best = max(scored, key=lambda a: (a[0], -a[1]), default=None)
-    tail = [float(r["accuracy"]) for r in dense["rounds"] if int(r["round"]) > 0 and r.get("accuracy") is not None][
-        -20:
-    ]
+    best = max(_scored(run), key=lambda a: (a[0], -a[1]), default=None)
+    tail = [accuracy for accuracy, _ in _scored(dense)][-20:]
     came = "" if best is None else f"; its best: {best[0]:.4f} at round {best[1]}"
     moved = (
         "" if not tail else f"; dense's own accuracy over its last {len(tail)} rounds: {min(tail):.4f}-{max(tail):.4f}"

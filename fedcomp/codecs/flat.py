@@ -194,6 +194,17 @@ def to_device(a: np.ndarray, device: torch.device, into: torch.Tensor | None = N
     return host.to(device) if into is None else into.copy_(host.view(into.shape))
 
 
+#: Positions into a flat buffer of at most this many values cross between host and device as
+#: int32, four bytes each (else int64).
+_INT32_POSITIONS = int(np.iinfo(np.int32).max)
+
+
+def position_dtype(total: int) -> type[np.int32] | type[np.int64]:
+    """The NumPy dtype in which positions into a flat buffer of ``total`` values cross between host
+    and device: int32 where they fit (half the bytes), else int64."""
+    return np.int32 if total <= _INT32_POSITIONS else np.int64
+
+
 def to_device_many(
     groups: Sequence[tuple[Sequence[np.ndarray], np.dtype | type]], device: torch.device
 ) -> list[torch.Tensor | None]:

@@ -942,8 +942,6 @@ def choose_sides_flat(
     sides, written = kernel.sides_flat(
         positions,
         values,
-        positions,
-        values,
         np.ascontiguousarray(ranges, dtype=np.int64),
         np.ascontiguousarray(bases, dtype=np.int64),
         np.ascontiguousarray(numels, dtype=np.int64),

@@ -40,7 +40,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from fedcomp.codecs.flat import Layout, host_side, to_device, to_host
+from fedcomp.codecs.flat import Layout, host_side, position_dtype, to_device, to_host
 from fedcomp.codecs.golomb import encode_positions, golomb_b
 from fedcomp.codecs.sbc import SBC, _sample_positions_np, choose_side, choose_sides_flat
 from fedcomp.codecs.segments import segment_ids
@@ -97,7 +97,7 @@ class _OnHost:
     """What one copy brought to the host, views of it: fast mode's hits (flat positions, the high
     side's ascending, then the low side's; ``n_hi`` of the high side) followed by exact mode's
     candidates (flat positions, as :func:`_exact_select` laid them out), ``hits`` of the former;
-    their values. Positions are int32 where the update's fit (:data:`_INT32_HITS`), else int64."""
+    their values. Positions are int32 where the update's fit (:func:`position_dtype`), else int64."""
 
     positions: np.ndarray
     values: np.ndarray
@@ -122,7 +122,7 @@ def _to_host(hits: _Hits | None, exact: _Exact | None, finite: torch.Tensor | No
     tail = ([hits.n_hi.reshape(1)] if hits is not None else []) + ([finite.reshape(1)] if finite is not None else [])
     m = 0 if hits is None else int(hits.positions.shape[0])
     n = m + (0 if exact is None else int(exact.positions.shape[0]))
-    if total <= _INT32_HITS:
+    if position_dtype(total) is np.int32:
         both = to_host(torch.cat([t.to(torch.int32) for t in parts_i + tail] + [t.view(torch.int32) for t in parts_f]))
         ints, floats = both[: n + len(tail)], both[n + len(tail) :].view(np.float32)
     else:
@@ -245,10 +245,6 @@ def _plan(numels: tuple[int, ...], offsets: tuple[int, ...], p: float, s: int, m
         where = to_device(np.stack([_sample_positions_np(numels[i], s) + offsets[i] for i in fast]), dev)
         fast_rows = to_device(np.array(fast, dtype=np.int64), dev)
     return _Plan(ks, fast, exact, where, fast_rows, np.array(offsets, dtype=np.int64), np.array(numels, dtype=np.int64))
-
-
-#: Positions travel to the host as int32 where the update holds up to this many values (else int64).
-_INT32_HITS = int(np.iinfo(np.int32).max)
 
 
 @dataclass(frozen=True)

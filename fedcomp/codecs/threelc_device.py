@@ -239,18 +239,21 @@ def decode_into(flat: torch.Tensor, literals: Sequence[tuple[np.ndarray, np.ndar
     """Write every tensor's decoded values into ``flat`` (zeros at the tensors' places): the
     groups of ``literals`` (:func:`literals_of`), copied to ``flat``'s device in one copy, then
     :func:`decode_on_device`."""
-    if not literals:
-        return
-    first, step, end, digits, scale = to_device_many(
-        [
-            *[([w[row] for w, _, _ in literals], np.int64) for row in range(3)],
-            ([b for _, b, _ in literals], np.uint8),
-            ([s for _, _, s in literals], np.float32),
-        ],
-        flat.device,
-    )
+    first, step, end, digits, scale = to_device_many(literal_groups(literals, np.int64), flat.device)
     if first is not None and step is not None and end is not None and digits is not None and scale is not None:
         decode_on_device(flat, first, step, end, digits, scale)
+
+
+def literal_groups(
+    literals: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], where: type[np.int32] | type[np.int64]
+) -> list[tuple[list[np.ndarray], type]]:
+    """:func:`fedcomp.codecs.flat.to_device_many`'s groups of ``literals``: ``where``'s three rows
+    (in ``where``'s dtype), the bytes and the scales, the five arguments of :func:`decode_on_device`."""
+    return [
+        *[([w[row] for w, _, _ in literals], where) for row in range(3)],
+        ([b for _, b, _ in literals], np.uint8),
+        ([s for _, _, s in literals], np.float32),
+    ]
 
 
 def decode_on_device(

@@ -35,7 +35,7 @@ import torch
 from fedcomp.codecs import threelc_device
 from fedcomp.codecs.base import Codec, TensorSpec
 from fedcomp.codecs.dense import DenseFP16, DenseFP32, Identity, _DenseCodec
-from fedcomp.codecs.flat import Layout, concrete_device, host_side, to_device, to_device_many, to_host
+from fedcomp.codecs.flat import Layout, concrete_device, host_side, position_dtype, to_device, to_device_many, to_host
 from fedcomp.codecs.sbc import SBC
 from fedcomp.codecs.sbc_device import encode_update
 from fedcomp.codecs.scatter_sum import ScatterSum
@@ -282,16 +282,13 @@ def _decode_flat(
     # Everything the device needs in one copy, the positions four bytes each where the update's
     # fit in int32 (on a GPU each copy from pageable memory is a wait of its own; the SBC
     # positions were two thirds of an update's bytes to copy, as int64).
-    where = np.int64 if layout.total > _INT32_MAX else np.int32
-    lits = found.literals
+    where = position_dtype(layout.total)
     kept, values, dense, first, step, end, digits, scale = to_device_many(
         [
             (found.kept, where),
             (found.values, np.float32),
             (found.dense, np.float32),
-            *[([w[row] for w, _, _ in lits], where) for row in range(3)],
-            ([b for _, b, _ in lits], np.uint8),
-            ([s for _, _, s in lits], np.float32),
+            *threelc_device.literal_groups(found.literals, where),
         ],
         device,
     )
@@ -303,10 +300,6 @@ def _decode_flat(
     if first is not None and step is not None and end is not None and digits is not None and scale is not None:
         threelc_device.decode_on_device(flat, first, step, end, digits, scale)
     return layout, flat
-
-
-#: Positions travel to the device as int32 where the update holds up to this many values.
-_INT32_MAX = int(np.iinfo(np.int32).max)
 
 
 @dataclass

@@ -249,12 +249,6 @@ def write(parts: Sequence[Part], crc_tag: int | None = None) -> bytes:
 # --- the fused kernel -------------------------------------------------------------------------
 
 
-def load_wire() -> ModuleType | None:
-    """The wire kernel whatever its CRC (its other entry points, e.g. ``scan_tensors``, do not
-    depend on it), or None where it is not built or the kernels are switched off."""
-    return _native.load("wire")
-
-
 def _fused_kernel() -> ModuleType | None:
     """The wire kernel where it has a carry-less CRC (x86-64 with PCLMULQDQ: every x86-64 CPU
     since 2010); elsewhere its table CRC (about 1.5 GB/s) would be slower than isal's or zlib's,

@@ -49,6 +49,7 @@ import torch
 from google.protobuf.descriptor import FieldDescriptor as _FieldDescriptor
 from google.protobuf.message import DecodeError as _PbDecodeError
 
+from fedcomp import _native
 from fedcomp.errors import PayloadError
 from fedcomp.v1 import wire_pb2 as pb
 from fedcomp.wire import fast_writer
@@ -948,10 +949,10 @@ _FAST_PAYLOADS: dict[str, Callable[[memoryview, int, int], Payload | None]] = {
 
 # --- the same reading of every tensor of an update in one call of the wire kernel ------------------
 
-#: ``fedcomp._native._wire`` where it has ``scan_tensors``, else None (then :func:`_fast_tensor`).
-_SCAN = getattr(fast_writer.load_wire(), "scan_tensors", None)
-#: Its ``scan_update`` (where a model bounds the tensor count), else None.
-_SCAN_UPDATE = getattr(fast_writer.load_wire(), "scan_update", None)
+#: The wire kernel's ``scan_tensors`` (whatever its CRC), else None (then :func:`_fast_tensor`),
+#: and its ``scan_update`` (where a model bounds the tensor count).
+_SCAN = getattr(_native.load("wire"), "scan_tensors", None)
+_SCAN_UPDATE = getattr(_native.load("wire"), "scan_update", None)
 #: The tables ``scan_tensors`` reads: each dtype enum byte's index + 1 in :data:`_DTYPES`, the
 #: codec ids and their payload kinds (0 SBC, 1 3LC, 2 dense, 3 any other), and the keys.
 _DTYPES = tuple(_DTYPE_TO_PB)

@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fedcomp.codecs import SBC, TensorSpec, sbc_device
+from fedcomp.codecs import SBC, TensorSpec, flat, sbc_device
 from fedcomp.codecs.flat import count_device_work
 from fedcomp.codecs.sbc_device import encode_update
 from tests.codecs.test_sbc_many import SAMPLE, _f32, batched_kinds
@@ -63,7 +63,7 @@ def test_hits_past_int32_travel_as_int64_with_the_same_bytes(codec: SBC, monkeyp
     items = _kinds(4)
     with count_device_work() as packed:
         want = encode_update(codec, items)
-    monkeypatch.setattr(sbc_device, "_INT32_HITS", 0)  # as an update of over 2**30 values
+    monkeypatch.setattr(flat, "_INT32_POSITIONS", 0)  # as an update of over 2**31 values
     with count_device_work() as work:
         got = encode_update(codec, items)
     assert got is not None and want is not None

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from fedcomp.codecs import SBC, DenseFP16, DenseFP32, Identity, ThreeLC, TopK, scatter_sum, threelc_device
+from fedcomp.codecs import flat as flat_layout
 from fedcomp.codecs.flat import Layout, count_device_work
 from fedcomp.codecs.golomb import encode_positions
 from fedcomp.errors import PayloadError
-from fedcomp.methods import flat_update
 from fedcomp.methods.feedback import ErrorFeedback, StaleResidual
 from fedcomp.methods.flat_update import decode_on_device, encode_on_device
 from fedcomp.methods.update import UpdateEncoder, decode_update, specs_of
@@ -164,7 +164,7 @@ def test_decode_gives_the_per_tensor_values_as_views_of_one_buffer(wide: bool, m
     """The SBC positions and values and the dense tensors' values in one copy to the device, the
     positions as int32 where the update's fit, else (as past 2**31 values) int64."""
     if wide:
-        monkeypatch.setattr(flat_update, "_INT32_MAX", 0)
+        monkeypatch.setattr(flat_layout, "_INT32_POSITIONS", 0)
     update, encoded = _sbc_update(4)
     specs = specs_of(update)
     codecs = [SBC(0.02, "fast", sample_size=SAMPLE), DenseFP32()]
@@ -335,7 +335,7 @@ def test_decode_errors_come_in_tensor_order_whichever_check_finds_them(
 @pytest.mark.parametrize("wide", [False, True], ids=["int32-positions", "int64-positions"])
 def test_decode_of_3lc_and_mixed_updates_gives_the_per_tensor_values(wide: bool, monkeypatch) -> None:
     if wide:
-        monkeypatch.setattr(flat_update, "_INT32_MAX", 0)
+        monkeypatch.setattr(flat_layout, "_INT32_POSITIONS", 0)
     update = _model(6)
     codecs = [ThreeLC(1.5), ThreeLC(1.0, False), SBC(0.02, "fast", sample_size=SAMPLE), DenseFP32(), DenseFP16()]
     specs = specs_of(update)

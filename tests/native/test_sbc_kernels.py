@@ -185,7 +185,7 @@ def _sides_flat(tasks, threads: int = 2, room: int | None = None):
     flat_val = np.concatenate(val) if val else np.zeros(0, np.float32)
     args = (np.array(ranges, np.int64).reshape(-1, 4), np.array([t[5] for t in tasks], np.int64))
     sides, count = KERNEL.sides_flat(
-        flat_pos, flat_val, flat_pos, flat_val, *args, np.array([t[4] for t in tasks], np.int64), True,
+        flat_pos, flat_val, *args, np.array([t[4] for t in tasks], np.int64), True,
         golomb.LN_PHI_MINUS_1, threads, False, kept, value,
     )  # fmt: skip
     return sides, count, kept, value
@@ -213,24 +213,20 @@ def test_sides_flat_checks_its_arguments_and_leaves_what_it_cannot_code():
     z = np.zeros(1, np.int64)
     room = np.zeros(3, np.int64), np.zeros(3, np.float32)
     for bad in (
-        (flat, flat_v[:2], flat, flat_v, np.array([[0, 2, 2, 3]]), z, z + 10),  # fewer values than positions
-        (flat, flat_v, flat, flat_v, np.array([[0, 2, 2, 4]]), z, z + 10),  # a range past the arrays
-        (flat, flat_v, flat, flat_v, np.array([[2, 1, 2, 3]]), z, z + 10),  # a range that ends before it starts
-        (flat, flat_v, flat, flat_v, np.array([[0, 2, 2, 3]]), z, z),  # no elements
-        (flat, flat_v, flat, flat_v, np.array([[0, 2, 2, 3, 0]]), z, z + 10),  # ranges of 5
+        (flat, flat_v[:2], np.array([[0, 2, 2, 3]]), z, z + 10),  # fewer values than positions
+        (flat, flat_v, np.array([[0, 2, 2, 4]]), z, z + 10),  # a range past the arrays
+        (flat, flat_v, np.array([[2, 1, 2, 3]]), z, z + 10),  # a range that ends before it starts
+        (flat, flat_v, np.array([[0, 2, 2, 3]]), z, z),  # no elements
+        (flat, flat_v, np.array([[0, 2, 2, 3, 0]]), z, z + 10),  # ranges of 5
     ):
         with pytest.raises(ValueError, match="sides_flat"):
             KERNEL.sides_flat(*bad, True, golomb.LN_PHI_MINUS_1, 1, False, *room)
     with pytest.raises(ValueError, match="sides_flat"):  # int64 positions said to be int32
-        KERNEL.sides_flat(flat, flat_v, flat, flat_v, np.array([[0, 2, 2, 3]]), z, z + 10, False, 0.5, 1, False, *room)
+        KERNEL.sides_flat(flat, flat_v, np.array([[0, 2, 2, 3]]), z, z + 10, False, 0.5, 1, False, *room)
     with pytest.raises(ValueError, match="sides_flat"):  # as many values as kept positions
-        KERNEL.sides_flat(
-            flat, flat_v, flat, flat_v, np.array([[0, 2, 2, 3]]), z, z + 10, True, 0.5, 1, False, room[0], room[1][:2]
-        )
+        KERNEL.sides_flat(flat, flat_v, np.array([[0, 2, 2, 3]]), z, z + 10, True, 0.5, 1, False, room[0], room[1][:2])
     with pytest.raises(TypeError):  # a read-only output
         KERNEL.sides_flat(
-            flat,
-            flat_v,
             flat,
             flat_v,
             np.array([[0, 2, 2, 3]]),
