@@ -33,7 +33,9 @@
  *       (fedcomp/flower/weighted_sum.py): each task (kind, buffer, nnz, b, numel, offset, value) is a
  *       tensor's Golomb-coded positions (kind 0, decoded into int64 `scratch` at `offset`) or its
  *       float32 values (kind 1, checked finite); `squares` the update's squared norm, `bad` the
- *       first failing task (-1: none; the caller reruns the Python check to raise its error).
+ *       first failing task (-1: none; the caller reruns the Python check to raise its error). With
+ *       bases, kept, wide and values also the positions into the update's flat buffer (a device's
+ *       decode) and their value, written by the decoding thread.
  *   reply_add(tasks, scratch, weight, outs, threads, use_team)   the checked reply into float64 sums:
  *       weight * value at each position of a kind 0 task (re-checked against numel), weight * each
  *       value of kind 1; tasks in list order on `threads` threads (team.h), one output each.
@@ -1253,12 +1255,40 @@ static inline float load_f32(const uint8_t *p) {
     return x;
 }
 
-/* One task of reply_check: 1 where it passes (its positions decoded, its values finite), and its
- * squares into *squares. */
-static int check_task(const reply_task *t, int64_t *pos, double *squares) {
+/* reply_check's optional flat outputs (a device's decode, fedcomp/methods/flat_update.py): each kind 0
+ * task's positions plus its base (where its tensor starts in the update's flat buffer), int64 where
+ * wide else int32, and its value as float32, at the task's offset, written by the thread that decoded
+ * them while they are in its cache (the host then neither adds, casts nor repeats). */
+typedef struct {
+    const int64_t *bases; /* one per task */
+    void *kept;
+    int wide;
+    float *values;
+} flat_out;
+
+static void flat_write(const flat_out *f, const reply_task *t, const int64_t *pos, int64_t base) {
+    Py_ssize_t at = t->offset;
+    const int64_t *p = pos + at;
+    float v = (float)t->value; /* (a float32 already: the mean as the sender rounded it) */
+    if (f->wide) {
+        int64_t *k = (int64_t *)f->kept + at;
+        for (long long j = 0; j < t->nnz; j++) k[j] = base + p[j];
+    } else {
+        int32_t *k = (int32_t *)f->kept + at;
+        for (long long j = 0; j < t->nnz; j++) k[j] = (int32_t)(base + p[j]);
+    }
+    float *out = f->values + at;
+    for (long long j = 0; j < t->nnz; j++) out[j] = v;
+}
+
+/* One task of reply_check (task i): 1 where it passes (its positions decoded, its values finite),
+ * and its squares into *squares; with `flat`, a passing kind 0 task's flat outputs written too. */
+static int check_task(const reply_task *t, Py_ssize_t i, int64_t *pos, double *squares, const flat_out *flat) {
     if (t->kind == 0) {
         *squares = (double)t->nnz * t->value * t->value;
-        return decode_core(t->buf, t->len, t->nnz, t->b, t->numel, pos + t->offset);
+        int ok = decode_core(t->buf, t->len, t->nnz, t->b, t->numel, pos + t->offset);
+        if (ok && flat != NULL) flat_write(flat, t, pos, flat->bases[i]);
+        return ok;
     }
     double s = 0.0;
     int finite = 1;
@@ -1277,28 +1307,50 @@ typedef struct {
     int64_t *pos;
     double *squares;
     int *ok;
+    const flat_out *flat;
 } check_job;
 
 static void check_body(void *arg) {
     check_job *job = arg;
     for (Py_ssize_t i; (i = team_next(&job->next, job->ntasks)) >= 0;) {
-        job->ok[i] = check_task(&job->tasks[i], job->pos, &job->squares[i]);
+        job->ok[i] = check_task(&job->tasks[i], i, job->pos, &job->squares[i], job->flat);
     }
 }
 
-/* reply_check(tasks, scratch[, threads, use_team]) -> (bad, squares): decode kind 0's positions
- * into int64 `scratch` and check kind 1's values are finite, summing the squares of all (nnz *
- * value**2 for kind 0, in the tasks' order); `bad` is the index of the first task that fails (the
- * caller reruns its Python check for the error), else -1. On one thread (the default: a server
- * checks replies while others are added) the tasks after a failing one are not run; on more, every
- * task runs (each writes only its own part of scratch) and the result is the same. */
+/* reply_check(tasks, scratch[, threads, use_team, bases, kept, wide, values]) -> (bad, squares):
+ * decode kind 0's positions into int64 `scratch` and check kind 1's values are finite, summing the
+ * squares of all (nnz * value**2 for kind 0, in the tasks' order); `bad` is the index of the first
+ * task that fails (the caller reruns its Python check for the error), else -1. On one thread (the
+ * default: a server checks replies while others are added) the tasks after a failing one are not
+ * run; on more, every task runs (each writes only its own part of scratch) and the result is the
+ * same. With `bases` (int64, one per task), also kept[j] = base + scratch[j] (int64 where `wide`,
+ * else int32; the caller sees that every base + numel fits) and values[j] = the task's value
+ * (float32) over each passing kind 0 task's part: `kept` and `values` as long as `scratch`. */
 static PyObject *reply_check(PyObject *self, PyObject *args) {
     PyObject *list, *result = NULL;
-    Py_buffer scratch;
-    int threads = 1, use_team = 0;
+    Py_buffer scratch, bases = {0}, kept = {0}, values = {0};
+    int threads = 1, use_team = 0, wide = 1;
     (void)self;
-    if (!PyArg_ParseTuple(args, "O!w*|ip", &PyList_Type, &list, &scratch, &threads, &use_team)) return NULL;
+    if (!PyArg_ParseTuple(args, "O!w*|ipy*w*pw*", &PyList_Type, &list, &scratch, &threads, &use_team, &bases, &kept,
+                          &wide, &values))
+        return NULL;
     Py_ssize_t ntasks = PyList_GET_SIZE(list), held = 0;
+    flat_out flat = {(const int64_t *)bases.buf, kept.buf, wide, (float *)values.buf};
+    if (bases.obj != NULL) {
+        Py_ssize_t n = scratch.len / 8;
+        if (kept.obj == NULL || values.obj == NULL || bases.len != ntasks * 8 || kept.len != n * (wide ? 8 : 4) ||
+            values.len != n * 4) {
+            PyErr_SetString(PyExc_ValueError,
+                            "reply_check: bases (int64, one per task), kept (int64 if wide, else int32) and values "
+                            "(float32) as long as scratch");
+            PyBuffer_Release(&scratch);
+            if (kept.obj != NULL) PyBuffer_Release(&kept);
+            if (values.obj != NULL) PyBuffer_Release(&values);
+            PyBuffer_Release(&bases);
+            return NULL;
+        }
+    }
+    const flat_out *flat_p = bases.obj != NULL ? &flat : NULL;
     reply_task *tasks = PyMem_Calloc(ntasks ? (size_t)ntasks : 1, sizeof(reply_task));
     Py_buffer *views = PyMem_Calloc(ntasks ? (size_t)ntasks : 1, sizeof(Py_buffer));
     double *squares = PyMem_Calloc(ntasks ? (size_t)ntasks : 1, sizeof(double));
@@ -1313,11 +1365,11 @@ static PyObject *reply_check(PyObject *self, PyObject *args) {
     int64_t *pos = (int64_t *)scratch.buf;
     Py_BEGIN_ALLOW_THREADS;
     if (threads > 1 && ntasks > 1) {
-        check_job job = {tasks, ntasks, 0, pos, squares, ok};
+        check_job job = {tasks, ntasks, 0, pos, squares, ok, flat_p};
         team_run(check_body, &job, threads, use_team);
     } else {
         for (Py_ssize_t i = 0; i < ntasks; i++)
-            if (!(ok[i] = check_task(&tasks[i], pos, &squares[i]))) {
+            if (!(ok[i] = check_task(&tasks[i], i, pos, &squares[i], flat_p))) {
                 ntasks = i + 1; /* (the rest are not run, nor counted) */
                 break;
             }
@@ -1331,6 +1383,11 @@ static PyObject *reply_check(PyObject *self, PyObject *args) {
 done:
     for (Py_ssize_t i = 0; i < held; i++) PyBuffer_Release(&views[i]);
     PyBuffer_Release(&scratch);
+    if (bases.obj != NULL) {
+        PyBuffer_Release(&bases);
+        PyBuffer_Release(&kept);
+        PyBuffer_Release(&values);
+    }
     PyMem_Free(tasks);
     PyMem_Free(views);
     PyMem_Free(squares);

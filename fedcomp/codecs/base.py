@@ -9,6 +9,7 @@ the device it is asked for.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -161,6 +162,18 @@ class Codec(ABC):
             codec_version=self.version,
             payload=payload,
         )
+
+    def _float32_envelopes(
+        self, names: Sequence[str], shapes: Sequence[tuple[int, ...]], payloads: Iterable[Payload]
+    ) -> list[EncodedTensor]:
+        """:meth:`_envelope` of float32 tensors whose names and shapes (tuples of ints) a layout
+        already holds: what the whole-update engines send, without reading each tensor's shape and
+        dtype again (a microsecond a tensor of a host share that a GPU does not overlap)."""
+        cid, version = self.codec_id, self.version
+        return [
+            EncodedTensor(name=name, shape=shape, dtype="float32", codec_id=cid, codec_version=version, payload=p)
+            for name, shape, p in zip(names, shapes, payloads, strict=True)
+        ]
 
     # --- what subclasses implement ------------------------------------------------------------
 

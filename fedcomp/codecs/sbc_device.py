@@ -65,12 +65,16 @@ class FlatEncoding:
 
 
 def encode_update(
-    codec: SBC, tensors: Sequence[tuple[str, torch.Tensor]], flat: torch.Tensor | None = None
+    codec: SBC,
+    tensors: Sequence[tuple[str, torch.Tensor]],
+    flat: torch.Tensor | None = None,
+    layout: Layout | None = None,
 ) -> FlatEncoding | None:
     """Encode float32 ``tensors`` (one device, each of at least one value) as :meth:`SBC.encode`
     would, one by one. ``flat``: the tensors already laid out back to back (e.g. an error
-    feedback accumulator), else they are concatenated here. None where a value is not finite."""
-    layout = Layout.of(tensors)
+    feedback accumulator; ``layout``, their :meth:`Layout.of`, where the caller has it), else they
+    are concatenated here. None where a value is not finite."""
+    layout = Layout.of(tensors) if layout is None else layout
     if flat is None:
         flat = torch.cat([t.detach().reshape(-1) for _, t in tensors])
     plan = _plan(layout.numels, layout.offsets, codec.p, codec.sample_size, codec.mode, str(flat.device))
@@ -89,7 +93,7 @@ def encode_update(
         with host_side():
             cands = cands.with_exact(redo, more_got, more)
     with host_side():
-        return _finish(codec, tensors, layout, plan, cands)
+        return _finish(codec, layout, plan, cands)
 
 
 @dataclass(frozen=True)
@@ -183,18 +187,16 @@ def _candidates(got: _OnHost, plan: _Plan, layout: Layout, exact: _Exact | None)
     return _Candidates(positions, got.values, ranges)
 
 
-def _finish(
-    codec: SBC, tensors: Sequence[tuple[str, torch.Tensor]], layout: Layout, plan: _Plan, cands: _Candidates
-) -> FlatEncoding | None:
+def _finish(codec: SBC, layout: Layout, plan: _Plan, cands: _Candidates) -> FlatEncoding | None:
     """Per tensor, on the host: the side, the mean and the Golomb code of its candidates, all
     tensors in one call of the C kernel (:func:`choose_sides_flat`, which also lays out the kept
     positions and values: on an H100 host the per-tensor Python of this step was about half of an
     SBC encode's time), else, for a tensor it leaves, in Python (:func:`choose_side`)."""
     found = choose_sides_flat(cands.positions, cands.values, cands.ranges, plan.offsets, plan.numels)
-    encoded: list[EncodedTensor] = []
+    payloads: list[SBCPayload] = []
     kept: list[np.ndarray] = []
     pos, vals = cands.positions, cands.values
-    for i, ((name, t), (h0, h1, l0, l1)) in enumerate(zip(tensors, cands.ranges.tolist(), strict=True)):
+    for i, (h0, h1, l0, l1) in enumerate(cands.ranges.tolist()):
         side = found.sides[i]
         if side is not None:
             mean, nnz, b, bits, positive = side
@@ -211,11 +213,12 @@ def _finish(
             b = golomb_b(nnz / layout.numels[i])
             bits = encode_positions(torch.from_numpy(idx), b)
             kept.append(idx + off)
-        encoded.append(codec._envelope(t, name, SBCPayload(mean=mean, golomb_b=b, nnz=nnz, bits=bits)))
+        payloads.append(SBCPayload(mean=mean, golomb_b=b, nnz=nnz, bits=bits))
+    encoded = codec._float32_envelopes(layout.names, layout.shapes, payloads)
     if found.kept is not None and found.value is not None:
         return FlatEncoding(encoded, found.kept, found.value)
     counts = np.array([k.shape[0] for k in kept], dtype=np.int64)
-    means = np.array([e.payload.mean for e in encoded], dtype=np.float32)  # type: ignore[union-attr]
+    means = np.array([p.mean for p in payloads], dtype=np.float32)
     flat_kept = np.concatenate(kept) if kept else np.zeros(0, np.int64)
     return FlatEncoding(encoded, flat_kept, np.repeat(means, counts))
 

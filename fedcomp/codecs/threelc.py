@@ -912,7 +912,11 @@ class ThreeLC(Codec):
         if isinstance(payload.numel, bool) or not isinstance(payload.numel, int) or payload.numel != numel:
             raise PayloadError(name, f"payload has {payload.numel!r} values, expected {numel}")
         scale = payload.scale
-        if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale < 0:
+        if (
+            (type(scale) is not float and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)))
+            or not math.isfinite(scale)
+            or scale < 0
+        ):  # (a float first: numbers.Real's isinstance is slow)
             raise PayloadError(name, f"scale {scale!r} is not a finite number >= 0")
         data = payload.data
         if not isinstance(data, (bytes, bytearray)) or not isinstance(payload.zero_run, bool):

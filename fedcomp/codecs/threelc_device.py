@@ -77,12 +77,13 @@ def encode_update(
     tensors: Sequence[tuple[str, torch.Tensor]],
     flat: torch.Tensor | None = None,
     want_recon: bool = False,
+    layout: Layout | None = None,
 ) -> tuple[list[EncodedTensor], torch.Tensor | None] | None:
     """Encode float32 ``tensors`` (one device, each of at least one value) as
     :meth:`ThreeLC.encode` would, one by one; with ``want_recon`` also what the receiver decodes,
-    back to back in one float32 buffer. ``flat``: the tensors already laid out back to back. None
-    where a value is not finite."""
-    layout = Layout.of(tensors)
+    back to back in one float32 buffer. ``flat``: the tensors already laid out back to back (as
+    ``layout``, their :meth:`Layout.of`, where the caller has it). None where a value is not finite."""
+    layout = Layout.of(tensors) if layout is None else layout
     if flat is None:
         flat = torch.cat([t.detach().reshape(-1) for _, t in tensors])
     dev = flat.device
@@ -113,10 +114,15 @@ def encode_update(
     with host_side():
         data, scales = both[: plan.first.shape[0]], both[plan.first.shape[0] : -1].view(np.float32)
         bodies = _bodies(data, layout.numels, codec.zero_run)
-        encoded = [
-            codec._envelope(t, name, ThreeLCPayload(scale=float(scale), numel=n, zero_run=codec.zero_run, data=body))
-            for (name, t), n, scale, body in zip(tensors, layout.numels, scales, bodies, strict=True)
-        ]
+        zero_run = codec.zero_run
+        encoded = codec._float32_envelopes(
+            layout.names,
+            layout.shapes,
+            [
+                ThreeLCPayload(scale=scale, numel=n, zero_run=zero_run, data=body)
+                for n, scale, body in zip(layout.numels, scales.tolist(), bodies, strict=True)
+            ],
+        )
     return encoded, recon
 
 
@@ -191,16 +197,14 @@ class LiteralBatch:
         """Check ``payload`` as :meth:`ThreeLC.checked_stream` does (raising its
         :class:`PayloadError`) and keep it for :meth:`literals`; False (and nothing kept) where
         its scale is beyond float32 (:func:`literals_of`'s None: the dense path handles it)."""
-        data, scale = codec.checked_stream(payload, spec)
-        with np.errstate(over="ignore"):
-            s32 = np.float32(scale)
-        if not np.isfinite(s32):
+        data, scale = codec.checked_stream(payload, spec)  # (scale: finite, >= 0)
+        if scale >= _F32_OVERFLOW:  # float32(scale) would be infinite (a NumPy cast, without errstate)
             return False
         assert isinstance(payload, ThreeLCPayload)
         self._tasks.append((data, payload.zero_run, groups(spec.numel)))
         self._meta.append((codec, payload, spec))
         self._offsets.append(offset)
-        self._scales.append(float(s32))
+        self._scales.append(scale)  # (rounded to float32 with the others, by :meth:`literals`)
         return True
 
     def literals(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -227,6 +231,11 @@ class LiteralBatch:
         where[1] = np.repeat(g, counts)
         where[2] = np.repeat(offsets + numels, counts)
         return where, vals[:total], np.repeat(np.array(self._scales, dtype=np.float32), counts)
+
+
+#: The least float64 that rounds to an infinite float32 (half an ulp past its maximum, the tie
+#: rounding away to the even 2**128).
+_F32_OVERFLOW = 2.0**128 - 2.0**103
 
 
 def available() -> bool:

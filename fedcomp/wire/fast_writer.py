@@ -55,6 +55,8 @@ def varint(value: int) -> bytes:
     """The minimal base-128 varint of a non-negative integer (what protobuf writes)."""
     if value < 128:
         return _ONE_BYTE[value]
+    if value < 1 << 14:  # (two bytes: most lengths of a tensor's fields)
+        return bytes((value & 0x7F | 0x80, value >> 7))
     out = bytearray()
     while True:
         byte, value = value & 0x7F, value >> 7
@@ -174,6 +176,17 @@ class Layout:
             self._flush()
             self.parts.append(part)
         self.size += n
+
+    def add_framed(self, frame: bytes, blob: Part, n: int) -> None:
+        """:meth:`add` of ``frame`` (small bytes) then of ``blob`` (``n`` bytes, at least one):
+        the writer's two parts of a tensor, without the general checks of each."""
+        self._small += frame
+        if n < 4096 and type(blob) is not DeferredDensePayload:
+            self._small += blob  # type: ignore[operator]
+        else:
+            self._flush()
+            self.parts.append(blob)
+        self.size += len(frame) + n
 
     def _flush(self) -> None:
         if self._small:

@@ -1,5 +1,5 @@
-"""The host/device copy helpers of :mod:`fedcomp.codecs.flat` (the layout is tested through the
-engines that use it: tests/codecs/test_sbc_device.py, test_threelc_device.py)."""
+"""The host/device copy helpers and the layout of :mod:`fedcomp.codecs.flat` (the layout is also
+tested through the engines that use it: tests/codecs/test_sbc_device.py, test_threelc_device.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedcomp.codecs.flat import concrete_device, count_device_work, to_device_many, to_host
+from fedcomp.codecs.flat import Layout, concrete_device, count_device_work, to_device_many, to_host
 
 
 def _cases() -> list[torch.Tensor]:
@@ -115,3 +115,30 @@ def test_host_side_time_is_counted_once_for_nested_blocks_and_only_while_timed()
     with host_side():
         time.sleep(0.01)
     assert clock.seconds == seconds  # (the clock is no longer running)
+
+
+def test_a_layout_views_its_tensors_in_a_flat_buffer_of_at_least_its_size() -> None:
+    layout = Layout.of_shapes(["a", "b", "c", "d"], [(2, 3), (), (0,), [4]])
+    assert (layout.offsets, layout.numels, layout.total) == ((0, 6, 7, 7), (6, 1, 0, 4), 11)
+    for extra in (0, 5):  # (a longer buffer: its first ``total`` values)
+        flat = torch.arange(11 + extra, dtype=torch.float32)
+        views = layout.views(flat)
+        assert list(views) == ["a", "b", "c", "d"]
+        assert [tuple(v.shape) for v in views.values()] == [(2, 3), (), (0,), (4,)]
+        assert views["a"].flatten().tolist() == [0, 1, 2, 3, 4, 5] and views["b"].item() == 6
+        assert views["d"].tolist() == [7, 8, 9, 10]
+        views["d"][0] = -1  # a view: no copy
+        assert flat[7] == -1
+    with pytest.raises(RuntimeError):
+        layout.views(torch.zeros(10))
+
+
+def test_the_last_layout_is_found_again_by_value() -> None:
+    names, shapes = ["w", "b"], [[3, 2], [2]]
+    first = Layout.of_shapes(names, shapes)
+    assert Layout.of_shapes(("w", "b"), (torch.Size([3, 2]), (np.int64(2),))) is first  # equal values
+    shapes[0][0] = 4  # the caller's lists changed in place: a new layout, not the kept one
+    second = Layout.of_shapes(names, shapes)
+    assert second is not first and second.numels == (8, 2) and first.numels == (6, 2)
+    assert Layout.of_shapes(["w", "c"], [(4, 2), (2,)]).names == ("w", "c")
+    assert Layout.of({"w": torch.zeros(4, 2), "b": torch.zeros(2)}) == second

@@ -147,6 +147,63 @@ def test_the_check_is_the_same_on_any_number_of_threads(broken: int | None):
         assert s.names[broken] in outcomes[0][0]
 
 
+def _positions_only(seed: int) -> tuple[scatter_sum.ScatterSum, list[int], list[float]]:
+    """A reply of 30 position streams of many sizes, with their sizes and values."""
+    rng = np.random.default_rng(seed)
+    s, sizes, values = scatter_sum.ScatterSum(), [], []
+    for i in range(30):
+        n = int(rng.integers(1, 50_000))
+        idx = np.sort(rng.choice(n, size=max(1, n // 40), replace=False))
+        value = float(np.float32(rng.standard_normal()))
+        s.positions(f"p{i}", encode_positions(torch.from_numpy(idx), 3), len(idx), 3, n, value)
+        sizes.append(n)
+        values.append(value)
+    return s, sizes, values
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_check_writes_flat_positions_and_values(dtype: type, threads: int):
+    """``check(flat=)``: each tensor's positions plus its base, in the dtype asked for, and its
+    value at each: what the NumPy passes over ``decoded_positions`` made, on any number of threads."""
+    s, sizes, values = _positions_only(3)
+    bases = np.concatenate(([0], np.cumsum(sizes)[:-1])) + 5  # (not from 0: the add is seen)
+    flat = scatter_sum.FlatPositions(bases.tolist(), dtype)
+    squares = s.check(threads=threads, flat=flat)
+    counts = [t[2] for t in s.tasks]
+    assert flat.kept is not None and flat.values is not None
+    assert flat.kept.dtype == dtype and flat.values.dtype == np.float32
+    want = s.decoded_positions() + np.repeat(bases, counts)
+    assert np.array_equal(flat.kept, want)
+    assert np.array_equal(flat.values, np.repeat(np.array(values, np.float32), counts))
+    assert squares == s.check(threads=threads)  # the same check with or without the outputs
+
+
+@needs_kernel
+def test_the_flat_outputs_must_fit():
+    k = scatter_sum._KERNEL
+    assert k is not None
+    bits = encode_positions(torch.tensor([1, 5, 9]), 1)
+    task = [(0, bits, 3, 1, 10, 0, 0.5)]
+    scratch, bases = np.empty(3, np.int64), np.array([7], np.int64)
+    kept, values = np.empty(3, np.int32), np.empty(3, np.float32)
+    assert k.reply_check(task, scratch, 1, False, bases, kept, False, values) == (-1, 0.75)
+    assert kept.tolist() == [8, 12, 16] and values.tolist() == [0.5] * 3
+    for args in [
+        (np.array([7, 8], np.int64), kept, False, values),  # two bases for one task
+        (bases, kept, True, values),  # int32 outputs called wide
+        (bases, np.empty(2, np.int32), False, values),  # too short
+        (bases, kept, False, np.empty(4, np.float32)),  # too long
+    ]:
+        with pytest.raises(ValueError, match="as long as scratch"):
+            k.reply_check(task, scratch, 1, False, *args)
+    with pytest.raises(ValueError, match="2 bases for 1 tensors"):
+        s = scatter_sum.ScatterSum()
+        s.positions("a", bits, 3, 1, 10, 0.5)
+        s.check(flat=scatter_sum.FlatPositions([0, 1], np.int32))
+
+
 def _add_in_child(queue) -> None:  # type: ignore[no-untyped-def]
     s, sizes = _many(8)
     outs = [np.zeros(n) for n in sizes]

@@ -5,6 +5,8 @@ The same torch operators run on any device, so the CPU checks what CUDA runs."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -13,7 +15,7 @@ from hypothesis import strategies as st
 
 from fedcomp.codecs import TensorSpec, ThreeLC
 from fedcomp.codecs.flat import Layout, count_device_work
-from fedcomp.codecs.threelc_device import decode_into, encode_update, literals_of
+from fedcomp.codecs.threelc_device import LiteralBatch, available, decode_into, encode_update, literals_of
 
 F32_MAX = float(np.finfo(np.float32).max)
 U = 2.0**-149
@@ -118,6 +120,25 @@ def test_a_value_that_is_not_finite_leaves_the_update_to_encode(value: float) ->
     assert encode_update(ThreeLC(), items) is None
     with pytest.raises(ValueError, match="non-finite"):
         ThreeLC().encode(bad, items[7][0])
+
+
+@pytest.mark.skipif(not available(), reason="fedcomp._native._threelc is not built or FEDCOMP_NATIVE=0")
+@pytest.mark.parametrize(
+    "scale",
+    [F32_MAX, 2.0**128 - 2.0**103 - 2.0**75, 2.0**128 - 2.0**103, 2.0**128, 1e39, 2.0**-150, 0.1],
+    ids=lambda s: f"{s:.17g}",
+)
+def test_the_batch_takes_a_scale_as_literals_of_does(scale: float) -> None:
+    """A received scale rounds to float32 in :class:`LiteralBatch` as in :func:`literals_of`, and
+    one that rounds to infinity (from half an ulp past float32's maximum) is refused by both."""
+    codec, spec = ThreeLC(), TensorSpec("t", (12,))
+    payload = dataclasses.replace(codec.encode(_f32(np.linspace(-1, 1, 12)), "t").payload, scale=scale)
+    one = literals_of(codec, payload, spec, 3)
+    batch = LiteralBatch()
+    assert batch.add(codec, payload, spec, 3) is (one is not None)
+    if one is not None:
+        assert all(np.array_equal(a, b) for a, b in zip(batch.literals(), one, strict=True))
+        assert one[2].dtype == np.float32 and float(one[2][0]) == float(np.float32(scale))
 
 
 @pytest.mark.cuda

@@ -572,3 +572,29 @@ def test_threelc_scalars_by_hand_are_protobufs():
             _same(enc)
     for data in (b"", b"\x07" * 300, b"\x05" * 20_000):
         _same(_tensor(ThreeLCPayload(0.5, 3, True, data), name="s", shape=(3,), codec_id="3lc"))
+
+
+def test_the_framed_path_takes_what_the_encoders_send_and_leaves_the_rest():
+    """``serde._hand_framed`` (one function a tensor) writes the SBC, 3LC and dense tensors the
+    encoders make; what it leaves (an empty field, a scalar protobuf writes, another payload) the
+    general path writes: protobuf's bytes either way."""
+    gen = torch.Generator().manual_seed(5)
+    sent = [
+        get_codec({"id": "sbc", "p": 0.01}).encode(torch.randn(5_000, generator=gen), "s"),
+        get_codec({"id": "3lc", "s": 1.0}).encode(torch.randn(5_000, generator=gen), "l"),
+        get_codec("dense-fp16").encode(torch.randn(40, generator=gen), "h"),
+        get_codec("dense-fp32").encode(torch.randn(3000, generator=gen), "f"),  # deferred, past 4 KiB
+        _tensor(DensePayload("float32", memoryview(bytes(12))), name="m"),
+    ]
+    for t in sent:
+        assert serde._hand_framed(t) is not None, t.name
+    left = [
+        _tensor(SBCPayload(0.5, 3, 0, b""), name="a", codec_id="sbc"),
+        _tensor(ThreeLCPayload(0.5, 3, True, b""), name="b", codec_id="3lc"),
+        _tensor(ThreeLCPayload(0.1, 3, True, b"\x01"), name="c", codec_id="3lc"),
+        _tensor(DensePayload("float32", b""), name="d", shape=(0,)),
+        _tensor(STCPayload(mu=1.5, golomb_b=2, nnz=9, bits=b"\x01", signs=b"\x80"), name="e", codec_id="stc"),
+    ]
+    for t in left:
+        assert serde._hand_framed(t) is None, t.name
+    _same(*sent, *left)
