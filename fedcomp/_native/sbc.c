@@ -13,7 +13,8 @@
  *       the r-th smallest and r-th largest of a[pos] (fast mode's thresholds: gather and two
  *       selections in one call, `scratch` holding 2 len(pos) floats); None if one is not finite.
  *   order_stats(a, r, scratch) -> (t_lo, t_hi) | None   the same for all of a (`scratch`: len(a) floats).
- *   sum_stats(vals) -> (sum, lo, hi)    float64 sum (in order) and the min/max of (bits & 0x7fffffff).
+ *   sum_stats(vals) -> (sum, lo, hi)    float64 sum (exact, so in any order, where _exact_sum's test on lo and
+ *       hi passes; not read otherwise) and the min/max of (bits & 0x7fffffff).
  *   fast_select(a, pos, r, limit, scratch, hi_pos, hi_vals, lo_pos, lo_vals)
  *       -> (nhi, nlo, *sum_stats(hi_vals), *sum_stats(lo_vals)) | None
  *       the three above in one call (fast mode's selection for a tensor scanned in one part): None
@@ -432,23 +433,39 @@ done:
     return result;
 }
 
-/* The float64 sum of x[0, m) in order, and the least and greatest of (bits & 0x7fffffff) (the least
- * of the non-zero ones with nonzero_lo). */
+/* The float64 sum of x[0, m), and the least and greatest of (bits & 0x7fffffff) (the least of the
+ * non-zero ones with nonzero_lo). The sum is read only where fedcomp.codecs.sbc._exact_sum's test on
+ * those bits says every partial sum is a float64, and then it is the same in any order: four
+ * running sums (a float add waits for the last; four do not wait on each other: 0.38 -> about
+ * 0.1 ms for 512K values on one core), and four of each bound. */
 static void stats_of(const float *x, Py_ssize_t m, double *sum_out, uint32_t *lo_out, uint32_t *hi_out,
                      int nonzero_lo) {
-    double sum = 0.0;
-    uint32_t lo = 0x7FFFFFFFu, hi = 0;
-    for (Py_ssize_t i = 0; i < m; i++) {
+    double sum[4] = {0.0, 0.0, 0.0, 0.0};
+    uint32_t lo[4] = {0x7FFFFFFFu, 0x7FFFFFFFu, 0x7FFFFFFFu, 0x7FFFFFFFu}, hi[4] = {0, 0, 0, 0};
+    Py_ssize_t i = 0;
+    for (; i + 4 <= m; i += 4) {
+        for (int j = 0; j < 4; j++) {
+            uint32_t bits;
+            memcpy(&bits, &x[i + j], 4);
+            bits &= 0x7FFFFFFFu;
+            lo[j] = bits < lo[j] && (bits != 0 || !nonzero_lo) ? bits : lo[j];
+            hi[j] = bits > hi[j] ? bits : hi[j];
+            sum[j] += (double)x[i + j];
+        }
+    }
+    for (int j = 0; i < m; i++, j++) {
         uint32_t bits;
         memcpy(&bits, &x[i], 4);
         bits &= 0x7FFFFFFFu;
-        lo = bits < lo && (bits != 0 || !nonzero_lo) ? bits : lo;
-        hi = bits > hi ? bits : hi;
-        sum += (double)x[i];
+        lo[j] = bits < lo[j] && (bits != 0 || !nonzero_lo) ? bits : lo[j];
+        hi[j] = bits > hi[j] ? bits : hi[j];
+        sum[j] += (double)x[i];
     }
-    *sum_out = sum;
-    *lo_out = lo;
-    *hi_out = hi;
+    uint32_t l01 = lo[0] < lo[1] ? lo[0] : lo[1], l23 = lo[2] < lo[3] ? lo[2] : lo[3];
+    uint32_t h01 = hi[0] > hi[1] ? hi[0] : hi[1], h23 = hi[2] > hi[3] ? hi[2] : hi[3];
+    *sum_out = (sum[0] + sum[1]) + (sum[2] + sum[3]);
+    *lo_out = l01 < l23 ? l01 : l23;
+    *hi_out = h01 > h23 ? h01 : h23;
 }
 
 static PyObject *sum_stats(PyObject *self, PyObject *args) {

@@ -45,17 +45,20 @@ class Layout:
 
     @classmethod
     def of_shapes(cls, names: Sequence[str], shapes: Sequence[Sequence[int]]) -> Layout:
-        """The layout of tensors of these names and shapes (a receiver's specs, say); the last one
-        made is kept, found again by value (a sender or receiver meets the same tensors every
-        round: a tenth of the work of making it)."""
-        key = (tuple(names), tuple(map(tuple, shapes)))
-        last = _LAST_LAYOUT.get(cls)  # (one read: layouts may be made on several threads)
-        if last is not None and last[0] == key:
-            return last[1]
-        dims = tuple(tuple(int(d) for d in shape) for shape in key[1])
+        """The layout of tensors of these names and shapes (a receiver's specs, say); the last
+        few made are kept, found again by value (a sender or receiver meets the same tensors every
+        round, an encode two layouts: its large tensors and its small ones; a tenth of the work of
+        making one)."""
+        key = (cls, tuple(names), tuple(map(tuple, shapes)))
+        made = _LAYOUTS.get(key)
+        if made is not None:
+            return made
+        dims = tuple(tuple(int(d) for d in shape) for shape in key[2])
         numels = tuple(math.prod(d) for d in dims)
-        made = cls(key[0], dims, tuple(itertools.accumulate(numels[:-1], initial=0)) if numels else (), numels)
-        _LAST_LAYOUT[cls] = (key, made)
+        made = cls(key[1], dims, tuple(itertools.accumulate(numels[:-1], initial=0)) if numels else (), numels)
+        if len(_LAYOUTS) >= _KEEP_LAYOUTS:
+            _LAYOUTS.clear()  # (a process meeting many models: start again)
+        _LAYOUTS[key] = made
         return made
 
     @property
@@ -69,8 +72,10 @@ class Layout:
         return {name: part.view(shape) for name, shape, part in zip(self.names, self.shapes, parts, strict=True)}
 
 
-#: The last :class:`Layout` (or subclass) :meth:`Layout.of_shapes` made, with its key.
-_LAST_LAYOUT: dict[type, tuple[tuple[Any, ...], Layout]] = {}
+#: The layouts :meth:`Layout.of_shapes` made, by class, names and shapes (at most
+#: :data:`_KEEP_LAYOUTS`; a dict's single reads and writes are safe from several threads).
+_LAYOUTS: dict[tuple[Any, ...], Layout] = {}
+_KEEP_LAYOUTS = 16
 
 
 @dataclass

@@ -182,7 +182,7 @@ class Layout:
         the writer's two parts of a tensor, without the general checks of each."""
         self._small += frame
         if n < 4096 and type(blob) is not DeferredDensePayload:
-            self._small += blob  # type: ignore[operator]
+            self._small += blob  # type: ignore[arg-type]  # (bytes-like: not deferred)
         else:
             self._flush()
             self.parts.append(blob)

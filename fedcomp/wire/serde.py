@@ -42,7 +42,7 @@ import math
 import struct
 from array import array
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -612,11 +612,16 @@ def _hand_framed(t: EncodedTensor) -> tuple[bytes, fast_writer.Part, int] | None
     kind = type(p)
     varint = fast_writer.varint
     if kind is fast_writer.DeferredDensePayload or kind is DensePayload:
-        dense: fast_writer.Part = p if kind is fast_writer.DeferredDensePayload else p.data  # type: ignore[union-attr]
-        n = p.nbytes if kind is fast_writer.DeferredDensePayload else memoryview(dense).nbytes  # type: ignore[union-attr, arg-type]
+        d = cast(DensePayload, p)
+        dense: fast_writer.Part
+        if isinstance(d, fast_writer.DeferredDensePayload):
+            dense, n = d, d.nbytes
+        else:
+            dense = d.data
+            n = memoryview(dense).nbytes
         if not n:
             return None
-        enum = _DENSE_ENCODING[p.encoding]  # type: ignore[union-attr]
+        enum = _DENSE_ENCODING[d.encoding]
         tail = enum + _DENSE_DATA_KEY + varint(n)
         inner = (
             _head(t.name, tuple(t.shape), t.dtype, t.codec_id, t.codec_version)

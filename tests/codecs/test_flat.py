@@ -133,9 +133,11 @@ def test_a_layout_views_its_tensors_in_a_flat_buffer_of_at_least_its_size() -> N
         layout.views(torch.zeros(10))
 
 
-def test_the_last_layout_is_found_again_by_value() -> None:
+def test_a_layout_is_found_again_by_value() -> None:
     names, shapes = ["w", "b"], [[3, 2], [2]]
     first = Layout.of_shapes(names, shapes)
+    other = Layout.of_shapes(["x"], [(5,)])  # (an encode's two layouts, in turn: both kept)
+    assert Layout.of_shapes(names, shapes) is first and Layout.of_shapes(["x"], [[5]]) is other
     assert Layout.of_shapes(("w", "b"), (torch.Size([3, 2]), (np.int64(2),))) is first  # equal values
     shapes[0][0] = 4  # the caller's lists changed in place: a new layout, not the kept one
     second = Layout.of_shapes(names, shapes)

@@ -4,6 +4,7 @@ zeros, one-sided tensors, over-limit scans, every Golomb parameter and hostile b
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -373,6 +374,25 @@ def test_exact_sum_equals_numpy(i, monkeypatch):
     got = sbc._exact_sum(vals)
     monkeypatch.setattr(sbc, "_KERNEL", None)
     assert got == sbc._exact_sum(vals)
+
+
+@needs_kernel
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 4, 5, 7, 8, 9, 13, 64, 1001])
+def test_sum_stats_bounds_and_exact_sum_wherever_the_extremes_lie(n: int) -> None:
+    """``sum_stats`` (four running sums and bounds, then the tail): the least and greatest
+    ``bits & 0x7fffffff`` and, where ``_exact_sum``'s test passes, the exact sum, with the extremes
+    at every position (each lane of the four, and the tail)."""
+    rng = np.random.default_rng(n)
+    base = (rng.standard_normal(n) * 0.5 + 1.0).astype(np.float32)
+    for at in range(min(n, 16)) if n else [None]:
+        x = base.copy()
+        if at is not None:
+            x[at] = np.float32(-7.5)  # the largest magnitude
+            x[(at + 1) % n] = np.float32(2.0**-20) if n > 1 else x[at]  # the smallest
+        total, lo, hi = KERNEL.sum_stats(x)
+        bits = x.view(np.uint32) & 0x7FFFFFFF
+        assert (lo, hi) == ((int(bits.min()), int(bits.max())) if n else (0x7FFFFFFF, 0)), at
+        assert total == math.fsum(x.astype(np.float64).tolist()), at  # (exact here: a float64 holds it)
 
 
 # --- Golomb-Rice -------------------------------------------------------------------------------
