@@ -303,10 +303,34 @@ def test_device_work_rows_count_the_engine_and_equal_the_cpu_bytes(tmp_path: Pat
     assert all(0 < r["host_s"] < 60 for r in rows)  # (the engine's host work: sides, codes, reads)
 
 
+def test_device_work_shrunk_keeps_the_tensors_and_few_values(tmp_path: Path) -> None:
+    """``--shrink``: the 161 tensors, each cut to 1/N of its values but at least 1,000 (the small
+    ones whole); the same bytes as the CPU path, and the same operators as the whole update."""
+    from fedcomp.bench.device_work import _update, main
+
+    full, cut = _update(1, 0), _update(1, 0, 1000)
+    assert list(cut) == list(full)
+    assert all(
+        c.numel() == (max(1000, f.numel() // 1000) if f.numel() >= 1000 else f.numel())
+        for c, f in zip(cut.values(), full.values(), strict=True)
+    )
+    rows = {}
+    for shrink in (1, 1000):
+        out = tmp_path / f"rows{shrink}.json"
+        assert (
+            main(["--codec", "3lc", "--copies", "1", "--repeat", "1", "--shrink", str(shrink), "--json", str(out)]) == 0
+        )
+        rows[shrink] = json.loads(out.read_text())
+    assert [r["numel"] for r in rows[1000]] == [sum(t.numel() for t in cut.values())] * 2
+    assert all(r["same_bytes"] and r["tensors"] == 161 and r["shrink"] == 1000 for r in rows[1000])
+    assert [(r["ops"], r["syncs"]) for r in rows[1000]] == [(r["ops"], r["syncs"]) for r in rows[1]]
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["--codec", "zfp"], "--codec: invalid choice"),
+        (["--shrink", "0"], "--shrink"),
         (["--copies", "0"], "--copies"),
         (["--repeat", "0"], "--repeat"),
         (["--p", "0.7"], "--p"),

@@ -1,7 +1,7 @@
 """What a whole update costs a device: operators, syncs and copies, by path and number of tensors.
 
     python -m fedcomp.bench device-work [--device cpu|cuda] [--codec sbc|3lc|both] [--p 0.01] [--copies 1,2,4]
-                                        [--repeat N] [--profile] [--json PATH]
+                                        [--shrink N] [--repeat N] [--profile] [--json PATH]
 
 Issue #13 measured one SBC encode of a ResNet-50 update on an H100 at 2,433 kernel launches,
 1,035 host-device copies and 278 ``.item()`` syncs: a cost per tensor, not per value. This
@@ -24,6 +24,11 @@ it). Paths:
   the counts are CUDA's; the times are not.
 - ``per-tensor`` (``--device cuda`` only): the path before it, a codec call per tensor, whose
   copies are counted as torch operators (``aten._to_copy``) rather than by the engine's helpers.
+
+``--shrink N`` keeps each tensor's first ``1/N`` of its values, at least 1,000 (the engines' least:
+``min_numel``; flat, so the 161 tensors stay and the values fall about ``N``-fold): what a call
+costs whatever its values (launches, syncs, the host's Python and per-tensor work), apart from
+what moving and coding the values costs; a row's ``numel`` says what was left.
 
 ``seconds`` is the median wall time of ``--repeat`` calls after a warm-up (CUDA synchronized);
 ``same_bytes`` says whether the bytes equal the CPU path's. Counts are the second round's (the
@@ -54,12 +59,17 @@ from fedcomp.bench.__main__ import _clock, make_update  # (the codecs bench's up
 from fedcomp.codecs import SBC, Codec, DenseFP32, TensorSpec, ThreeLC
 from fedcomp.codecs.flat import DeviceWork, count_device_work, time_host_work
 from fedcomp.methods.flat_update import decode_on_device, encode_on_device
-from fedcomp.methods.update import UpdateEncoder, decode_update, specs_of
+from fedcomp.methods.update import DEFAULT_MIN_NUMEL, UpdateEncoder, decode_update, specs_of
 from fedcomp.wire.payloads import EncodedUpdate
 
 
-def _update(copies: int, seed: int) -> dict[str, torch.Tensor]:
+def _update(copies: int, seed: int, shrink: int = 1) -> dict[str, torch.Tensor]:
     base = make_update("student-t", torch.device("cpu"), 1, seed)
+    if shrink > 1:  # (tensors below the engines' least stay whole: they go dense either way)
+        base = {
+            name: t.reshape(-1)[: max(DEFAULT_MIN_NUMEL, t.numel() // shrink)] if t.numel() >= DEFAULT_MIN_NUMEL else t
+            for name, t in base.items()
+        }
     return {f"c{c}.{name}": t.clone() for c in range(copies) for name, t in base.items()}
 
 
@@ -149,21 +159,22 @@ def bench_device_work(
     seed: int,
     codec_ids: list[str],
     profile: bool = False,
+    shrink: int = 1,
 ) -> list[dict]:
     rows = []
     for codec_id in codec_ids:
         codec: Codec = SBC(p) if codec_id == "sbc" else ThreeLC(1.0)
-        rows += _bench_codec(device, codec, copies, repeat, seed, profile)
+        rows += _bench_codec(device, codec, copies, repeat, seed, profile, shrink)
     return rows
 
 
 def _bench_codec(
-    device: torch.device, codec: Codec, copies: list[int], repeat: int, seed: int, profile: bool
+    device: torch.device, codec: Codec, copies: list[int], repeat: int, seed: int, profile: bool, shrink: int
 ) -> list[dict]:
     codecs: list[Codec] = [codec, DenseFP32()]
     rows = []
     for c in copies:
-        host = _update(c, seed)
+        host = _update(c, seed, shrink)
         update = {k: v.to(device) for k, v in host.items()}
         specs = specs_of(host)
         reference = UpdateEncoder(codec)  # the CPU path, for the bytes
@@ -173,6 +184,7 @@ def _bench_codec(
             "device": str(device),
             "tensors": len(update),
             "numel": sum(t.numel() for t in host.values()),
+            "shrink": shrink,
         }
         for path in ["whole-update"] + (["per-tensor"] if device.type == "cuda" else []):
             enc = UpdateEncoder(codec)
@@ -223,7 +235,8 @@ def _line(r: dict[str, Any]) -> str:
         f"  gpu {r['gpu_s'] * 1e3:7.2f} ms"
     )
     return (
-        f"{r['codec']['id']:<5}{r['op']:<7}{r['path']:<13}{r['device']:<6}{r['tensors']:>6} tensors  ops {r['ops']:>5}  syncs "
+        f"{r['codec']['id']:<5}{r['op']:<7}{r['path']:<13}{r['device']:<6}{r['tensors']:>6} tensors {r['numel']:>11,} values"
+        f"  ops {r['ops']:>5}  syncs "
         f"{r['syncs']:>4}  to host {r['to_host']:>4}  to device {r['to_device']:>4}  {r['seconds'] * 1e3:9.1f} ms  "
         f"host {'-' if r['host_s'] is None else format(r['host_s'] * 1e3, '6.2f')} ms  "
         f"same as CPU: {r['same_bytes']}{runtime}"
@@ -236,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--codec", choices=["sbc", "3lc", "both"], default="both", help="SBC (--p), 3LC (s = 1), or both")
     ap.add_argument("--p", type=float_in(0.0, 0.5, lo_open=True), default=0.01, help="SBC's p, in (0, 0.5]")
     ap.add_argument("--copies", type=int_list(1), default=[1, 2, 4], help="the update this many times (1,2,4)")
+    ap.add_argument(
+        "--shrink", type=int_at_least(1), default=1, help="each tensor's first 1/N of its values (at least 1,000)"
+    )
     ap.add_argument("--repeat", type=int_at_least(1), default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", action="store_true", help="CUDA only: count the runtime's launches, copies and syncs")
@@ -247,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--profile: counts the CUDA runtime's calls, so it needs --device cuda")
     codec_ids = ["sbc", "3lc"] if args.codec == "both" else [args.codec]
     rows = bench_device_work(
-        torch.device(args.device), args.p, args.copies, args.repeat, args.seed, codec_ids, args.profile
+        torch.device(args.device), args.p, args.copies, args.repeat, args.seed, codec_ids, args.profile, args.shrink
     )
     write_rows(args.json, rows)
     return 0
