@@ -20,6 +20,8 @@ from fedcomp.errors import PayloadError
 from fedcomp.methods.feedback import ErrorFeedback, StaleResidual
 from fedcomp.methods.flat_update import decode_on_device, encode_on_device
 from fedcomp.methods.update import UpdateEncoder, decode_update, specs_of
+from fedcomp.wire import serde
+from fedcomp.wire.fast_writer import DeferredDensePayload
 from fedcomp.wire.payloads import EncodedUpdate, SBCPayload
 
 CPU = torch.device("cpu")
@@ -76,6 +78,23 @@ def test_without_error_feedback_and_with_fp16_small_tensors() -> None:
     got = encode_on_device(update, codec, DenseFP16(), 200, None, 3, device=CPU)
     want = UpdateEncoder(codec, min_numel=200, small_codec=DenseFP16(), error_feedback=False).encode(update, 3)
     assert got == (want, None)
+
+
+@pytest.mark.parametrize("small_codec", [DenseFP32(), Identity(), DenseFP16()], ids=repr)
+@pytest.mark.parametrize("half_bias", [False, True])
+def test_small_tensors_give_the_per_tensor_bytes_by_either_path(small_codec, half_bias: bool) -> None:
+    """Float32 small tensors through DenseFP32 or Identity take the referenced one-copy path;
+    any other (float16 among them, another codec) the codec's own ``encode``: the same bytes."""
+    codec = ThreeLC(1.0)
+    update = _model(11)
+    if half_bias:
+        update["l2.bias"] = update["l2.bias"].half()
+    got = encode_on_device(update, codec, small_codec, 200, None, 5, device=CPU)
+    want = UpdateEncoder(codec, min_numel=200, small_codec=small_codec, error_feedback=False).encode(update, 5)
+    assert got == (want, None)
+    assert got is not None and serde.update_to_bytes(got[0]) == serde.update_to_bytes(want)
+    small = [t for t in got[0].tensors if t.codec_id == small_codec.codec_id]
+    assert len(small) == 6 and all(isinstance(t.payload, DeferredDensePayload) for t in small)  # (the biases)
 
 
 @pytest.mark.parametrize(
