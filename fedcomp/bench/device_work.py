@@ -28,7 +28,9 @@ it). Paths:
 ``--shrink N`` keeps each tensor's first ``1/N`` of its values, at least 1,000 (the engines' least:
 ``min_numel``; flat, so the 161 tensors stay and the values fall about ``N``-fold): what a call
 costs whatever its values (launches, syncs, the host's Python and per-tensor work), apart from
-what moving and coding the values costs; a row's ``numel`` says what was left.
+what moving and coding the values costs; a row's ``numel`` says what was left. (SBC's fast mode
+takes only tensors above its sample size: a tensor cut below it goes exact mode, another set of
+operators, so an SBC row's ``ops`` can differ from the whole update's; 3LC's are the same.)
 
 ``seconds`` is the median wall time of ``--repeat`` calls after a warm-up (CUDA synchronized);
 ``same_bytes`` says whether the bytes equal the CPU path's. Counts are the second round's (the
