@@ -221,10 +221,14 @@ def _encode_dense(
     encoding = codec._wire or "float32"  # (the tensors are float32)
     wire = acc.to(TORCH_DTYPES[encoding])
     host = torch.from_numpy(to_host(wire))
-    encoded = [
-        codec._envelope(t, name, DeferredDensePayload(encoding, host[at : at + n]))
-        for (name, t), at, n in zip(large, layout.offsets, layout.numels, strict=True)
-    ]
+    encoded = codec._float32_envelopes(
+        layout.names,
+        layout.shapes,
+        [
+            DeferredDensePayload(encoding, host[at : at + n])
+            for at, n in zip(layout.offsets, layout.numels, strict=True)
+        ],
+    )
     recon = None
     if want_recon:
         if wire is acc:  # float32 on the wire: the receiver decodes the accumulator itself

@@ -147,6 +147,10 @@ def test_the_check_is_the_same_on_any_number_of_threads(broken: int | None):
         assert s.names[broken] in outcomes[0][0]
 
 
+def _outputs(n: int, wide: bool) -> tuple[np.ndarray, bool, np.ndarray]:
+    return np.empty(n, np.int64 if wide else np.int32), wide, np.empty(n, np.float32)
+
+
 def _positions_only(seed: int) -> tuple[scatter_sum.ScatterSum, list[int], list[float]]:
     """A reply of 30 position streams of many sizes, with their sizes and values."""
     rng = np.random.default_rng(seed)
@@ -198,6 +202,11 @@ def test_the_flat_outputs_must_fit():
     ]:
         with pytest.raises(ValueError, match="as long as scratch"):
             k.reply_check(task, scratch, 1, False, *args)
+    for base, wide in [(-1, False), (2**31 - 10, False), (-1, True), (2**63 - 10, True)]:  # base + numel 10 too far
+        with pytest.raises(ValueError, match="base plus its numel"):
+            k.reply_check(task, scratch, 1, False, np.array([base], np.int64), *_outputs(3, wide))
+    assert k.reply_check(task, scratch, 1, False, np.array([2**31 - 11], np.int64), kept, False, values) == (-1, 0.75)
+    assert kept.tolist() == [2**31 - 10, 2**31 - 6, 2**31 - 2]  # (the last position that fits int32 is 2**31 - 1)
     with pytest.raises(ValueError, match="2 bases for 1 tensors"):
         s = scatter_sum.ScatterSum()
         s.positions("a", bits, 3, 1, 10, 0.5)
