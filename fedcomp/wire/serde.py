@@ -611,45 +611,27 @@ def _hand_framed(t: EncodedTensor) -> tuple[bytes, fast_writer.Part, int] | None
     p = t.payload
     kind = type(p)
     varint = fast_writer.varint
+    blob: fast_writer.Part
     if kind is fast_writer.DeferredDensePayload or kind is DensePayload:
         d = cast(DensePayload, p)
-        dense: fast_writer.Part
         if isinstance(d, fast_writer.DeferredDensePayload):
-            dense, n = d, d.nbytes
+            blob, n = d, d.nbytes
         else:
-            dense = d.data
-            n = memoryview(dense).nbytes
+            blob = d.data
+            n = memoryview(blob).nbytes
         if not n:
             return None
-        enum = _DENSE_ENCODING[d.encoding]
-        tail = enum + _DENSE_DATA_KEY + varint(n)
-        inner = (
-            _head(t.name, tuple(t.shape), t.dtype, t.codec_id, t.codec_version)
-            + _DENSE_KEY
-            + varint(len(tail) + n)
-            + tail
-        )
-        return _TENSORS_KEY + varint(len(inner) + n) + inner, dense, n
-    if kind is SBCPayload:
-        blob = p.bits  # type: ignore[union-attr]
-        if type(blob) is not bytes or not blob:
-            return None
-        scalars = _sbc_scalars(p)  # type: ignore[arg-type]
-        key = _SBC_KEY
-        blob_key = _SBC_BITS_KEY
-    elif kind is ThreeLCPayload:
-        blob = p.data  # type: ignore[union-attr]
-        if type(blob) is not bytes or not blob:
-            return None
-        scalars = _threelc_scalars(p)  # type: ignore[arg-type]
-        key = _TLC_KEY
-        blob_key = _TLC_DATA_KEY
+        key, pre = _DENSE_KEY, _DENSE_ENCODING[d.encoding] + _DENSE_DATA_KEY + varint(n)
     else:
-        return None
-    if scalars is None:
-        return None
-    n = len(blob)
-    pre = b"".join([raw for _, raw in scalars]) + blob_key + varint(n)
+        hand = _BY_HAND.get(kind)
+        if hand is None:
+            return None
+        blob = getattr(p, hand.blob)
+        scalars = hand.scalars(p)
+        if type(blob) is not bytes or not blob or scalars is None:
+            return None
+        n = len(blob)
+        key, pre = hand.payload_key, b"".join([raw for _, raw in scalars]) + hand.blob_key + varint(n)
     inner = _head(t.name, tuple(t.shape), t.dtype, t.codec_id, t.codec_version) + key + varint(len(pre) + n) + pre
     return _TENSORS_KEY + varint(len(inner) + n) + inner, blob, n
 
