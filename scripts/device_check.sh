@@ -5,8 +5,9 @@
 #   DEVICE=cpu bash scripts/device_check.sh # here: the same steps on the CPU (the plumbing only)
 #
 # Everything goes to $OUT (default /tmp/device-check): env.txt, pytest-cuda.log,
-# codecs.log/.json, device-work.log/.json, fast-lane.log. Each step has its own time limit and the
-# script goes on after a failure, so one broken step still leaves the others' figures.
+# codecs.log/.json, device-work.log/.json, device-work-shrunk.log/.json, fast-lane.log. Each step
+# has its own time limit and the script goes on after a failure, so one broken step still leaves
+# the others' figures.
 #
 # The GPU image has torch but not flwr, pydantic and a few of their needs: when .whl/ holds
 # wheels (see scripts/device_wheels.sh) they are installed into /tmp/site first. It has no Ray,
@@ -51,6 +52,9 @@ PROFILE=()
 [ "$DEVICE" = cuda ] && PROFILE=(--profile)
 step codecs 150 $PY -m fedcomp.bench codecs --device "$DEVICE" --repeat "${REPEAT:-7}" --json "$OUT/codecs.json"
 step device-work 120 $PY -m fedcomp.bench device-work --device "$DEVICE" "${PROFILE[@]}" --copies 1,4 --json "$OUT/device-work.json"
+# The same 161 tensors with a thousandth of their values: what a call costs whatever its values
+# (launches, syncs, the host's per-tensor Python), beside the row above that moves them all.
+step device-work-shrunk 60 $PY -m fedcomp.bench device-work --device "$DEVICE" --copies 1 --repeat 15 --shrink 1000 --json "$OUT/device-work-shrunk.json"
 # The fast lane with a GPU present (client-device 'auto' picks it): what changes when CUDA is there.
 # (only while the whole script stays inside ${BUDGET_S:-420} s: the device time is short)
 left=$((${BUDGET_S:-420} - SECONDS))
