@@ -210,6 +210,18 @@ def to_device(a: np.ndarray, device: torch.device, into: torch.Tensor | None = N
     return host.to(device) if into is None else into.copy_(host.view(into.shape))
 
 
+@dataclass
+class Rider:
+    """Float32 values on the device that travel to the host in an engine's one copy there (an
+    update's small tensors, which go dense): ``device`` given by the caller, ``host`` (a NumPy
+    array of the same values) set by the engine's copy. A copy to the host is a wait for the
+    device; this saves one, and the device's last work of the encode (the residual's update) then
+    overlaps the host's serialisation instead of preceding a copy."""
+
+    device: torch.Tensor
+    host: np.ndarray | None = None
+
+
 #: Positions into a flat buffer of at most this many values cross between host and device as
 #: int32, four bytes each (else int64).
 _INT32_POSITIONS = int(np.iinfo(np.int32).max)

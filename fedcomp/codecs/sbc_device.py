@@ -40,7 +40,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from fedcomp.codecs.flat import Layout, host_side, position_dtype, to_device, to_host
+from fedcomp.codecs.flat import Layout, Rider, host_side, position_dtype, to_device, to_host
 from fedcomp.codecs.golomb import encode_positions, golomb_b
 from fedcomp.codecs.sbc import SBC, _sample_positions_np, choose_side, choose_sides_flat
 from fedcomp.codecs.segments import segment_ids
@@ -69,18 +69,20 @@ def encode_update(
     tensors: Sequence[tuple[str, torch.Tensor]],
     flat: torch.Tensor | None = None,
     layout: Layout | None = None,
+    rider: Rider | None = None,
 ) -> FlatEncoding | None:
     """Encode float32 ``tensors`` (one device, each of at least one value) as :meth:`SBC.encode`
     would, one by one. ``flat``: the tensors already laid out back to back (e.g. an error
     feedback accumulator; ``layout``, their :meth:`Layout.of`, where the caller has it), else they
-    are concatenated here. None where a value is not finite."""
+    are concatenated here. ``rider``: values that come to the host in the candidates' copy. None
+    where a value is not finite."""
     layout = Layout.of(tensors) if layout is None else layout
     if flat is None:
         flat = torch.cat([t.detach().reshape(-1) for _, t in tensors])
     plan = _plan(layout.numels, layout.offsets, codec.p, codec.sample_size, codec.mode, str(flat.device))
     hits = _fast_hits(flat, plan, codec, layout) if plan.fast else None
     exact = _exact_select(flat, layout, plan.ks, plan.exact) if plan.exact else None
-    got = _to_host(hits, exact, torch.isfinite(flat).all(), layout.total)
+    got = _to_host(hits, exact, torch.isfinite(flat).all(), layout.total, rider)
     if got is None:
         return None
     with host_side():
@@ -109,12 +111,15 @@ class _OnHost:
     n_hi: int
 
 
-def _to_host(hits: _Hits | None, exact: _Exact | None, finite: torch.Tensor | None, total: int) -> _OnHost | None:
+def _to_host(
+    hits: _Hits | None, exact: _Exact | None, finite: torch.Tensor | None, total: int, rider: Rider | None = None
+) -> _OnHost | None:
     """The fast hits, the exact candidates, the high side's count and the finiteness flag in one
     copy to the host, four bytes each where positions fit in int32 (on an H100, copying int64
     positions and the values separately took about 5.3 of an encode's 8.3 ms of GPU time; this
     took it to 3.3 ms), laid out so that the host reads them where they land (no conversion, no
-    concatenation); None where a value is not finite."""
+    concatenation); the ``rider``'s values after the candidates' (``rider.host`` set). None where a
+    value is not finite."""
     parts_i: list[torch.Tensor] = []
     parts_f: list[torch.Tensor] = []
     if hits is not None:
@@ -126,12 +131,16 @@ def _to_host(hits: _Hits | None, exact: _Exact | None, finite: torch.Tensor | No
     tail = ([hits.n_hi.reshape(1)] if hits is not None else []) + ([finite.reshape(1)] if finite is not None else [])
     m = 0 if hits is None else int(hits.positions.shape[0])
     n = m + (0 if exact is None else int(exact.positions.shape[0]))
+    if rider is not None:
+        parts_f.append(rider.device)
     if position_dtype(total) is np.int32:
         both = to_host(torch.cat([t.to(torch.int32) for t in parts_i + tail] + [t.view(torch.int32) for t in parts_f]))
         ints, floats = both[: n + len(tail)], both[n + len(tail) :].view(np.float32)
     else:
         ints = to_host(torch.cat([t.to(torch.int64) for t in parts_i + tail]))
         floats = to_host(torch.cat(parts_f)) if parts_f else np.zeros(0, np.float32)
+    if rider is not None:
+        floats, rider.host = floats[:n], floats[n:]
     if finite is not None and not ints[-1]:
         return None
     return _OnHost(ints[:n], floats, m, int(ints[n]) if hits is not None else 0)

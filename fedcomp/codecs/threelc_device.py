@@ -38,7 +38,7 @@ import torch
 
 from fedcomp import _native
 from fedcomp.codecs.base import TensorSpec
-from fedcomp.codecs.flat import Layout, host_side, to_device, to_device_many, to_host
+from fedcomp.codecs.flat import Layout, Rider, host_side, to_device, to_device_many, to_host
 from fedcomp.codecs.sbc import team_threads
 from fedcomp.codecs.segments import segment_ids, segment_max
 from fedcomp.codecs.threelc import _F32_MAX, WEIGHTS, ThreeLC, _zero_run_encode_np, groups
@@ -78,11 +78,13 @@ def encode_update(
     flat: torch.Tensor | None = None,
     want_recon: bool = False,
     layout: Layout | None = None,
+    rider: Rider | None = None,
 ) -> tuple[list[EncodedTensor], torch.Tensor | None] | None:
     """Encode float32 ``tensors`` (one device, each of at least one value) as
     :meth:`ThreeLC.encode` would, one by one; with ``want_recon`` also what the receiver decodes,
     back to back in one float32 buffer. ``flat``: the tensors already laid out back to back (as
-    ``layout``, their :meth:`Layout.of`, where the caller has it). None where a value is not finite."""
+    ``layout``, their :meth:`Layout.of`, where the caller has it). ``rider``: values that come to
+    the host in the packed bytes' copy. None where a value is not finite."""
     layout = Layout.of(tensors) if layout is None else layout
     if flat is None:
         flat = torch.cat([t.detach().reshape(-1) for _, t in tensors])
@@ -106,9 +108,14 @@ def encode_update(
         inside = at < plan.end
         digit = q[torch.where(inside, at, 0)].add_(1.0).mul_(inside)  # the padding digit is 0
         packed.add_(digit, alpha=w)
-    # the packed bytes, the scales and the finiteness flag in one copy to the host
-    both = to_host(torch.cat([packed.to(torch.uint8), m.view(torch.uint8), finite.to(torch.uint8).reshape(1)]))
+    # the packed bytes, the scales and the finiteness flag in one copy to the host (after the
+    # rider's values, which stay aligned at its start)
+    riding = [] if rider is None else [rider.device.view(torch.uint8)]
+    both = to_host(torch.cat([*riding, packed.to(torch.uint8), m.view(torch.uint8), finite.to(torch.uint8).reshape(1)]))
     del q, packed
+    if rider is not None:
+        cut = rider.device.numel() * 4
+        rider.host, both = both[:cut].view(np.float32), both[cut:]
     if not both[-1]:
         return None
     with host_side():

@@ -11,7 +11,8 @@ is one this module covers; everything else keeps the per-tensor path, whose byte
   their error-feedback residuals kept as one flat float32 buffer on the device
   (:meth:`ErrorFeedback.flat_residual`: the accumulator is one ``cat`` and one ``add_``; the new
   residual is the accumulator less the reconstruction: for SBC the mean at the kept positions, one
-  ``index_put_``); the small tensors, which go dense, in one copy to the host.
+  ``index_put_``); the small tensors, which go dense, to the host in the engine's one copy
+  (:class:`fedcomp.codecs.flat.Rider`).
 - **Decode** (:func:`decode_on_device`): every payload is checked and decoded on the host (the CPU
   kernels: every SBC position stream in one call, every 3LC stream in one more, the plain dense
   values read from the received bytes, so that the host's share does not grow by a Python call
@@ -36,7 +37,16 @@ import torch
 from fedcomp.codecs import threelc_device
 from fedcomp.codecs.base import Codec, TensorSpec
 from fedcomp.codecs.dense import DenseFP16, DenseFP32, Identity, _DenseCodec
-from fedcomp.codecs.flat import Layout, concrete_device, host_side, position_dtype, to_device, to_device_many, to_host
+from fedcomp.codecs.flat import (
+    Layout,
+    Rider,
+    concrete_device,
+    host_side,
+    position_dtype,
+    to_device,
+    to_device_many,
+    to_host,
+)
 from fedcomp.codecs.sbc import SBC
 from fedcomp.codecs.sbc_device import encode_update
 from fedcomp.codecs.scatter_sum import FlatPositions, ScatterSum
@@ -97,13 +107,15 @@ def encode_on_device(
         return None
     done: dict[str, EncodedTensor] = {}
     sent: dict[str, torch.Tensor] = {}
+    # The small tensors' values come to the host in the engine's own copy where it makes one.
+    rider = Rider(torch.cat([t.detach().reshape(-1).float() for _, t in small])) if small else None
     if large:
         layout = Layout.of(large)
         acc = torch.cat([t.detach().reshape(-1) for _, t in large])
         residual = feedback.flat_residual(layout, dev) if feedback is not None else None
         if residual is not None:
             acc.add_(residual)
-        coded = _encode_large(codec, large, layout, acc, feedback, keep_sent)
+        coded = _encode_large(codec, large, layout, acc, feedback, keep_sent, rider)
         if coded is None:
             return None  # a value that is not finite: the per-tensor path says which
         encoded, recon = coded
@@ -111,8 +123,8 @@ def encode_on_device(
             assert recon is not None
             sent.update(layout.views(recon))
         done.update(zip(layout.names, encoded, strict=True))
-    if small:
-        _encode_small(small, small_codec, keep_sent, dev, done, sent)
+    if rider is not None:
+        _encode_small(small, small_codec, keep_sent, dev, done, sent, rider)
     update = EncodedUpdate(base_model_version=base_model_version, tensors=tuple(done[name] for name in tensors))
     return update, ({name: sent[name] for name in tensors} if keep_sent else None)
 
@@ -124,13 +136,15 @@ def _encode_small(
     dev: torch.device,
     done: dict[str, EncodedTensor],
     sent: dict[str, torch.Tensor],
+    rider: Rider,
 ) -> None:
     """The tensors below ``min_numel`` through ``small_codec`` into ``done`` (and, with
-    ``keep_sent``, their reconstructions on ``dev`` into ``sent``), in one copy each way, also
-    where ``dev`` is the CPU (``tensors_on_host`` would copy nothing there): the operators a GPU
-    runs, so that counting them on the CPU is faithful."""
+    ``keep_sent``, their reconstructions on ``dev`` into ``sent``): their values (``rider``, float32,
+    back to back) on the host from the engine's copy, else in one of their own, also where ``dev``
+    is the CPU (``tensors_on_host`` would copy nothing there: the operators a GPU runs, so that
+    counting them on the CPU is faithful); reconstructions back in one more."""
     layout = Layout.of(small)
-    flat_host = torch.from_numpy(to_host(torch.cat([t.detach().reshape(-1).float() for _, t in small])))
+    flat_host = torch.from_numpy(rider.host if rider.host is not None else to_host(rider.device))
     with host_side():
         if (
             not keep_sent
@@ -171,15 +185,17 @@ def _encode_large(
     acc: torch.Tensor,
     feedback: ErrorFeedback | None,
     keep_sent: bool,
+    rider: Rider | None = None,
 ) -> tuple[list[EncodedTensor], torch.Tensor | None] | None:
     """The compressed part of :func:`encode_on_device`: the tensors encoded and, with
     ``keep_sent``, the reconstruction (flat); the residual taken off ``acc`` and kept. None where a
-    value is not finite."""
+    value is not finite. ``rider``: the SBC and 3LC engines bring its values to the host in their
+    copy (a dense codec's copy is of the wire's dtype: it leaves them)."""
     want_recon = feedback is not None or keep_sent
     if isinstance(codec, _DenseCodec):
         return _encode_dense(codec, large, layout, acc, feedback, want_recon)
     if isinstance(codec, ThreeLC):
-        coded = threelc_device.encode_update(codec, large, flat=acc, want_recon=want_recon, layout=layout)
+        coded = threelc_device.encode_update(codec, large, flat=acc, want_recon=want_recon, layout=layout, rider=rider)
         if coded is None:
             return None
         encoded, recon = coded
@@ -187,7 +203,7 @@ def _encode_large(
             assert recon is not None
             feedback.keep_flat(layout, acc.sub_(recon))
         return encoded, recon
-    found = encode_update(codec, large, flat=acc, layout=layout)
+    found = encode_update(codec, large, flat=acc, layout=layout, rider=rider)
     if found is None:
         return None
     recon = None

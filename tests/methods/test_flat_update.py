@@ -118,6 +118,40 @@ def test_keep_sent_gives_what_the_receiver_decodes_as_the_per_tensor_path(codec,
         assert all(torch.equal(flat.state_dict()[k], v) for k, v in loop.state_dict().items())
 
 
+@pytest.mark.parametrize("wide", [False, True], ids=["int32", "int64"])
+@pytest.mark.parametrize(
+    ("codec", "copies", "waits"),
+    [
+        (SBC(0.02, "fast", sample_size=SAMPLE), 1, 1),
+        (SBC(0.1, "exact"), 1, 0),
+        (ThreeLC(1.0), 1, 0),
+        (DenseFP16(), 2, 0),
+    ],
+    ids=repr,
+)
+def test_the_small_tensors_ride_in_the_engines_one_copy(
+    codec, copies: int, waits: int, wide: bool, monkeypatch
+) -> None:
+    """The small tensors' values come to the host in the SBC or 3LC engine's copy (fast mode's
+    ``nonzero`` is the one other wait; SBC's int64 positions and their values come in two copies),
+    int32 or int64 positions alike; a dense codec copies its wire values apart. The bytes and
+    residuals are the per-tensor path's either way."""
+    if wide:
+        monkeypatch.setattr(flat_layout, "_INT32_POSITIONS", 0)  # as an update of over 2**31 values
+        copies += isinstance(codec, SBC)
+    flat, loop = _encoder(codec), _encoder(codec)
+    for rnd in range(2):
+        update = _model(30 + rnd)
+        with count_device_work() as work:
+            got = encode_on_device(update, codec, flat.small_codec, 200, flat.feedback, rnd, device=CPU)
+        assert got == (loop.encode(update, rnd), None), rnd
+        assert (work.to_host, work.syncs) == (copies, copies + waits), rnd
+        assert flat.feedback is not None and loop.feedback is not None
+        for name in update:
+            a, b = flat.feedback.residual(name), loop.feedback.residual(name)
+            assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), (rnd, name)
+
+
 def test_work_does_not_grow_with_the_number_of_tensors() -> None:
     codec = SBC(0.02, "fast", sample_size=SAMPLE)
     counts = []
