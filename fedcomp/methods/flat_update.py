@@ -153,10 +153,7 @@ def _encode_small(
         ):
             # What their ``encode`` makes of a float32 tensor (float32 values, deferred), without
             # a view, a check and an envelope read from each: the values referenced from the copy.
-            payloads = [
-                DeferredDensePayload("float32", flat_host[at : at + n])
-                for at, n in zip(layout.offsets, layout.numels, strict=True)
-            ]
+            payloads = DeferredDensePayload.of_parts("float32", flat_host, layout.numels)
             done.update(
                 zip(layout.names, small_codec._float32_envelopes(layout.names, layout.shapes, payloads), strict=True)
             )
@@ -238,12 +235,7 @@ def _encode_dense(
     wire = acc.to(TORCH_DTYPES[encoding])
     host = torch.from_numpy(to_host(wire))
     encoded = codec._float32_envelopes(
-        layout.names,
-        layout.shapes,
-        [
-            DeferredDensePayload(encoding, host[at : at + n])
-            for at, n in zip(layout.offsets, layout.numels, strict=True)
-        ],
+        layout.names, layout.shapes, DeferredDensePayload.of_parts(encoding, host, layout.numels)
     )
     recon = None
     if want_recon:

@@ -99,6 +99,21 @@ class DeferredDensePayload(DensePayload):
         object.__setattr__(self, "source", source.detach().reshape(-1))
         object.__setattr__(self, "_data", None)
 
+    @classmethod
+    def of_parts(cls, encoding: str, flat: torch.Tensor, numels: Sequence[int]) -> list[DeferredDensePayload]:
+        """One payload per consecutive part of the 1-D ``flat`` (``numels`` values each, in order,
+        all of it): what a whole-update engine makes of its one copy of many tensors, each part a
+        view by one ``split`` and the encoding checked once (about 0.6 against 2.7 us a tensor)."""
+        if encoding not in TORCH_DTYPES:
+            raise ValueError(f"encoding: {encoding!r} is not one of {sorted(TORCH_DTYPES)}")
+        out = []
+        for part in flat.detach().split(list(numels)):
+            payload = object.__new__(cls)
+            fields = payload.__dict__  # (what __init__ sets, without its calls)
+            fields["encoding"], fields["source"], fields["_data"] = encoding, part, None
+            out.append(payload)
+        return out
+
     @property
     def nbytes(self) -> int:
         """Length of the wire bytes."""

@@ -598,3 +598,21 @@ def test_the_framed_path_takes_what_the_encoders_send_and_leaves_the_rest():
     for t in left:
         assert serde._hand_framed(t) is None, t.name
     _same(*sent, *left)
+
+
+@pytest.mark.parametrize("encoding", ["float32", "float16", "bfloat16"])
+def test_deferred_payloads_of_parts_equal_one_made_for_each(encoding):
+    """``DeferredDensePayload.of_parts`` (one ``split``, the encoding checked once) gives the
+    payloads ``DeferredDensePayload`` gives each part: equal, the same bytes, the same writes."""
+    flat = torch.randn(3 + 0 + 7 + 1, generator=torch.Generator().manual_seed(2))
+    numels = [3, 0, 7, 1]
+    got = DeferredDensePayload.of_parts(encoding, flat, numels)
+    starts = [0, 3, 3, 10]
+    want = [DeferredDensePayload(encoding, flat[a : a + n]) for a, n in zip(starts, numels, strict=True)]
+    assert got == want and [p.nbytes for p in got] == [p.nbytes for p in want]
+    assert [p.data for p in got] == [p.data for p in want]
+    _same(*(_tensor(p, name=f"t{i}", shape=(n,)) for i, (p, n) in enumerate(zip(got, numels, strict=True))))
+    with pytest.raises(ValueError, match="encoding"):
+        DeferredDensePayload.of_parts("int8", flat, numels)
+    with pytest.raises(RuntimeError):
+        DeferredDensePayload.of_parts(encoding, flat, [3, 7])  # (not all of it)
