@@ -350,3 +350,20 @@ def test_the_kernels_walk_refuses_what_the_python_walk_refuses(data: bytes) -> N
     assert (got is None) == (want is None)
     if want is not None:
         assert got is not None and got[:2] == want[:2] and list(spans[: 2 * got[2]]) == list(want[2])
+
+
+def test_the_kernels_tensors_are_whole_dataclasses() -> None:
+    """``serde._filled`` (the kernel reader's objects, made without ``__init__``'s calls) sets every
+    field of each class it fills, so that a field added to one with a default would fail here
+    rather than be missing from the kernel's objects."""
+    import dataclasses
+
+    from fedcomp.wire.payloads import DensePayload, EncodedTensor, SBCPayload, ThreeLCPayload
+
+    for cls in (EncodedTensor, SBCPayload, ThreeLCPayload, DensePayload):
+        assert not hasattr(cls, "__post_init__") and not hasattr(cls, "__slots__"), cls
+    made = serde._fast_built((0, 0, 1, 0.5, 3, 7, 0, 2), memoryview(b"\x01\x02"), "w", (7,))
+    assert made is not None and made.codec_id == serde._CODEC_IDS[0]
+    for obj in (made, made.payload):
+        assert set(vars(obj)) == {f.name for f in dataclasses.fields(obj)}, type(obj)
+        assert obj == dataclasses.replace(obj)  # (what __init__ makes of the same fields)
