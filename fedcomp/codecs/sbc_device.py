@@ -21,8 +21,9 @@ buffer (:class:`fedcomp.codecs.flat.Layout`) and every step runs once for all of
    int32), laid out so that the host reads them where they land; there every tensor's side, exact
    mean and Golomb code, and the kept positions (in the same width) and values the error feedback
    needs, come from one call of the C kernel (:func:`fedcomp.codecs.sbc.choose_sides_flat`: no
-   Python object per tensor but its result, no conversion of the positions), as on CPU. A fast-mode tensor whose side came back empty or over ``2 k`` goes through exact
-   mode in a second pass (rare: a tensor of many ties).
+   Python object per tensor but its result, no conversion of the positions), as on CPU. A
+   fast-mode tensor whose side came back empty or over ``2 k`` goes through exact mode in a second
+   pass (rare: a tensor of many ties).
 
 The bytes are :meth:`SBC.encode`'s (tested against it on CPU, where these same operators run).
 A value that is not finite anywhere in the update makes :func:`encode_update` return None: the

@@ -7,6 +7,7 @@ that converts them to and from protobuf, so codecs never touch generated code.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 
@@ -150,3 +151,16 @@ class EncodedUpdate:
     base_model_version: int
     tensors: tuple[EncodedTensor, ...] = field(default_factory=tuple)
     format_version: int = FORMAT_VERSION
+
+
+_T = TypeVar("_T")
+
+
+def filled(cls: type[_T], fields: dict[str, Any]) -> _T:
+    """An instance of the frozen dataclass ``cls`` holding ``fields`` (every field of it: none of
+    these classes runs a ``__post_init__``): what ``cls(**fields)`` makes, without ``__init__``'s
+    ``object.__setattr__`` a field. For the hot paths that make one per tensor from values already
+    checked (the wire kernel's parse, a whole-update engine's payloads)."""
+    made = object.__new__(cls)
+    made.__dict__.update(fields)
+    return made

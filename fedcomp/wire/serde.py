@@ -42,7 +42,7 @@ import math
 import struct
 from array import array
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -69,6 +69,7 @@ from fedcomp.wire.payloads import (
     SparsePayload,
     STCPayload,
     ThreeLCPayload,
+    filled,
 )
 
 #: Upper bound on tensor rank accepted from the wire.
@@ -990,8 +991,9 @@ _FAST_PAYLOADS: dict[str, Callable[[memoryview, int, int], Payload | None]] = {
 
 #: The wire kernel's ``scan_tensors`` (whatever its CRC), else None (then :func:`_fast_tensor`),
 #: and its ``scan_update`` (where a model bounds the tensor count).
-_SCAN = getattr(_native.load("wire"), "scan_tensors", None)
-_SCAN_UPDATE = getattr(_native.load("wire"), "scan_update", None)
+_WIRE_KERNEL = _native.load("wire")
+_SCAN = getattr(_WIRE_KERNEL, "scan_tensors", None)
+_SCAN_UPDATE = getattr(_WIRE_KERNEL, "scan_update", None)
 #: The tables ``scan_tensors`` reads: each dtype enum byte's index + 1 in :data:`_DTYPES`, the
 #: codec ids and their payload kinds (0 SBC, 1 3LC, 2 dense, 3 any other), and the keys.
 _DTYPES = tuple(_DTYPE_TO_PB)
@@ -1072,43 +1074,27 @@ def _fast_built(found: _Scanned, view: memoryview, name: str, dims: tuple[int, .
     if found is None:
         return None
     ci, di, version, value, a, b, at, stop = found
-    codec_id = _CODEC_IDS[ci]
-    kind = _KIND_OF_CODEC[ci]
+    kind = _KINDS[ci]  # (the kernel reads only these three kinds)
     payload: Payload
-    if kind == "sbc":
-        payload = _filled(SBCPayload, {"mean": value, "golomb_b": a, "nnz": b, "bits": bytes(view[at:stop])})
-    elif kind == "three_lc":
-        payload = _filled(
+    if kind == 0:
+        payload = filled(SBCPayload, {"mean": value, "golomb_b": a, "nnz": b, "bits": bytes(view[at:stop])})
+    elif kind == 1:
+        payload = filled(
             ThreeLCPayload, {"scale": value, "numel": a, "zero_run": bool(b), "data": bytes(view[at:stop])}
         )
     else:
-        payload = _filled(DensePayload, {"encoding": _DTYPES[a], "data": view[at:stop].toreadonly()})
-    return _filled(
+        payload = filled(DensePayload, {"encoding": _DTYPES[a], "data": view[at:stop].toreadonly()})
+    return filled(
         EncodedTensor,
         {
             "name": name,
             "shape": dims,
             "dtype": _DTYPES[di],
-            "codec_id": codec_id,
+            "codec_id": _CODEC_IDS[ci],
             "codec_version": version,
             "payload": payload,
         },
     )
-
-
-_T = TypeVar("_T")
-
-
-def _filled(cls: type[_T], fields: dict[str, Any]) -> _T:
-    """An instance of the frozen dataclass ``cls`` holding ``fields`` (every field of it, and no
-    ``__post_init__`` to run: what ``cls(**fields)`` makes, without its ``object.__setattr__`` a field)."""
-    made = object.__new__(cls)
-    made.__dict__.update(fields)
-    return made
-
-
-#: Each wire codec's payload kind, by its index in :data:`_CODEC_IDS` (the kernel's).
-_KIND_OF_CODEC = tuple(PAYLOAD_OF_CODEC[c] for c in _CODEC_IDS)
 
 
 # --- messages that are not updates: DEFT allocations, GradiVeQ compressors -------------------

@@ -353,7 +353,7 @@ def test_the_kernels_walk_refuses_what_the_python_walk_refuses(data: bytes) -> N
 
 
 def test_the_kernels_tensors_are_whole_dataclasses() -> None:
-    """``serde._filled`` (the kernel reader's objects, made without ``__init__``'s calls) sets every
+    """``payloads.filled`` (the kernel reader's objects, made without ``__init__``'s calls) sets every
     field of each class it fills, so that a field added to one with a default would fail here
     rather than be missing from the kernel's objects."""
     import dataclasses
