@@ -13,13 +13,20 @@ clients in FedAvg, torch), the ``max-empty-rounds`` streak, and results.json's r
 an inner strategy's own state (FedAvg has none; FedAdam's moments would be lost) — say so if you
 resume with another strategy.
 
-The file is a ``torch.save`` pickle: it is the server's own file in its own run folder, never
-something received, so loading it with ``weights_only=False`` is as trusted as the code itself.
+The file is a ``torch.save`` pickle of plain data only (tensors, numbers, strings, bytes, lists,
+tuples, sets and dicts; the replica as :meth:`fedcomp.flower.replica.ServerReplica.state_dict`),
+read with ``weights_only=True``: a pickle can name any Python callable to run while it is read,
+and a run folder may sit on shared storage or come from elsewhere, so a checkpoint that holds
+anything else is refused unread (:class:`CheckpointError` naming the object), never executed.
+:func:`save_checkpoint` checks the same before it writes, so a state that could not be read back
+fails the run that writes it, not the one that resumes. (Format 1, before this, pickled the
+replica object itself: it is refused with a message saying so.)
 """
 
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +39,8 @@ __all__ = ["CHECKPOINT_FILE", "CheckpointError", "ServerCheckpoint", "load_check
 
 CHECKPOINT_FILE = "checkpoint.pt"
 #: Bumped when the layout changes; a checkpoint of another format is refused, naming the file.
-FORMAT = 1
+#: 2: plain data only (format 1 pickled the server's replica object).
+FORMAT = 2
 
 
 class CheckpointError(ValueError):
@@ -83,8 +91,36 @@ def save_checkpoint(run_dir: Path, ckpt: ServerCheckpoint) -> Path:
         "torch-rng": ckpt.torch_rng,
         "started-at": ckpt.started_at,
     }
+    where = _not_plain(data, "")
+    if where is not None:
+        raise CheckpointError(f"{path}: not written: {where} (a checkpoint holds plain data only, see the module doc)")
     write_atomically(path, lambda f: torch.save(data, f))
     return path
+
+
+#: What a checkpoint may hold: leaves and containers ``torch.load(weights_only=True)`` reads by
+#: default (exact types: a subclass, an enum say, is pickled by its class's name).
+_LEAVES = (type(None), bool, int, float, str, bytes, torch.Tensor, torch.nn.Parameter)
+_CONTAINERS = (list, tuple, set, frozenset)
+
+
+def _not_plain(value: Any, at: str) -> str | None:
+    """Where ``value`` holds something other than plain data (a path and the type), else None."""
+    if type(value) in _LEAVES:
+        return None
+    if type(value) is dict:
+        for k, v in value.items():
+            found = _not_plain(k, f"{at}/<key>") or _not_plain(v, f"{at}/{k}")
+            if found is not None:
+                return found
+        return None
+    if type(value) in _CONTAINERS:
+        for i, v in enumerate(value):
+            found = _not_plain(v, f"{at}[{i}]")
+            if found is not None:
+                return found
+        return None
+    return f"{at or '/'} is a {type(value).__module__}.{type(value).__qualname__}"
 
 
 _FIELDS: dict[str, type | tuple[type, ...]] = {
@@ -105,8 +141,15 @@ def load_checkpoint(run_dir: Path) -> ServerCheckpoint:
     if not path.is_file():
         raise CheckpointError(f"{path}: no checkpoint to resume from (did the run finish a round?)")
     try:
-        data = torch.load(path, map_location="cpu", weights_only=False)
+        data = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # zip errors, unpickling errors, EOF: all mean "not a good file"
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+        if found is not None:  # (torch's weights-only unpickler refused a callable the file names)
+            raise CheckpointError(
+                f"{path}: holds a {found.group(1)}, which a checkpoint of this fedcomp never does (one "
+                f"written before checkpoint format {FORMAT}, or not a fedcomp checkpoint): not loaded, "
+                "as reading it could run code from the file"
+            ) from None
         raise CheckpointError(f"{path}: cannot be read (truncated or corrupt?): {type(exc).__name__}: {exc}") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: not a fedcomp checkpoint (a {type(data).__name__})")

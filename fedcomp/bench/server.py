@@ -300,7 +300,7 @@ def _payloads(model: dict[str, torch.Tensor], clients: int, model_name: str, p: 
         print(f"payloads and reference from the cache {hit}", file=sys.stderr)
         (work / "payloads.bin").symlink_to((hit / "payloads.bin").resolve())
         meta = json.loads((hit / "done").read_text())
-        return torch.load(hit / "ref.pt"), int(meta["payload_bytes"]), float(meta["encode_seconds"])
+        return torch.load(hit / "ref.pt", weights_only=True), int(meta["payload_bytes"]), float(meta["encode_seconds"])
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -347,7 +347,7 @@ def bench_server(
         if proc.returncode != 0:
             raise RuntimeError(f"the aggregation process failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
         child = json.loads((work / "child.json").read_text())
-        got = torch.load(work / "aggregate.pt")
+        got = torch.load(work / "aggregate.pt", weights_only=True)
     row: dict[str, Any] = {
         "clients": clients,
         "model": model_name,

@@ -32,6 +32,7 @@ import math
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -87,6 +88,73 @@ class ServerReplica:
         #: and the first version lattice deltas start from (None while the last delta is not one).
         self.grid: dict[str, int] | None = None
         self._lattice_from: int | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed server needs of this replica, as plain data (tensors, numbers, strings,
+        bytes, lists and dicts: what ``torch.load(weights_only=True)`` reads, no object of
+        fedcomp's, so that loading a checkpoint runs no code from it): the tensors, the version,
+        the delta log and its length cap, the digests, the lattice grid. The caches (the full
+        replica's bytes, merged catch-ups) are not kept: they are rebuilt when asked for."""
+        return {
+            "tensors": dict(self.tensors),
+            "version": self.version,
+            "min-numel": self.min_numel,
+            "max-log": self._log.maxlen,
+            "log": [[v, data] for v, data in self._log],
+            "digests": dict(self._digests),
+            "grid": None if self.grid is None else dict(self.grid),
+            "lattice-from": self._lattice_from,
+        }
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, Any]) -> ServerReplica:
+        """The replica :meth:`state_dict` saved. Raises :class:`PayloadError` naming the field that
+        is missing or malformed, or when the tensors are not the ones the saved digest names."""
+        try:
+            tensors, version, min_numel = state["tensors"], state["version"], state["min-numel"]
+            max_log, log, digests = state["max-log"], state["log"], state["digests"]
+            grid, lattice_from = state["grid"], state["lattice-from"]
+        except (KeyError, TypeError) as exc:
+            raise PayloadError("", f"replica state: {type(exc).__name__}: {exc}") from None
+        if not isinstance(tensors, dict) or not tensors:
+            raise PayloadError("", "replica state: 'tensors' is not a dict of tensors")
+        for name, t in tensors.items():
+            if not isinstance(name, str) or not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
+                raise PayloadError("", f"replica state: tensor {name!r} is not a float32 tensor")
+        for key, value, least in (("version", version, 0), ("min-numel", min_numel, 0), ("max-log", max_log, 0)):
+            if not _is_int(value) or value < least:
+                raise PayloadError("", f"replica state: {key!r} is {value!r}, not an int >= {least}")
+        if not isinstance(log, list) or len(log) > max_log:
+            raise PayloadError("", f"replica state: 'log' is not a list of at most {max_log} deltas")
+        first = version - len(log) + 1
+        for i, entry in enumerate(log):
+            if (
+                not isinstance(entry, list | tuple)
+                or len(entry) != 2
+                or not _is_int(entry[0])
+                or entry[0] != first + i
+                or not isinstance(entry[1], bytes)
+            ):
+                raise PayloadError("", f"replica state: log entry {i} is not [version {first + i}, bytes]")
+        if not isinstance(digests, dict) or not all(_is_int(v) and isinstance(d, str) for v, d in digests.items()):
+            raise PayloadError("", "replica state: 'digests' is not a dict of version to digest")
+        if grid is not None and (
+            not isinstance(grid, dict)
+            or set(grid) != set(tensors)
+            or not all(_is_int(e) and E_MIN <= e <= E_MAX for e in grid.values())
+        ):
+            raise PayloadError("", f"replica state: 'grid' is not an exponent in [{E_MIN}, {E_MAX}] per tensor")
+        if lattice_from is not None and (not _is_int(lattice_from) or not 0 <= lattice_from <= version):
+            raise PayloadError("", f"replica state: 'lattice-from' is {lattice_from!r}, not an int in [0, {version}]")
+        replica = cls(tensors, max_log, min_numel)
+        if digests.get(version) != replica._digests[0]:
+            raise PayloadError("", f"replica state: the tensors are not version {version}'s (their digest differs)")
+        replica.version = version
+        replica._log.extend((int(v), data) for v, data in log)
+        replica._digests = dict(digests)
+        replica.grid = None if grid is None else dict(grid)
+        replica._lattice_from = lattice_from
+        return replica
 
     @property
     def digest(self) -> str:
@@ -199,6 +267,10 @@ class ServerReplica:
             enc = UpdateEncoder(DenseFP32(), min_numel=0, error_feedback=False)
             self._full = (self.version, enc.encode_to_bytes(self.tensors, base_model_version=self.version))
         return self._full[1]
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def apply_delta(

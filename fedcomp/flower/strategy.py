@@ -580,7 +580,8 @@ class CompressionStrategy(Strategy):
 
     def state_dict(self) -> dict[str, Any]:
         """Everything this wrapper knows that a resumed server needs (for a checkpoint, saved with
-        ``torch.save``): the replica with its delta log, digests and version, the model the
+        ``torch.save`` and read with ``weights_only=True``: plain data, no object of fedcomp's):
+        the replica's state (:meth:`ServerReplica.state_dict`), the model the
         replica was last synced to, what each node holds, the update outcomes, the lineage, and
         the uplink method's own state (GradiVeQ's compressor and samples, DEFT's last aggregate).
 
@@ -589,7 +590,7 @@ class CompressionStrategy(Strategy):
         (per-round figures already written to results.json)."""
         return {
             "lineage": self.lineage,
-            "replica": self.replica,
+            "replica": None if self.replica is None else self.replica.state_dict(),
             "target": self._target,
             "nodes": dict(self._nodes),
             "assumed-seeded": set(self._assumed_seeded),
@@ -613,11 +614,13 @@ class CompressionStrategy(Strategy):
             raise PayloadError("", f"strategy state: {type(exc).__name__}: {exc}") from None
         if not isinstance(lineage, str) or not lineage:
             raise PayloadError("", f"strategy state: lineage {lineage!r} is not a token")
-        if replica is not None and not isinstance(replica, ServerReplica):
+        if replica is not None and not isinstance(replica, dict):
             raise PayloadError("", f"strategy state: replica is a {type(replica).__name__}")
         if method != type(self.uplink).__name__:
             raise PayloadError("", f"strategy state: saved with uplink method {method}, this run uses "
                                f"{type(self.uplink).__name__}")  # fmt: skip
+        if replica is not None:
+            replica = ServerReplica.from_state_dict(replica)
         self.load_outcome_state(outcomes)
         self._records_from = None if records_from is None else int(records_from)
         self.lineage, self.replica, self._target = lineage, replica, target

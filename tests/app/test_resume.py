@@ -116,6 +116,52 @@ def test_missing_or_foreign_checkpoints_are_typed_errors(tmp_path: Path) -> None
         load_checkpoint(tmp_path)
 
 
+class _RunsCode:
+    """A pickle that creates ``marker`` when it is read: what a hostile checkpoint can do."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (open, (self.marker, "w"))
+
+
+def test_a_checkpoint_holding_objects_is_refused_unread(tmp_path: Path) -> None:
+    """Loading reads plain data only: a pickle that would run code is refused, naming what it
+    holds, and nothing runs (with ``weights_only=False`` the marker file would appear)."""
+    ckpt = _checkpoint()
+    path = save_checkpoint(tmp_path, ckpt)
+    data = torch.load(path, weights_only=True)
+    marker = tmp_path / "ran"
+    data["rounds"][0]["accuracy"] = _RunsCode(marker)
+    torch.save(data, path)
+    with pytest.raises(CheckpointError, match=rf"{path}: holds a io\.open, .*could run code"):
+        load_checkpoint(tmp_path)
+    assert not marker.exists()
+    # a checkpoint of the format before (the replica pickled as the object itself)
+    from fedcomp.flower.replica import ServerReplica
+
+    assert ckpt.strategy is not None
+    data["rounds"][0]["accuracy"] = 0.1
+    data["strategy"]["replica"] = ServerReplica.from_state_dict(ckpt.strategy["replica"])
+    torch.save({**data, "format": 1}, path)
+    with pytest.raises(
+        CheckpointError, match="holds a fedcomp.flower.replica.ServerReplica.*before checkpoint format 2"
+    ):
+        load_checkpoint(tmp_path)
+
+
+def test_a_state_that_could_not_be_read_back_is_not_written(tmp_path: Path) -> None:
+    import numpy as np
+
+    ckpt = _checkpoint()
+    assert ckpt.strategy is not None
+    ckpt.strategy["uplink"] = {"norms": np.zeros(3)}  # (an uplink method's state that is not plain)
+    with pytest.raises(CheckpointError, match=r"not written: /strategy/uplink/norms is a numpy.ndarray"):
+        save_checkpoint(tmp_path, ckpt)
+    assert not list(tmp_path.iterdir())
+
+
 def test_strategy_state_of_another_uplink_method_is_refused() -> None:
     from flwr.serverapp.strategy import FedAvg
 

@@ -180,3 +180,80 @@ def test_apply_delta_rejects_a_delta_made_against_another_version() -> None:
     with pytest.raises(PayloadError):
         apply_delta(client, sent[1], specs_of(client), CODEC, 0)
     assert _bit_identical(client, tiny_model())  # nothing half-applied
+
+
+# --- state for a checkpoint ------------------------------------------------------------------
+
+
+def _saved_and_read(state: dict) -> dict:  # type: ignore[type-arg]
+    """``state`` through ``torch.save`` and ``torch.load(weights_only=True)``: what a checkpoint does."""
+    import io
+
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("codec", ["3lc", "lattice"])
+def test_a_replica_comes_back_from_its_state_and_serves_the_same_downlinks(codec: str) -> None:
+    from fedcomp.codecs import Lattice
+
+    rep, w = _server(max_log=3)
+    for r in range(5):  # past the log's length: the oldest deltas have been evicted
+        d = local_delta(3, r + 1, w, scale=0.05)
+        w = {k: w[k] + d[k] for k in w}
+        rep.advance(w, Lattice(step=8.0) if codec == "lattice" else CODEC)
+    back = ServerReplica.from_state_dict(_saved_and_read(rep.state_dict()))
+    assert back.version == rep.version == 5 and back.digest == rep.digest and back.grid == rep.grid
+    assert (back.grid is not None) == (codec == "lattice") and back._lattice_from == rep._lattice_from
+    assert _bit_identical(back.tensors, rep.tensors) and list(back._log) == list(rep._log)
+    for version in range(6):  # evicted, in the log, up to date; an unknown digest
+        for known in (rep.digest_of(version), "0" * 32):
+            assert back.downlink_for(version, known) == rep.downlink_for(version, known)
+    # and both advance alike
+    d = local_delta(3, 9, w, scale=0.05)
+    w = {k: w[k] + d[k] for k in w}
+    step = Lattice(step=8.0) if codec == "lattice" else CODEC
+    assert back.advance(w, step) == rep.advance(w, step) and back.digest == rep.digest
+
+
+def _tampered(**change: object) -> dict:  # type: ignore[type-arg]
+    rep, w = _server()
+    _advance(rep, w, 2)
+    state = rep.state_dict()
+    for key, value in change.items():
+        if value is KeyError:
+            del state[key.replace("_", "-")]
+        else:
+            state[key.replace("_", "-")] = value
+    return state
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"version": KeyError}, "KeyError: 'version'"),
+        ({"version": True}, "'version' is True"),
+        ({"version": 1}, "log entry 0 is not \\[version 0"),  # (its log ends at 2)
+        ({"max_log": -1}, "'max-log' is -1"),
+        ({"log": [[1, b"x"], [3, b"y"]]}, "log entry 1 is not \\[version 2"),
+        ({"log": [[2, "not bytes"]]}, "log entry 0"),
+        ({"digests": {"2": "abc"}}, "'digests'"),
+        ({"grid": {"w": 500}}, "'grid'"),
+        ({"lattice_from": 7}, "'lattice-from' is 7"),
+        ({"tensors": {}}, "'tensors' is not a dict of tensors"),
+        ({"tensors": {"w": torch.zeros(3, dtype=torch.float64)}}, "tensor 'w' is not a float32 tensor"),
+    ],
+)
+def test_a_malformed_replica_state_is_a_payload_error_naming_the_field(change: dict, named: str) -> None:  # type: ignore[type-arg]
+    with pytest.raises(PayloadError, match=named):
+        ServerReplica.from_state_dict(_tampered(**change))
+
+
+def test_a_replica_state_whose_tensors_changed_is_refused() -> None:
+    state = _tampered()
+    name = next(iter(state["tensors"]))
+    state["tensors"] = {**state["tensors"], name: state["tensors"][name] + 1e-3}
+    with pytest.raises(PayloadError, match="their digest differs"):
+        ServerReplica.from_state_dict(state)
