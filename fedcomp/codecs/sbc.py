@@ -411,7 +411,10 @@ def _extreme_positions_cpu(a: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarra
     For a large ``a`` and a small ``k`` (where :func:`_order_stats` would take the tails) the
     candidates are gathered in one threaded scan (:func:`_threshold_select_cpu` at bounds read
     off a subsample) and everything else works on them: both thresholds and both selections
-    are those of the whole-array rule below, found without further passes over ``a``.
+    are those of the whole-array rule below, found without further passes over ``a``. Where a
+    mass of equal values sits at a bound (a frozen layer's zeros, values on a coarse grid), the
+    values strictly beyond the bounds and the first of those at them are taken instead
+    (:func:`_extremes_at_ties`): the same selection, without sorting the whole array.
     """
     n = a.shape[0]
     if k >= n:  # only for n == 1
@@ -419,16 +422,18 @@ def _extreme_positions_cpu(a: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarra
         return everything, everything
     if n >= _ORDER_MIN and k * _ORDER_STEP <= n:
         q_lo, q_hi = _tail_bounds(a, k)
-        # About 4 k candidates are expected; masses of ties (zeros) make many more: those take
-        # the whole-array path, whose temporaries are smaller than this many positions.
-        found = _threshold_select_cpu(a, q_hi, q_lo, limit=16 * k + 64)
+        # About 4 k candidates are expected; masses of ties (zeros) make many more.
+        limit = 16 * k + 64
+        found = _threshold_select_cpu(a, q_hi, q_lo, limit=limit)
         if found is not None and found[0].shape[0] >= k and found[2].shape[0] >= k:
             hi, hi_vals, lo, lo_vals = found
             # Every entry at or beyond the k-th most extreme value is a candidate (that value is
             # at or beyond the bound), so the rule below, applied to the candidates, is exact.
-            t_hi = np.partition(hi_vals, hi_vals.shape[0] - k)[hi_vals.shape[0] - k]
-            t_lo = np.partition(lo_vals, k - 1)[k - 1]
-            return _take_extremes(hi, hi_vals, t_hi, k, True), _take_extremes(lo, lo_vals, t_lo, k, False)
+            return _take_kth(hi, hi_vals, k, True), _take_kth(lo, lo_vals, k, False)
+        if found is None:
+            tied = _extremes_at_ties(a, k, q_lo, q_hi, limit)
+            if tied is not None:
+                return tied
     t_lo, t_hi = _order_stats(a, k)
     out = []
     for beyond, t in ((a > t_hi, t_hi), (a < t_lo, t_lo)):
@@ -436,6 +441,59 @@ def _extreme_positions_cpu(a: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarra
         at = np.flatnonzero(a == t)[: k - strict.size]
         out.append(np.sort(np.concatenate([strict, at])) if at.size else strict)
     return out[0], out[1]
+
+
+def _take_kth(pos: np.ndarray, vals: np.ndarray, k: int, largest: bool) -> np.ndarray:
+    """Of candidates ``pos`` (ascending) holding ``vals``, at least ``k`` of them and among them
+    every entry at or beyond the ``k``-th most extreme: the ``k`` kept by the whole-array rule of
+    :func:`_extreme_positions_cpu`."""
+    m = vals.shape[0]
+    t = np.partition(vals, m - k)[m - k] if largest else np.partition(vals, k - 1)[k - 1]
+    return _take_extremes(pos, vals, t, k, largest)
+
+
+def _extremes_at_ties(
+    a: np.ndarray, k: int, q_lo: np.float32, q_hi: np.float32, limit: int
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """:func:`_extreme_positions_cpu` where the scan at the bounds ``q_lo <= q_hi`` found too many
+    candidates: the values strictly beyond each bound, in one scan (None past ``limit``). A side
+    with at least ``k`` of them keeps its ``k`` most extreme as before; with ``g < k``, the
+    ``k``-th most extreme value is the bound itself whenever at least ``k - g`` values equal it,
+    and the rule keeps the ``g`` and the first ``k - g`` of those, found by a scan from the start
+    that stops there (a frozen layer's zeros: the first chunk). None where a side has fewer: the
+    caller then orders the whole array."""
+    beyond = _threshold_select_cpu(
+        a, np.nextafter(q_hi, np.float32(np.inf)), np.nextafter(q_lo, np.float32(-np.inf)), limit
+    )
+    if beyond is None:
+        return None
+    hi, hi_vals, lo, lo_vals = beyond
+    out = []
+    for pos, vals, q, largest in ((hi, hi_vals, q_hi, True), (lo, lo_vals, q_lo, False)):
+        g = pos.shape[0]
+        if g >= k:
+            out.append(_take_kth(pos, vals, k, largest))
+            continue
+        at = _first_equal(a, q, k - g)
+        if at is None:
+            return None
+        out.append(np.sort(np.concatenate([pos, at])) if g else at)
+    return out[0], out[1]
+
+
+def _first_equal(a: np.ndarray, q: np.float32, m: int) -> np.ndarray | None:
+    """The first ``m`` positions of ``a == q``, ascending (None where there are fewer): a scan by
+    cache-sized chunks that stops once it has them."""
+    got: list[np.ndarray] = []
+    count = 0
+    for start in range(0, a.shape[0], _CPU_CHUNK):
+        idx = np.flatnonzero(a[start : start + _CPU_CHUNK] == q)[: m - count]
+        if idx.size:
+            got.append(idx + start)
+            count += idx.size
+            if count == m:
+                return np.concatenate(got) if len(got) > 1 else got[0]
+    return None
 
 
 #: Below this many values, or when ``r`` is above 1/_ORDER_STEP of them, :func:`_order_stats`

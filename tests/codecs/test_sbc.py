@@ -609,3 +609,69 @@ def test_order_stats_equal_a_full_sort(n, r_frac, seed, kind):
     ordered = np.sort(a)
     assert (lo, hi) == (ordered[r - 1], ordered[n - r])
     assert np.array_equal(a, before)
+
+
+# --- masses of ties at the tail bounds (frozen layers, coarse grids) ----------------------------
+
+
+def _lowest_index_extremes_np(a: np.ndarray, k: int, largest: bool) -> list[int]:
+    """:func:`lowest_index_extremes` by a stable sort in NumPy (fast enough for 100K values)."""
+    order = np.argsort(-a if largest else a, kind="stable")  # (-0.0 and 0.0 compare equal)
+    return np.sort(order[:k]).tolist()
+
+
+def _tied(kind: str, n: int, rng: np.random.Generator) -> np.ndarray:
+    if kind == "zeros":  # a frozen layer
+        return np.zeros(n, np.float32)
+    if kind == "signed-zeros":
+        return np.where(rng.random(n) < 0.5, np.float32(-0.0), np.float32(0.0)).astype(np.float32)
+    if kind == "mostly-zeros":  # fewer than k values beyond zero on each side: the rest are zeros
+        a = np.zeros(n, np.float32)
+        few = rng.choice(n, n // 300, replace=False)
+        a[few] = rng.standard_normal(few.size).astype(np.float32)
+        return a
+    if kind == "grid":  # a coarse grid: the bound's value is held by a fifth of the tensor
+        return rng.integers(-2, 3, n).astype(np.float32)
+    if kind == "one-sided":  # zeros and positives: the low side is all ties
+        a = np.zeros(n, np.float32)
+        a[rng.random(n) < 0.3] = 1.5
+        return a
+    if kind == "late-ties":  # distinct values, then the ties: from just before a chunk's end on
+        from fedcomp.codecs import sbc
+
+        a = rng.standard_normal(n).astype(np.float32) * 1e-3
+        a[sbc._CPU_CHUNK - 100 :] = 7.0  # (the scan for them gathers across chunks)
+        return a
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind", ["zeros", "signed-zeros", "mostly-zeros", "grid", "one-sided", "late-ties"])
+@pytest.mark.parametrize(("n", "p"), [(20_000, 0.01), (300_000, 0.01), (100_000, 0.05)])
+def test_masses_of_ties_select_what_a_sort_selects(kind: str, n: int, p: float) -> None:
+    """A frozen layer's zeros or a coarse grid put a mass of equal values at a bound: the scan
+    from the start for the first of them (no sort of the whole array) keeps exactly the sort's
+    ``k`` per side, ties to the lowest index; and SBC's bytes are the reference's (where it is
+    quick)."""
+    from fedcomp.codecs import sbc
+
+    a = _tied(kind, n, np.random.default_rng(n))
+    k = max(1, round(p * n))
+    taken = []
+    real = sbc._extremes_at_ties
+
+    def spy(*args):  # type: ignore[no-untyped-def]
+        found = real(*args)
+        taken.append(found is not None)
+        return found
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sbc, "_extremes_at_ties", spy)
+        hi, lo = _extreme_positions_cpu(a, k)
+    assert hi.tolist() == _lowest_index_extremes_np(a, k, True)
+    assert lo.tolist() == _lowest_index_extremes_np(a, k, False)
+    # the scan for ties served it, not the whole-array order (a coarse grid at p = 5 %, and the
+    # late ties where they are few or absent, leave few enough candidates for the usual scan)
+    if kind not in ("grid", "late-ties") or (kind == "late-ties" and n == 300_000):
+        assert taken == [True]
+    if n <= 20_000:  # (the pure-Python reference takes seconds beyond)
+        check_against_reference(torch.from_numpy(a), p)
