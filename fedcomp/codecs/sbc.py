@@ -7,6 +7,14 @@ only the positive selection is kept, every entry set to ``mu+``; otherwise only 
 selection, every entry set to ``-mu-``. The message is that one signed mean plus the positions,
 Golomb-Rice coded (:mod:`fedcomp.codecs.golomb`, Algorithm 3 in a two-section layout).
 
+**Departure: a side whose mean is +0.0 is sent as no positions.** Where the side kept has mean
++0.0 (every kept value zero: a frozen layer's update, a tensor the round did not touch; or a sum
+so small that its mean rounds to zero), the paper still sends its ``k`` positions, each set to
+zero: nothing a receiver decodes. fedcomp sends ``nnz = 0`` (``golomb_b = 0``, no bits, mean
+0.0) instead, which decodes to the same tensor, bit for bit (all +0.0), and leaves the same
+residual; a decoder accepts either. (A mean of -0.0, a negative sum that rounds to zero, keeps
+its positions: there the decoded zeros are negative.)
+
 Determinism: the bytes depend on the values only, never on the device, the thread count or the
 reduction order. Ties at the selection boundary go to the lowest indices; the means are exact
 (float64 sums where that is provably exact, else integer sums per float32 exponent), rounded
@@ -69,6 +77,15 @@ _CPU_CHUNK = 1 << 16
 #: per _PARALLEL_MIN elements.
 _PARALLEL_MIN = 1 << 19
 _MAX_WORKERS = 8
+
+#: What SBC sends for a tensor whose kept side's mean is +0.0: no positions (the module doc).
+NOTHING_KEPT = SBCPayload(mean=0.0, golomb_b=0, nnz=0, bits=b"")
+
+
+def keeps_nothing(mean: float) -> bool:
+    """Whether a kept side of mean ``mean`` is sent as :data:`NOTHING_KEPT`: its mean is +0.0."""
+    return mean == 0.0 and math.copysign(1.0, mean) > 0
+
 
 #: Seed of the fast mode's sample positions (part of the wire format: changing it changes bytes).
 _SAMPLE_SEED = 0x5BC_2018
@@ -186,7 +203,8 @@ class SBC(Codec):
             if mean is None:
                 continue
             name, t = tensors[i]
-            out[i] = self._envelope(t, name, SBCPayload(mean=mean, golomb_b=b, nnz=nnz, bits=bits))
+            payload = NOTHING_KEPT if keeps_nothing(mean) else SBCPayload(mean=mean, golomb_b=b, nnz=nnz, bits=bits)
+            out[i] = self._envelope(t, name, payload)
         return out
 
     def encode_sparse(self, tensor: torch.Tensor, name: str = "") -> tuple[EncodedTensor, np.ndarray, float] | None:
@@ -210,15 +228,20 @@ class SBC(Codec):
     def _payload(self, flat: torch.Tensor, name: str) -> tuple[SBCPayload, torch.Tensor]:
         """The payload and the kept positions (ascending, on ``flat``'s device)."""
         n = flat.numel()
+        none = torch.zeros(0, dtype=torch.int64, device=flat.device)
         if n == 0:
-            return SBCPayload(0.0, 0, 0, b""), torch.zeros(0, dtype=torch.int64, device=flat.device)
+            return NOTHING_KEPT, none
         k = max(1, round(self.p * n))
         chosen = None
         if self.mode == "fast" and n > self.sample_size:
             chosen = self._fast_select(flat, k)
+            if chosen is None and flat.device.type == "cpu" and not flat.numpy().any():
+                return NOTHING_KEPT, none  # all zeros (a frozen layer): what exact mode ends with
         if chosen is None:
             chosen = _exact_select(flat, k, name)
         idx, mean = chosen
+        if keeps_nothing(mean):
+            return NOTHING_KEPT, none
         nnz = idx.numel()
         b = golomb_b(nnz / n)
         return SBCPayload(mean=mean, golomb_b=b, nnz=nnz, bits=encode_positions(idx, b)), idx

@@ -98,8 +98,7 @@ def sbc_exact(values: list[float], p: float) -> tuple[float, int, int, bytes]:
         chosen, mean = sorted(largest), round_to_float32(mu_plus)
     else:
         chosen, mean = sorted(smallest), -round_to_float32(mu_minus)
-    b = golomb_b(len(chosen) / n)
-    return mean, b, len(chosen), encode_positions(chosen, b)
+    return _coded(mean, chosen, n)
 
 
 def sbc_fast(values: list[float], p: float, sample: list[int]) -> tuple[float, int, int, bytes]:
@@ -125,5 +124,13 @@ def sbc_fast(values: list[float], p: float, sample: list[int]) -> tuple[float, i
         chosen, mean = hi, round_to_float32(mu_plus)
     else:
         chosen, mean = lo, -round_to_float32(mu_minus)
+    return _coded(mean, chosen, n)
+
+
+def _coded(mean: float, chosen: list[int], n: int) -> tuple[float, int, int, bytes]:
+    """(mean, b, nnz, bits) of the side kept; fedcomp's one departure from Algorithm 2 (FORMAT.md):
+    a side of mean +0.0 is sent as no positions."""
+    if mean == 0.0 and math.copysign(1.0, mean) > 0:
+        return 0.0, 0, 0, b""
     b = golomb_b(len(chosen) / n)
     return mean, b, len(chosen), encode_positions(chosen, b)

@@ -495,6 +495,36 @@ def test_golden():
     kit.check_golden(SBC(0.25, "exact"), "ties-64", (torch.arange(64) % 5 - 2).float())
 
 
+def test_a_side_of_mean_zero_is_sent_as_no_positions_and_the_papers_bytes_still_decode():
+    """A frozen layer's all-zero update: fedcomp sends nnz = 0 (zeros-300 above, 2 bytes of
+    payload); the paper's ``k`` zero-valued positions (what fedcomp sent before, kept as
+    zeros-300-paper) decode to the same tensor, bit for bit."""
+    paper = serde.tensor_from_bytes((kit.FIXTURES / "sbc" / "v1" / "zeros-300-paper.bin").read_bytes())
+    assert isinstance(paper.payload, SBCPayload) and paper.payload.nnz == 3 and paper.payload.mean == 0.0
+    zeros = torch.zeros(3, 100)
+    sent = SBC(0.01, "fast").encode(zeros, "zeros-300")
+    assert sent.payload == SBCPayload(mean=0.0, golomb_b=0, nnz=0, bits=b"")
+    spec = TensorSpec("zeros-300", (3, 100))
+    for enc in (paper, sent):
+        out = SBC(0.01).decode(enc, spec)
+        assert torch.equal(out, zeros) and not torch.signbit(out).any()
+    # every path: exact and fast mode, a large tensor, the whole-update kernel, -0.0 among the zeros
+    signed = torch.zeros(300_000)
+    signed[::7] = -0.0
+    items = [("a", zeros.reshape(-1)), ("b", signed), ("c", signed[:50_000])]
+    for codec in (SBC(0.01, "exact"), SBC(0.05, "fast")):
+        many = codec.encode_many(items)
+        assert [(e or codec.encode(t, n)).payload.nnz for (n, t), e in zip(items, many)] == [0, 0, 0]
+        assert [e is None for e in many] == [False, True, False]  # (the kernel's, Python's, the kernel's)
+    # a negative side whose mean rounds to -0.0 keeps its positions: its zeros decode negative
+    x = torch.zeros(100)
+    x[0] = -(2.0**-149)  # k = 2: the positive side's mean is 0, the negative side's -2**-150 -> -0.0
+    enc = SBC(0.02, "exact").encode(x, "x")
+    assert isinstance(enc.payload, SBCPayload) and enc.payload.nnz == 2
+    assert enc.payload.mean == 0.0 and math.copysign(1.0, enc.payload.mean) < 0
+    assert torch.signbit(SBC(0.02).decode(enc, TensorSpec("x", (100,)))).sum() == 2
+
+
 # --- hostile payloads -------------------------------------------------------------------------
 
 
