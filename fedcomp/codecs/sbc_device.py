@@ -244,6 +244,7 @@ class _Plan:
     exact: tuple[int, ...]  # the others
     where: torch.Tensor | None  # (len(fast), s) sample positions into the flat buffer
     fast_rows: torch.Tensor | None  # the fast tensors' indices, on the device
+    over_4k: torch.Tensor | None  # (len(fast),) bool, on the device: the tensor has more than 4 k values
     offsets: np.ndarray  # the layout's, int64
     numels: np.ndarray
 
@@ -255,11 +256,13 @@ def _plan(numels: tuple[int, ...], offsets: tuple[int, ...], p: float, s: int, m
     fast_set = set(fast)
     exact = tuple(i for i in range(len(numels)) if i not in fast_set)
     dev = torch.device(device)
-    where = fast_rows = None
+    where = fast_rows = over_4k = None
     if fast:
         where = to_device(np.stack([_sample_positions_np(numels[i], s) + offsets[i] for i in fast]), dev)
         fast_rows = to_device(np.array(fast, dtype=np.int64), dev)
-    return _Plan(ks, fast, exact, where, fast_rows, np.array(offsets, dtype=np.int64), np.array(numels, dtype=np.int64))
+        over_4k = to_device(np.array([numels[i] > 4 * ks[i] for i in fast]), dev)
+    offs, ns = np.array(offsets, dtype=np.int64), np.array(numels, dtype=np.int64)
+    return _Plan(ks, fast, exact, where, fast_rows, over_4k, offs, ns)
 
 
 @dataclass(frozen=True)
@@ -275,16 +278,22 @@ class _Hits:
 def _fast_hits(flat: torch.Tensor, plan: _Plan, codec: SBC, layout: Layout) -> _Hits:
     """On the device, every fast-mode tensor's values ``x >= thr_hi`` and ``x <= thr_lo``, the
     thresholds read off its sample."""
-    assert plan.where is not None and plan.fast_rows is not None
+    assert plan.where is not None and plan.fast_rows is not None and plan.over_4k is not None
     s = codec.sample_size
     r = max(1, round(codec.p * s))
     ordered = flat[plan.where].sort(dim=1).values  # a NaN sorts last; the caller drops the result
+    thr_hi, thr_lo = ordered[:, s - r], ordered[:, r - 1]
+    # Where the thresholds meet (a frozen layer's zeros), every value is on a side, so with more
+    # than 4 k values one side holds over 2 k: fast mode fails there whatever the scan finds. It
+    # then finds nothing (not the whole tensor, copied to the host), and exact mode takes the
+    # tensor on the second pass, as the CPU does.
+    doomed = (thr_hi <= thr_lo).logical_and_(plan.over_4k)
     count = len(layout.numels)
     thresholds = torch.empty((2, count), dtype=flat.dtype, device=flat.device)
     thresholds[0].fill_(float("inf"))  # no finite value is selected in an exact-mode tensor
     thresholds[1].fill_(float("-inf"))
-    thresholds[0].index_copy_(0, plan.fast_rows, ordered[:, s - r])
-    thresholds[1].index_copy_(0, plan.fast_rows, ordered[:, r - 1])
+    thresholds[0].index_copy_(0, plan.fast_rows, thr_hi.masked_fill(doomed, float("inf")))
+    thresholds[1].index_copy_(0, plan.fast_rows, thr_lo.masked_fill(doomed, float("-inf")))
     ids = segment_ids(layout.numels, flat.device)
     mask = torch.empty((2, layout.total), dtype=torch.bool, device=flat.device)
     torch.ge(flat, thresholds[0][ids], out=mask[0])

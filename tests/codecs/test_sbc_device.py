@@ -219,8 +219,9 @@ def test_work_does_not_grow_with_the_number_of_tensors() -> None:
     assert counts[0] == counts[1] == counts[2], counts
     ops, syncs, to_host, to_device = counts[0]
     # One fast pass and one exact chunk: a few dozen operators, the waits of the copies, nonzero
-    # and the finiteness flag; no copy to the device once the plan is kept.
-    assert ops <= 60 and syncs <= 6 and to_host <= 5 and to_device <= 1, counts[0]
+    # and the finiteness flag; no copy to the device once the plan is kept. (61 since the four on
+    # the thresholds that keep a frozen layer's values off the copy.)
+    assert ops <= 62 and syncs <= 6 and to_host <= 5 and to_device <= 1, counts[0]
 
 
 @pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
@@ -265,3 +266,32 @@ def test_any_layout_gives_encodes_bytes(sizes, p, mode, levels, seed) -> None:
     found = encode_update(codec, items)
     assert found is not None
     assert found.encoded == [codec.encode(t, n) for n, t in items]
+
+
+@pytest.mark.parametrize("codec", CODECS[:2], ids=repr)
+def test_a_frozen_layer_is_not_copied_to_the_host_as_candidates(codec: SBC, monkeypatch) -> None:
+    """An all-zero tensor (a frozen layer) meets fast mode's thresholds at zero: every value would
+    be a hit on both sides, all copied to the host before the fallback to exact mode. The engine
+    finds none there (fast mode fails on such a tensor whatever the scan finds) and exact mode
+    takes it: the same bytes (no positions, mean 0), and a first copy of the other tensors' hits."""
+    g = np.random.default_rng(3)
+    items = [
+        ("frozen", torch.zeros(200_000)),
+        ("trained", _f32(g.standard_t(3, 100_000))),
+        ("frozen_signs", _f32(np.where(g.random(80_000) < 0.5, -0.0, 0.0))),
+        ("tiny", _f32(g.standard_normal(50))),  # exact mode
+    ]
+    copied: list[int] = []
+    real = sbc_device._to_host
+
+    def spy(hits, exact, *args, **kwargs):  # type: ignore[no-untyped-def]
+        copied.append(0 if hits is None else int(hits.positions.shape[0]))
+        return real(hits, exact, *args, **kwargs)
+
+    monkeypatch.setattr(sbc_device, "_to_host", spy)
+    found = encode_update(codec, items)
+    assert found is not None
+    assert found.encoded == [codec.encode(t, n) for n, t in items]
+    assert [e.payload.nnz for e in found.encoded[:3:2]] == [0, 0]
+    k = round(codec.p * 100_000)
+    assert len(copied) == 2 and 0 < copied[0] <= 4 * k  # the trained tensor's hits only; then exact mode
