@@ -242,3 +242,43 @@ def test_each_client_keeps_its_own_state() -> None:
         w = w_next
     res1, res2 = (tensors_from_record(c.ctx.state.array_records[protocol.STATE_RESIDUAL]) for c in clients.values())
     assert not torch.equal(res1["w1"], res2["w1"])
+
+
+class _FrozenW1(Client):
+    """A client that fine-tunes all but ``w1`` (a frozen layer: its update is exactly zero)."""
+
+    def app(self, msg: Message, ctx):  # type: ignore[no-untyped-def]
+        out = super().app(msg, ctx)
+        if msg.metadata.message_type != MessageType.TRAIN:
+            return out
+        rnd = int(msg.content.config_records[protocol.CONFIG_RECORD][protocol.SERVER_ROUND])  # type: ignore[arg-type]
+        received, _ = self.seen[rnd]
+        trained = tensors_from_record(out.content.array_records["arrays"])
+        trained["w1"] = received["w1"].clone()
+        out.content.array_records["arrays"] = record_from_tensors(trained)
+        return out
+
+
+def test_a_frozen_layer_costs_no_positions_and_stays_bit_identical() -> None:
+    """Through the real mod and strategy, two clients, several rounds: the frozen tensor's SBC
+    payload has no positions (its mean is 0), the global model's copy of it never moves, not by
+    a bit, and the client keeps no residual for it; the trained tensors still move."""
+    strategy = make_strategy(**{"sbc-p": 0.05})
+    clients = {1: _FrozenW1(1), 2: _FrozenW1(2)}
+    w0 = tiny_model()
+    w = w0
+    for r in range(1, 4):
+        w_next, log = train_round(strategy, clients, r, w)
+        assert w_next is not None and strategy.traffic[r].rejected == {}
+        for node in clients:
+            report = protocol.UplinkReport.from_record(log.uplinks[node])
+            assert report.payload is not None
+            by_name = {t.name: t for t in update_from_bytes(report.payload).tensors}
+            assert by_name["w1"].payload.nnz == 0 and by_name["w1"].payload.bits == b""
+            assert by_name["w2"].payload.nnz == round(0.05 * 1200)
+        w = w_next
+    assert torch.equal(w["w1"], w0["w1"]) and not torch.equal(w["w2"], w0["w2"])
+    for client in clients.values():
+        rec = client.ctx.state.array_records.get(protocol.STATE_RESIDUAL)
+        residual = tensors_from_record(rec) if rec is not None else {}
+        assert "w1" not in residual or not residual["w1"].any()
