@@ -282,3 +282,21 @@ def test_a_frozen_layer_costs_no_positions_and_stays_bit_identical() -> None:
         rec = client.ctx.state.array_records.get(protocol.STATE_RESIDUAL)
         residual = tensors_from_record(rec) if rec is not None else {}
         assert "w1" not in residual or not residual["w1"].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float64])
+def test_a_float16_or_float64_model_trains_and_the_global_model_comes_back_float32(dtype: torch.dtype) -> None:
+    """What the README says: compression works in float32; a model of another float dtype is
+    accepted as it is and the wrapper returns a float32 global model, the same as for the model
+    cast to float32 first (its values are exact in float32, so the runs are bit-identical)."""
+    results = []
+    for model_dtype in (dtype, torch.float32):
+        strategy, clients = make_strategy(), {1: Client(1), 2: Client(2)}
+        w = {k: v.to(torch.float16).to(model_dtype) for k, v in tiny_model().items()}
+        for r in range(1, 3):
+            w_next, _ = train_round(strategy, clients, r, w)
+            assert w_next is not None and strategy.traffic[r].rejected == {}
+            assert {v.dtype for v in w_next.values()} == {torch.float32}
+            w = w_next
+        results.append(w)
+    assert all(torch.equal(results[0][k], results[1][k]) for k in results[1])
