@@ -178,8 +178,10 @@ class Codec(ABC):
     # --- what subclasses implement ------------------------------------------------------------
 
     def _flatten(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The 1-D tensor ``_encode`` works on: float32 (no copy when it already is)."""
-        return tensor.detach().reshape(-1).to(torch.float32)
+        """The 1-D tensor ``_encode`` works on: float32 and contiguous (no copy when it already is;
+        ``reshape`` alone can leave a strided view, of a tensor sliced with a step, say, which the
+        CPU kernels cannot read)."""
+        return tensor.detach().reshape(-1).to(torch.float32).contiguous()
 
     def _params(self) -> dict[str, Any]:
         """The codec's settings (without ``id``)."""

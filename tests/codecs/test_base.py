@@ -13,6 +13,7 @@ from fedcomp.codecs import (
     DenseFP16,
     DenseFP32,
     Identity,
+    Lattice,
     TensorSpec,
     ThreeLC,
     TopK,
@@ -206,3 +207,22 @@ def test_a_codec_without_its_own_reconstruction_gets_the_decoded_one():
     assert recon.shape == (2, 3) and recon.device == x.device
     assert recon.tolist() == [[0.0, 1.0, -1.5], [2.5, -0.0, 4.0]]
     assert torch.equal(recon, _Halves().decode(enc, TensorSpec.of("w", x)))
+
+
+STRIDED = [
+    ("every-other-column", lambda g: torch.randn(100, 600, generator=g)[:, ::2]),  # a 1-D view of stride 2
+    ("transposed", lambda g: torch.randn(300, 400, generator=g).t()),
+    ("channels-last", lambda g: torch.randn(8, 16, 5, 5, generator=g).to(memory_format=torch.channels_last)),
+]
+
+
+@pytest.mark.parametrize("codec", [*PLAIN, SBC(0.01, "fast"), STC(0.01, "fast"), Lattice(exponent=-8)], ids=repr)
+@pytest.mark.parametrize(("layout", "make"), STRIDED, ids=[s[0] for s in STRIDED])
+def test_a_strided_tensor_encodes_as_its_contiguous_copy(codec, layout, make):
+    """A view a model hands over (a slice with a step, a transpose, channels-last) is encoded as
+    its contiguous copy would be, not refused by a kernel that reads memory in order."""
+    x = make(torch.Generator().manual_seed(1))
+    assert not x.is_contiguous()
+    assert codec.encode(x, "x") == codec.encode(x.contiguous(), "x")
+    if isinstance(codec, SBC):
+        assert codec.encode_many([("x", x)]) in ([None], [codec.encode(x.contiguous(), "x")])
