@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 from collections import OrderedDict
 from collections.abc import Mapping
 
@@ -12,16 +13,43 @@ from flwr.app import ArrayRecord
 from fedcomp.codecs.flat import tensors_on_host, tensors_to_device
 from fedcomp.errors import ConfigError
 
+#: Integers of at most this magnitude are exact in float32.
+F32_EXACT_INT = 1 << 24
+
 
 def tensors_from_record(record: ArrayRecord, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """Float32 tensors of an ArrayRecord, in its order. Only floating-point arrays are supported.
-    On a device other than the CPU the tensors are views of one buffer, copied there at once."""
+    """Float32 tensors of an ArrayRecord, in its order. Floating-point arrays are cast; integer and
+    bool arrays (BatchNorm's ``num_batches_tracked``, masks) travel as float32 too, which holds
+    each of their values exactly up to 2**24 in magnitude (beyond: a :class:`ConfigError` naming
+    the array; complex arrays likewise). On a device other than the CPU the tensors are views of
+    one buffer, copied there at once."""
     host: dict[str, torch.Tensor] = {}
     for name, t in record.to_torch_state_dict().items():
-        if not t.is_floating_point():
-            raise ConfigError(f"array {name!r} has dtype {t.dtype}: fedcomp compresses floating-point arrays only")
+        if t.is_complex():
+            raise ConfigError(f"array {name!r} has dtype {t.dtype}: fedcomp carries real arrays only")
+        if not t.is_floating_point() and t.dtype != torch.bool and t.numel():
+            low, high = int(t.min()), int(t.max())
+            if low < -F32_EXACT_INT or high > F32_EXACT_INT:
+                raise ConfigError(
+                    f"array {name!r} ({t.dtype}) holds {high if high > F32_EXACT_INT else low}: fedcomp carries "
+                    f"integer arrays as float32, exact up to 2**24 = {F32_EXACT_INT} in magnitude"
+                )
         host[name] = t.to(dtype=torch.float32)
     return tensors_to_device(host, device)
+
+
+def check_integer_arrays(record: ArrayRecord, min_compress_numel: int) -> None:
+    """Raise a :class:`ConfigError` naming an integer or bool array of ``min_compress_numel``
+    values or more: it would be compressed like a float tensor, hence no longer exact (smaller
+    ones, such as BatchNorm's ``num_batches_tracked``, go dense and arrive exactly)."""
+    for name, array in record.items():
+        numel = math.prod(array.shape)
+        if array.dtype.startswith(("int", "uint", "bool")) and numel >= min_compress_numel:
+            raise ConfigError(
+                f"array {name!r} ({array.dtype}, {numel} values) would be compressed lossily: integer and bool "
+                f"arrays must be smaller than min-compress-numel = {min_compress_numel} (raise it, or leave the "
+                "array out of the model's arrays)"
+            )
 
 
 def record_from_tensors(tensors: Mapping[str, torch.Tensor]) -> ArrayRecord:

@@ -344,7 +344,7 @@ def _lattice_step_cpu(
     goal = _grid_index(w.numpy(), h32)
     if not _within_grid(goal):
         raise _off_grid(name, e)
-    point = np.multiply(goal, h32)
+    point = np.multiply(goal, h32, out=np.empty_like(goal))
     point += np.float32(0.0)  # -0.0 + 0.0 is +0.0, as the receiver's merge gives
     goal -= _grid_index(r.numpy(), h32)
     goal *= h32
@@ -352,8 +352,9 @@ def _lattice_step_cpu(
 
 
 def _grid_index(x: np.ndarray, h32: np.float32) -> np.ndarray:
-    """``round(x / h)`` in a new float32 array (``rint``: ties to even, as ``torch.round``)."""
-    q = np.divide(x, h32)
+    """``round(x / h)`` in a new float32 array (``rint``: ties to even, as ``torch.round``); an
+    array for a 0-d ``x`` too (a scalar parameter), where NumPy's quotient alone is a scalar."""
+    q = np.divide(x, h32, out=np.empty(x.shape, np.float32))
     return np.rint(q, out=q)
 
 
@@ -415,11 +416,11 @@ def _merge_cpu(current: torch.Tensor, d: torch.Tensor, h: float, name: str, e: i
     :func:`apply_lattice` compute it, in NumPy in place: one new array, no temporaries (``d`` is
     the freshly decoded delta, consumed; ``current`` is left as it was)."""
     h32 = np.float32(h)
-    q = _grid_index(current.detach().numpy(), h32)
-    step = np.ascontiguousarray(d.detach().numpy())
+    q = _grid_index(current.detach().reshape(-1).numpy(), h32)  # (flat: a 0-d tensor's delta may come 1-D)
+    step = np.ascontiguousarray(d.detach().reshape(-1).numpy())
     step = np.divide(step, h32, out=step) if step.flags.writeable else step / h32
     q += step
     if not _within_grid(q):
         raise PayloadError(name, f"the replica leaves the grid 2**{e} (|K| >= 2**24)")
     q *= h32
-    return torch.from_numpy(q)
+    return torch.from_numpy(q).reshape(current.shape)

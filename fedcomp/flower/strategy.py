@@ -49,7 +49,7 @@ from fedcomp.errors import ConfigError, PayloadError
 from fedcomp.flower import protocol
 from fedcomp.flower.downlink_policy import advance_by_policy, advance_passes, candidates_of, distance
 from fedcomp.flower.protocol import DownlinkHeader, UpdateOutcome, UpdateStatus, UplinkReport
-from fedcomp.flower.records import fp32_bytes, record_from_tensors, tensors_from_record
+from fedcomp.flower.records import check_integer_arrays, fp32_bytes, record_from_tensors, tensors_from_record
 from fedcomp.flower.replica import ServerReplica
 from fedcomp.flower.settings import CompressionConfig
 from fedcomp.flower.traffic import RoundTraffic, metric_record
@@ -122,6 +122,7 @@ class CompressionStrategy(Strategy):
 
     def _sync_replica(self, arrays: ArrayRecord, server_round: int) -> None:
         """Bring the replica to the global model ``arrays`` (one compression per model change)."""
+        check_integer_arrays(arrays, self.config.min_compress_numel)
         target = tensors_from_record(arrays)
         if self.replica is None:
             self.replica = ServerReplica(target, self.config.delta_log_size, self.config.min_compress_numel)

@@ -33,11 +33,17 @@ def test_tensors_from_record_are_float32_in_order() -> None:
     assert got["a"].device == torch.device("cpu")
 
 
-def test_integer_arrays_are_refused_by_name() -> None:
+def test_integer_arrays_travel_as_float32_and_those_it_cannot_hold_are_refused_by_name() -> None:
     rec = ArrayRecord(OrderedDict([("w", torch.ones(3)), ("steps", torch.tensor([1, 2]))]))
+    got = tensors_from_record(rec)
+    assert got["steps"].dtype == torch.float32 and got["steps"].tolist() == [1.0, 2.0]
+    rec = ArrayRecord(OrderedDict([("w", torch.ones(3)), ("steps", torch.tensor([1, -(2**24) - 1]))]))
     with pytest.raises(ConfigError) as info:
         tensors_from_record(rec)
-    assert str(info.value) == "array 'steps' has dtype torch.int64: fedcomp compresses floating-point arrays only"
+    assert str(info.value) == (
+        "array 'steps' (torch.int64) holds -16777217: fedcomp carries integer arrays as float32, exact up to "
+        "2**24 = 16777216 in magnitude"
+    )
 
 
 def test_record_from_tensors_detaches_and_keeps_order() -> None:

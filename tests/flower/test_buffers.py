@@ -1,0 +1,101 @@
+"""A model's non-float and 0-d arrays through the real mod and strategy: BatchNorm's
+``num_batches_tracked`` (an int64 scalar), a bool mask, a learnable float scalar (a temperature).
+Flower's own FedAvg averages them as it averages the rest; fedcomp carries them as float32 (exact
+for integers up to 2**24) in every uplink and downlink method."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from flwr.app import ArrayRecord, Message, MessageType, MetricRecord, RecordDict
+
+from fedcomp.errors import ConfigError
+from fedcomp.flower import protocol
+from fedcomp.flower.records import record_from_tensors, tensors_from_record
+from tests.flower.helpers import (
+    Client,
+    local_delta,
+    make_strategy,
+    num_examples,
+    server_identity,  # noqa: F401 (autouse fixture)
+    tiny_model,
+    train_round,
+)
+
+STEP = 3  # batches each client counts per round
+
+
+class _WithBuffers(Client):
+    """Trains the float arrays as :class:`Client` does; counts ``STEP`` batches in the int64
+    buffer it loaded as a model would (``load_state_dict`` casts the float32 it receives)."""
+
+    def app(self, msg: Message, ctx: Any) -> Message:
+        received = tensors_from_record(msg.content.array_records["arrays"])
+        rnd = int(msg.content.config_records[protocol.CONFIG_RECORD][protocol.SERVER_ROUND])  # type: ignore[arg-type]
+        if msg.metadata.message_type != MessageType.TRAIN:
+            return Message(RecordDict({"metrics": MetricRecord({"num-examples": 1, "loss": 1.0})}), reply_to=msg)
+        d = local_delta(self.node, rnd, received)
+        trained: dict[str, torch.Tensor] = {k: received[k] + d[k] for k in received}
+        trained["bn.num_batches_tracked"] = received["bn.num_batches_tracked"].to(torch.int64) + STEP
+        trained["mask"] = received["mask"].to(torch.bool)
+        content = RecordDict(
+            {"arrays": record_from_tensors(trained), "metrics": MetricRecord({"num-examples": num_examples(self.node)})}
+        )
+        return Message(content, reply_to=msg)
+
+
+def _model() -> dict[str, torch.Tensor]:
+    return {
+        **tiny_model(),
+        "bn.running_var": torch.ones(1500),
+        "bn.num_batches_tracked": torch.tensor(5, dtype=torch.int64),
+        "mask": torch.ones(7, dtype=torch.bool),
+        "temperature": torch.tensor(0.07),
+    }
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {},
+        {"downlink-codec": "lattice"},
+        {"downlink-codec": "auto"},
+        {"uplink-codec": "deft"},
+        {"uplink-codec": "gradiveq", "gradiveq-dense-rounds": 1},
+        {"uplink-codec": "stc", "downlink-codec": "sparse-fp16"},
+        {"uplink-codec": "topk"},
+    ],
+    ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "defaults",
+)
+def test_integer_bool_and_scalar_arrays_travel_with_the_model(config: dict[str, Any]) -> None:
+    strategy = make_strategy(**config)
+    clients = {1: _WithBuffers(1), 2: _WithBuffers(2)}
+    w = _model()
+    for r in range(1, 4):
+        w_next, _ = train_round(strategy, clients, r, w)
+        assert w_next is not None and strategy.traffic[r].rejected == {}
+        # every client counted STEP batches from the same count: the mean is exact
+        assert float(w_next["bn.num_batches_tracked"]) == 5 + r * STEP
+        assert torch.equal(w_next["mask"], torch.ones(7))
+        assert w_next["temperature"].shape == () and float(w_next["temperature"]) != float(w["temperature"])
+        w = w_next
+
+
+def test_arrays_that_float32_cannot_carry_are_config_errors_naming_them() -> None:
+    too_big = ArrayRecord({"w": torch.zeros(3), "steps": torch.tensor([1, 2**24 + 1])})
+    with pytest.raises(ConfigError, match=r"'steps' \(torch.int64\) holds 16777217: .*exact up to 2\*\*24"):
+        tensors_from_record(too_big)
+    lowest = ArrayRecord({"n": torch.tensor([-(2**63)])})  # (its abs() would overflow to itself)
+    with pytest.raises(ConfigError, match="'n'.*holds -9223372036854775808"):
+        tensors_from_record(lowest)
+    exact = tensors_from_record(ArrayRecord({"n": torch.tensor([-(2**24), 2**24], dtype=torch.int32)}))
+    assert exact["n"].tolist() == [-(2**24), 2**24] and exact["n"].dtype == torch.float32
+    # an integer array large enough to be compressed would no longer be exact
+    strategy = make_strategy()
+    model = {**tiny_model(), "index": torch.arange(1000)}
+    with pytest.raises(
+        ConfigError, match=r"'index' \(int64, 1000 values\) would be compressed lossily.*min-compress-numel = 1000"
+    ):
+        train_round(strategy, {1: Client(1)}, 1, model)
