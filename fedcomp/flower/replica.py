@@ -301,7 +301,10 @@ def grid_exponents(target: Mapping[str, torch.Tensor], base: Mapping[str, torch.
     movement of the model sets the grid for the run).
 
     Fallbacks, documented in FORMAT.md: a tensor that did not move takes the smallest exponent of
-    those that moved (-24 when none did); every exponent is then raised as far as needed for the
+    those that moved (-24 when none did); a tensor whose values are all integers, in ``target`` and
+    ``base`` (a counter such as BatchNorm's ``num_batches_tracked``, a mask: the grid of its first
+    movement would round a counter that moves by thousands to a multiple of 2**13), takes at most
+    0, so that its grid holds every integer; every exponent is then raised as far as needed for the
     tensor's largest value to stay below ``2**22 * h`` (a 4x margin under ``|K| < 2**24`` for the
     model to grow), and clamped to ``[E_MIN, E_MAX]``.
     """
@@ -315,6 +318,8 @@ def grid_exponents(target: Mapping[str, torch.Tensor], base: Mapping[str, torch.
     out: dict[str, int] = {}
     for k, t in target.items():
         e = moved.get(k, fallback)
+        if _integer_valued(t) and _integer_valued(base[k]):
+            e = min(e, 0)
         biggest = max(
             float(t.detach().abs().max()) if t.numel() else 0.0, float(base[k].abs().max()) if t.numel() else 0.0
         )
@@ -322,6 +327,12 @@ def grid_exponents(target: Mapping[str, torch.Tensor], base: Mapping[str, torch.
             e = max(e, math.frexp(biggest)[1] - 22)
         out[k] = min(E_MAX, max(E_MIN, e))
     return out
+
+
+def _integer_valued(t: torch.Tensor) -> bool:
+    """Whether every value of ``t`` is an integer (NaN and infinities are not)."""
+    t = t.detach()
+    return bool(torch.equal(t, torch.round(t))) if t.numel() else False
 
 
 def _off_grid(name: str, e: int) -> ConfigError:

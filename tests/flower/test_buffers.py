@@ -24,7 +24,7 @@ from tests.flower.helpers import (
     train_round,
 )
 
-STEP = 3  # batches each client counts per round
+STEP = 1000  # batches each client counts per round (the lattice's first-movement grid would be 2**13)
 
 
 class _WithBuffers(Client):
@@ -76,8 +76,12 @@ def test_integer_bool_and_scalar_arrays_travel_with_the_model(config: dict[str, 
     for r in range(1, 4):
         w_next, _ = train_round(strategy, clients, r, w)
         assert w_next is not None and strategy.traffic[r].rejected == {}
-        # every client counted STEP batches from the same count: the mean is exact
+        # every client counted STEP batches from the same count: the mean is exact, and so is the
+        # count each client was handed this round (its replica), whatever the downlink
         assert float(w_next["bn.num_batches_tracked"]) == 5 + r * STEP
+        for client in clients.values():
+            held = tensors_from_record(client.ctx.state.array_records[protocol.STATE_REPLICA])
+            assert float(held["bn.num_batches_tracked"]) == 5 + (r - 1) * STEP
         assert torch.equal(w_next["mask"], torch.ones(7))
         assert w_next["temperature"].shape == () and float(w_next["temperature"]) != float(w["temperature"])
         w = w_next
