@@ -117,6 +117,7 @@ class CompressionStrategy(Strategy):
         #: exactly when the inner strategy's aggregation starts with the weighted mean of the
         #: replies (:func:`streams_weighted_mean`). Set False to force the materialising path.
         self.streaming: bool = streams_weighted_mean(strategy)
+        self._hinted_mod = False  # (the hint of :meth:`_hint_if_no_mod`, once a run)
 
     # --- downlink ------------------------------------------------------------------------------
 
@@ -426,6 +427,7 @@ class CompressionStrategy(Strategy):
         if _needs_resync_bookkeeping(msg):
             self._note_node(node, self._report_of(msg))
         if msg.has_error():
+            self._hint_if_no_mod(msg)
             return msg
         try:
             out = decode(msg, server_round)
@@ -517,6 +519,7 @@ class CompressionStrategy(Strategy):
         for msg in replies:
             if _needs_resync_bookkeeping(msg):
                 self._note_node(msg.metadata.src_node_id, self._report_of(msg))
+            self._hint_if_no_mod(msg)
             if not msg.has_error() and getattr(self.strategy, "weighted_by_key", None) is not None:
                 try:
                     self._check_metrics(msg.content)
@@ -527,6 +530,27 @@ class CompressionStrategy(Strategy):
         checked = self._consistent(checked, lambda m, why: self._reject_evaluate(m, why, server_round))
         metrics = self.strategy.aggregate_evaluate(server_round, checked)
         return None if metrics is None else self._with_figures(server_round, metrics, "evaluate")
+
+    def _hint_if_no_mod(self, msg: Message) -> None:
+        """Say once a run what a ClientApp that failed looking for the model's ArrayRecord most
+        likely lacks: the wrapper sends the model in its downlink record, which only
+        :func:`~fedcomp.flower.mod.compression_mod` turns back into that ArrayRecord (Flower's
+        error reason alone says ``KeyError`` in the user's own code)."""
+        if self._hinted_mod or not msg.has_error():
+            return
+        key = getattr(self.strategy, "arrayrecord_key", "arrays")
+        reason = msg.error.reason or ""
+        if "KeyError" in reason and repr(key) in reason:
+            self._hinted_mod = True
+            log.warning(
+                "fedcomp: node %s's ClientApp failed looking for the ArrayRecord %r (%s): the strategy wrapper "
+                "sends the model in fedcomp's downlink record instead, which compression_mod turns back into %r. "
+                "Does the ClientApp run it? ClientApp(mods=[compression_mod])",
+                msg.metadata.src_node_id,
+                key,
+                reason,
+                key,
+            )
 
     def _reject_evaluate(self, msg: Message, why: str, server_round: int) -> None:
         node = msg.metadata.src_node_id

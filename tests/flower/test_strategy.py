@@ -24,6 +24,7 @@ from tests.flower.helpers import (
     METRICS,
     MIN_NUMEL,
     Client,
+    FixedGrid,
     RoundLog,
     context,
     decode_payload,
@@ -390,3 +391,25 @@ def test_evaluate_rounds_also_resync() -> None:
     assert strategy.traffic[2].rejected == {}
     assert all(not r.has_error() for r in log2.replies.values())
     assert w2 is not None
+
+
+def test_a_client_app_without_the_mod_gets_a_hint_in_the_server_log(caplog: pytest.LogCaptureFixture) -> None:
+    """A ClientApp without ``compression_mod`` finds no ``arrays`` record (the model travels in
+    fedcomp's downlink record) and fails with a KeyError in the user's own code: the wrapper says
+    once what is missing, on train and on evaluate replies alike; other failures get no hint."""
+    from flwr.app import ConfigRecord, Error
+
+    strategy, w = make_strategy(), tiny_model()
+    msgs = list(strategy.configure_train(1, record_from_tensors(w), ConfigRecord({}), FixedGrid([1, 2, 3])))
+    assert all("arrays" not in m.content.array_records for m in msgs)  # (what the app without the mod meets)
+    other = Message(Error(code=0, reason="<class 'ZeroDivisionError'>:<'division by zero'>"), reply_to=msgs[0])
+    missing = [Message(Error(code=0, reason="<class 'KeyError'>:<''arrays''>"), reply_to=m) for m in msgs[1:]]
+    with caplog.at_level("WARNING", logger="flwr"):
+        strategy.aggregate_train(1, [other])
+        assert "compression_mod" not in caplog.text
+        strategy.aggregate_train(1, missing)
+        strategy.aggregate_evaluate(1, missing)
+    hints = [
+        r for r in caplog.records if "Does the ClientApp run it? ClientApp(mods=[compression_mod])" in r.getMessage()
+    ]
+    assert len(hints) == 1 and "looking for the ArrayRecord 'arrays'" in hints[0].getMessage()
