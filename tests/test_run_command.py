@@ -369,3 +369,44 @@ def test_sigterm_stops_every_process_and_marks_the_run_failed_then_it_resumes_bi
         assert full.returncode == 0, full.stdout + full.stderr
         want = _results(full_dir)["rounds"]
     assert [r["model_digest"] for r in got] == [r["model_digest"] for r in want]
+
+
+@pytest.mark.slow
+@pytest.mark.flower
+def test_a_users_app_with_batchnorm_and_a_scalar_parameter_runs_compressed(tmp_path: Path) -> None:
+    """Flower's quickstart app as a user writes it (``examples/quickstart/compressed``), its model
+    given a BatchNorm layer (an int64 ``num_batches_tracked`` among the arrays) and a learnable
+    0-d scalar: a real simulation completes, and the global model counts every batch exactly."""
+    data = os.environ.get("FEDCOMP_DATA_DIR", "")
+    if not data or not (Path(data) / "mnist").is_dir():
+        pytest.skip("FEDCOMP_DATA_DIR does not hold mnist/ (e.g. FEDCOMP_DATA_DIR=/work/shared/data)")
+    import shutil
+
+    app = tmp_path / "app"
+    shutil.copytree(REPO / "examples" / "quickstart" / "compressed", app, ignore=shutil.ignore_patterns("results"))
+    task = app / "mnistquick" / "task.py"
+    text = task.read_text()
+    for old, new in [
+        (
+            "        self.conv1 = nn.Conv2d(1, 6, 5)\n",
+            "        self.conv1 = nn.Conv2d(1, 6, 5)\n        self.bn1 = nn.BatchNorm2d(6)\n",
+        ),
+        (
+            "        self.fc3 = nn.Linear(84, 10)\n",
+            "        self.fc3 = nn.Linear(84, 10)\n        self.scale = nn.Parameter(torch.tensor(1.0))\n",
+        ),
+        ("x = self.pool(F.relu(self.conv1(x)))", "x = self.pool(F.relu(self.bn1(self.conv1(x))))"),
+        ("        return self.fc3(x)\n", "        return self.fc3(x) * self.scale\n"),
+    ]:
+        assert old in text, f"examples/quickstart changed: {old!r} not found in task.py"
+        text = text.replace(old, new)
+    task.write_text(text)
+    out_dir = tmp_path / "run"
+    done, watch = fedcomp_run(["--app", str(app), "--nodes", "2", "--rounds", "2", "--out", str(out_dir)], timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert _results(out_dir)["status"] == "completed"
+    model = torch.load(out_dir / "final_model.pt", weights_only=True)
+    assert model["scale"].shape == () and float(model["scale"]) != 1.0
+    # two rounds of one epoch over each client's half of MNIST's 60,000 images, 32 to a batch
+    assert float(model["bn1.num_batches_tracked"]) == 2 * -(-30_000 // 32)
+    assert watch.new_alive() == [], "processes of the run still alive"
