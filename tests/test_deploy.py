@@ -341,3 +341,21 @@ def test_real_shaped_links_in_network_namespaces(tmp_path: Path) -> None:
 
     names = sp.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert data["_deploy"]["netns"]["name"] not in names
+
+
+def test_the_summary_prints_only_the_figures_the_results_hold(capsys: pytest.CaptureFixture[str]) -> None:
+    """The reference app records accuracy, bytes and wall time; an app of the user's own (the
+    quickstart's results.json: accuracy and loss) need not: nothing missing is printed as 0."""
+    from fedcomp.net.deploy import _print_summary
+
+    where = {"_deploy": {"results": "R", "work_dir": "W"}}
+    ours = [{"round": 0, "accuracy": 0.1}, {"round": 1, "accuracy": 0.5, "uplink_bytes": 10, "downlink_bytes": 20}]
+    ours.append({"round": 2, "accuracy": 0.75, "uplink_bytes": 5, "downlink_bytes": 7, "wall_time_s": 3.25})
+    _print_summary({"rounds": ours, **where})
+    assert capsys.readouterr().out == (
+        "OK: run completed, 2 rounds, accuracy 0.1000 -> 0.7500, uplink 15 B, downlink 27 B, wall 3.2s\nresults: R\nlogs:    W\n"
+    )
+    _print_summary({"rounds": [{"round": 0, "accuracy": 0.1066}, {"round": 1, "loss": 0.2}], **where})
+    assert capsys.readouterr().out.splitlines()[0] == "OK: run completed, 1 rounds"
+    _print_summary({"rounds": [{"round": 0, "accuracy": 0.1}, {"round": 1, "accuracy": 0.9}], **where})
+    assert capsys.readouterr().out.splitlines()[0] == "OK: run completed, 1 rounds, accuracy 0.1000 -> 0.9000"

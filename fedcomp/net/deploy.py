@@ -876,15 +876,19 @@ def _parse_run_config(items: list[str]) -> dict[str, Any]:
 
 
 def _print_summary(data: dict[str, Any]) -> None:
-    rounds = data["rounds"]
-    last = rounds[-1]
-    up = sum(r.get("uplink_bytes", 0) for r in rounds)
-    down = sum(r.get("downlink_bytes", 0) for r in rounds)
-    print(
-        f"OK: run completed, {len(rounds) - 1} rounds, accuracy {rounds[0]['accuracy']:.4f} -> "
-        f"{last['accuracy']:.4f}, uplink {up} B, downlink {down} B, wall {last.get('wall_time_s', 0):.1f}s\n"
-        f"results: {data['_deploy']['results']}\nlogs:    {data['_deploy']['work_dir']}"
-    )
+    """One line of what results.json says, with only the figures it holds (an app of the user's
+    own need not record accuracy, bytes or wall time: none is then printed as 0)."""
+    rounds = data.get("rounds") or [{}]
+    first, last = rounds[0], rounds[-1]
+    parts = [f"OK: run completed, {len(rounds) - 1} rounds"]
+    if isinstance(first.get("accuracy"), float) and isinstance(last.get("accuracy"), float):
+        parts.append(f"accuracy {first['accuracy']:.4f} -> {last['accuracy']:.4f}")
+    for key, label in (("uplink_bytes", "uplink"), ("downlink_bytes", "downlink")):
+        if any(key in r for r in rounds):
+            parts.append(f"{label} {sum(r.get(key, 0) for r in rounds)} B")
+    if isinstance(last.get("wall_time_s"), (int, float)):
+        parts.append(f"wall {last['wall_time_s']:.1f}s")
+    print(", ".join(parts) + f"\nresults: {data['_deploy']['results']}\nlogs:    {data['_deploy']['work_dir']}")
 
 
 def _cmd_local(args: argparse.Namespace) -> int:
