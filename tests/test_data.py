@@ -199,3 +199,61 @@ def test_env_var_is_the_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
     root = _mnist_dir()
     monkeypatch.setenv("FEDCOMP_DATA_DIR", str(root))
     assert len(load_dataset("mnist").test) == 10000
+
+
+# --- tiny Shakespeare (needs FEDCOMP_DATA_DIR) ------------------------------------------------------
+
+
+def _shakespeare_dir() -> Path:
+    root = _mnist_dir()
+    if not (root / "tinyshakespeare" / "input.txt").is_file():
+        pytest.skip(f"{root} has no tinyshakespeare/input.txt")
+    return root
+
+
+def test_shakespeare_windows_their_next_byte_and_a_test_text_never_trained_on() -> None:
+    from fedcomp.app.data import SHAKESPEARE_SEQ, load_shakespeare_dataset
+
+    root = _shakespeare_dir()
+    text = (root / "tinyshakespeare" / "input.txt").read_bytes()
+    ds = load_shakespeare_dataset(root)
+    assert ds.num_classes == 256 and ds.train.x.dtype == torch.uint8 and ds.train.y.dtype == torch.int64
+    cut = int(len(text) * 0.9)
+    assert len(ds.train) == len(range(0, cut - SHAKESPEARE_SEQ, 20)) == 50_189
+    assert len(ds.test) == len(range(cut, len(text) - SHAKESPEARE_SEQ, SHAKESPEARE_SEQ)) == 1_394
+    for split, starts in ((ds.train, [0, 20, 20 * 50_188]), (ds.test, [cut, cut + 80, cut + 80 * 1_393])):
+        for i, start in enumerate(starts):
+            j = [0, 1, len(split) - 1][i]
+            assert bytes(split.x[j].tolist()) == text[start : start + SHAKESPEARE_SEQ]
+            assert int(split.y[j]) == text[start + SHAKESPEARE_SEQ]
+    assert cut > 20 * 50_188 + SHAKESPEARE_SEQ  # the last training label lies before the test text
+    assert bytes(ds.train.x[0].tolist()).startswith(b"First Citizen:")
+    parts = partition_indices(ds.train.y, 10, "dirichlet", alpha=0.3, seed=0)
+    _covers_exactly_once(parts, len(ds.train))
+    assert load_partition("shakespeare", 2, 4, data_dir=root).x.shape[1:] == (SHAKESPEARE_SEQ,)
+
+
+def test_shakespeare_errors_name_the_file(tmp_path: Path) -> None:
+    from fedcomp.app.data import load_shakespeare_dataset
+
+    with pytest.raises(DataError, match=r"tinyshakespeare/input\.txt: not found"):
+        load_shakespeare_dataset(tmp_path)
+    (tmp_path / "tinyshakespeare").mkdir()
+    (tmp_path / "tinyshakespeare" / "input.txt").write_bytes(b"x" * 100)
+    with pytest.raises(DataError, match="100 bytes, too short for windows of 80"):
+        load_shakespeare_dataset(tmp_path)
+
+
+def test_the_char_lstm_learns_the_next_byte() -> None:
+    """The Shakespeare model (the SBC paper's CharLSTM) on real text: 20 Adam steps take the
+    test loss from the uniform guess's ln(256) = 5.55 to below 4.5."""
+    from fedcomp.app.models import CharLSTM, evaluate, model_for, train_local
+
+    ds = load_dataset("shakespeare", _shakespeare_dir())
+    torch.manual_seed(0)
+    model = model_for("shakespeare")
+    assert isinstance(model, CharLSTM) and sum(p.numel() for p in model.parameters()) == 543_104
+    before, _ = evaluate(model, ds.test.x[:300], ds.test.y[:300])
+    train_local(model, (ds.train.x[:2000], ds.train.y[:2000]), 20, lr=0.02, generator=torch.Generator().manual_seed(0))
+    after, _ = evaluate(model, ds.test.x[:300], ds.test.y[:300])
+    assert before > 5.0 and after < 4.5, (before, after)

@@ -27,6 +27,7 @@ from flwr.app import (
 from flwr.app.message_type import MessageType
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Strategy
+from torch import nn
 
 from fedcomp.app.checkpoint import CHECKPOINT_FILE, ServerCheckpoint, load_checkpoint, save_checkpoint
 from fedcomp.app.config import AppConfig
@@ -38,7 +39,7 @@ from fedcomp.app.fl import (
     recording_train_metrics_aggr,
     wait_for_nodes,
 )
-from fedcomp.app.models import LeNet5Caffe, resolve_device, train_local
+from fedcomp.app.models import model_for, resolve_device, train_local
 from fedcomp.app.results import RESULTS_FILE, RunRecorder, record_failure
 from fedcomp.errors import ConfigError
 from fedcomp.flower import protocol
@@ -143,7 +144,7 @@ def server_main(
         cfg.check_devices(("device",))  # the server evaluates on `device`; clients check their own
         if cfg.torch_threads:
             torch.set_num_threads(cfg.torch_threads)
-        model = initial_model_of(cfg.seed)
+        model = initial_model_of(cfg.seed, cfg.dataset)
         test = load_dataset(cfg.dataset, cfg.resolved_data_dir()).test  # fail before round 1
         wait_for_nodes(grid, max(cfg.clients_per_round, 1))
     except Exception as err:
@@ -386,25 +387,26 @@ def _by_node(values: dict) -> dict[str, object]:
     return {str(k): v for k, v in sorted(values.items())}
 
 
-def initial_model_of(seed: int) -> LeNet5Caffe:
-    """The run's initial model, the same on the server and every client (seeded; the global RNG
-    of the caller is left as it was)."""
+def initial_model_of(seed: int, dataset: str = "digits") -> nn.Module:
+    """The run's initial model for ``dataset`` (:func:`~fedcomp.app.models.model_for`), the same
+    on the server and every client (seeded; the global RNG of the caller is left as it was)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return LeNet5Caffe()
+        return model_for(dataset)
 
 
 def client_initial_model(context: Context) -> dict[str, torch.Tensor]:
     """For ``make_compression_mod(initial_model=...)``: this run's version-0 model, built on the
     client (with ``seeded-initial-model = true`` the server then sends no initial model)."""
-    seed = context.run_config.get("seed", 0)
+    seed, dataset = context.run_config.get("seed", 0), context.run_config.get("dataset", "digits")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ConfigError(f"seed: must be an integer (got {seed!r})")
-    return dict(initial_model_of(seed).state_dict())
+    return dict(initial_model_of(seed, str(dataset)).state_dict())
 
 
 def client_train(msg: Message, context: Context, extra_keys: Iterable[str] = ()) -> Message:
-    """Train LeNet5 on this SuperNode's partition for ``local-iters`` steps and reply the model."""
+    """Train the dataset's model (LeNet5, or CharLSTM on Shakespeare) on this SuperNode's partition
+    for ``local-iters`` steps and reply the model."""
     cfg = AppConfig.from_run_config(context.run_config, ignore=extra_keys)
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
@@ -418,7 +420,7 @@ def client_train(msg: Message, context: Context, extra_keys: Iterable[str] = ())
         seed=cfg.seed,
         data_dir=cfg.resolved_data_dir(),
     )
-    model = LeNet5Caffe()
+    model = model_for(cfg.dataset)
     model.load_state_dict(msg.content.array_records["arrays"].to_torch_state_dict())
     config = msg.content.config_records[protocol.CONFIG_RECORD]
     server_round = _int(config.get(protocol.SERVER_ROUND, 0))

@@ -27,7 +27,7 @@ from fedcomp.flower.settings import CompressionConfig
 DATA_DIR_ENV = "FEDCOMP_DATA_DIR"
 RESULTS_DIR_ENV = "FEDCOMP_RESULTS_DIR"
 
-Dataset = Literal["digits", "mnist", "fashion-mnist"]
+Dataset = Literal["digits", "mnist", "fashion-mnist", "shakespeare"]
 
 #: Where the reference app's compression defaults differ from the library's:
 #:

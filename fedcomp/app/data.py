@@ -1,7 +1,7 @@
 """Datasets as torch tensors, and how they are split over simulated clients.
 
 Every dataset comes out as a :class:`Split`: float32 images ``N x 1 x 28 x 28``, normalized with the
-training set's mean and std, and int64 labels.
+training set's mean and std (text: uint8 byte windows ``N x L``), and int64 labels.
 
 * ``"mnist"`` and ``"fashion-mnist"`` read the four published gzip IDX files from
   ``<data_dir>/<name>/`` (:func:`load_idx_dataset`). Nothing is downloaded; the data folder comes
@@ -10,6 +10,14 @@ training set's mean and std, and int64 labels.
   package, so it works offline with no data folder). Each image is upsampled to 20x20 and padded
   to 28x28, the way MNIST centers its 20x20 digits, so the same LeNet5 runs on it. A fixed
   permutation splits it into 1,500 train and 297 test images.
+* ``"shakespeare"`` is tiny Shakespeare (``<data_dir>/tinyshakespeare/input.txt``, 1,115,394
+  characters) as next-character prediction, the task of LEAF's Shakespeare benchmark and of the
+  SBC paper's CharLSTM: each sample is :data:`SHAKESPEARE_SEQ` characters (uint8 bytes) and its
+  label the byte that follows. The first 90 % of the text gives the training samples (a window
+  every :data:`SHAKESPEARE_STRIDE` characters), the rest the test samples (windows that do not
+  overlap), so no test character is ever trained on. Departure from the SBC paper, which gives each
+  of four clients a contiguous quarter of the complete works: the samples are partitioned like
+  the images (IID, or Dirichlet over the next character).
 
 Partitioning (:func:`partition_indices`) is IID (a seeded shuffle cut into near-equal parts) or
 Dirichlet(alpha) non-IID (per class, a Dirichlet draw over the clients says which share of that
@@ -47,6 +55,8 @@ from fedcomp.app.config import DATA_DIR_ENV
 __all__ = [
     "DATASETS",
     "IDX_DATASETS",
+    "SHAKESPEARE_CLASSES",
+    "SHAKESPEARE_SEQ",
     "DataError",
     "Dataset",
     "Split",
@@ -56,13 +66,23 @@ __all__ = [
     "load_digits_dataset",
     "load_idx_dataset",
     "load_partition",
+    "load_shakespeare_dataset",
     "partition_indices",
     "read_idx",
     "resolve_data_dir",
 ]
 
 IDX_DATASETS = ("mnist", "fashion-mnist")
-DATASETS = ("digits", *IDX_DATASETS)
+DATASETS = ("digits", *IDX_DATASETS, "shakespeare")
+
+#: Characters a Shakespeare sample holds (LEAF's length), a training window every this many
+#: characters, and the share of the text, at its end, kept for testing.
+SHAKESPEARE_SEQ = 80
+SHAKESPEARE_STRIDE = 20
+SHAKESPEARE_TEST_SHARE = 0.1
+#: Classes of the Shakespeare task: every byte value (the text's 65 characters among them), so the
+#: model does not depend on the file.
+SHAKESPEARE_CLASSES = 256
 
 _IDX_FILES = {
     ("train", "images"): "train-images-idx3-ubyte.gz",
@@ -82,7 +102,8 @@ class DataError(RuntimeError):
 
 @dataclass(frozen=True)
 class Split:
-    """One split of a dataset: ``x`` float32 ``N x 1 x 28 x 28`` normalized, ``y`` int64 ``N``."""
+    """One split of a dataset: ``x`` float32 ``N x 1 x 28 x 28`` normalized (Shakespeare: uint8
+    ``N x SHAKESPEARE_SEQ``), ``y`` int64 ``N``."""
 
     x: torch.Tensor
     y: torch.Tensor
@@ -146,7 +167,7 @@ def resolve_data_dir(data_dir: str | Path | None = None) -> Path:
     if not value:
         raise DataError(
             f"no data folder: set the run config key 'data-dir' or the {DATA_DIR_ENV} "
-            "environment variable to the folder holding mnist/ and fashion-mnist/ "
+            "environment variable to the folder holding mnist/, fashion-mnist/ and tinyshakespeare/ "
             "(or use dataset='digits', which needs no files)"
         )
     return Path(value).expanduser()
@@ -222,12 +243,46 @@ def load_digits_dataset() -> Dataset:
     )
 
 
+# --- tiny Shakespeare ---------------------------------------------------------------------------
+
+
+def load_shakespeare_dataset(data_dir: str | Path | None = None) -> Dataset:
+    """Tiny Shakespeare from ``<data_dir>/tinyshakespeare/input.txt`` as next-byte prediction (see
+    the module doc)."""
+    return _load_shakespeare_cached(str(resolve_data_dir(data_dir).resolve()))
+
+
+@lru_cache(maxsize=2)
+def _load_shakespeare_cached(root: str) -> Dataset:
+    path = Path(root) / "tinyshakespeare" / "input.txt"
+    if not path.is_file():
+        raise DataError(f"{path}: not found (tiny Shakespeare's input.txt)")
+    text = np.frombuffer(path.read_bytes(), dtype=np.uint8)
+    cut = int(len(text) * (1.0 - SHAKESPEARE_TEST_SHARE))
+    if cut - SHAKESPEARE_SEQ < 1 or len(text) - cut <= SHAKESPEARE_SEQ:
+        raise DataError(f"{path}: {len(text)} bytes, too short for windows of {SHAKESPEARE_SEQ}")
+
+    def windows(starts: np.ndarray) -> Split:
+        x = text[starts[:, None] + np.arange(SHAKESPEARE_SEQ)]  # (the label is the byte after)
+        return Split(
+            torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(text[starts + SHAKESPEARE_SEQ].astype(np.int64))
+        )
+
+    # a training window ends, label included, before the cut; test windows start at it
+    train = windows(np.arange(0, cut - SHAKESPEARE_SEQ, SHAKESPEARE_STRIDE))
+    test = windows(np.arange(cut, len(text) - SHAKESPEARE_SEQ, SHAKESPEARE_SEQ))
+    return Dataset(name="shakespeare", train=train, test=test, num_classes=SHAKESPEARE_CLASSES)
+
+
 def load_dataset(name: str, data_dir: str | Path | None = None) -> Dataset:
-    """Any of :data:`DATASETS`. ``data_dir`` is only used (and only needed) for IDX datasets."""
+    """Any of :data:`DATASETS`. ``data_dir`` is only used (and only needed) for the ones read from
+    files (all but digits)."""
     if name == "digits":
         return load_digits_dataset()
     if name in IDX_DATASETS:
         return load_idx_dataset(name, data_dir)
+    if name == "shakespeare":
+        return load_shakespeare_dataset(data_dir)
     raise DataError(f"dataset: unknown dataset {name!r}; known: {list(DATASETS)}")
 
 

@@ -1,4 +1,4 @@
-"""The model of the SBC paper's MNIST experiments, local training, and evaluation."""
+"""The models of the SBC paper's MNIST and Shakespeare experiments, local training, and evaluation."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["LeNet5Caffe", "evaluate", "resolve_device", "state_dict_nbytes", "train_local"]
+__all__ = ["CharLSTM", "LeNet5Caffe", "evaluate", "model_for", "resolve_device", "state_dict_nbytes", "train_local"]
 
 
 class LeNet5Caffe(nn.Module):
@@ -33,6 +33,28 @@ class LeNet5Caffe(nn.Module):
         x = F.max_pool2d(self.conv2(x), 2)  # 50 x 4 x 4
         x = F.relu(self.fc1(torch.flatten(x, 1)))
         return self.fc2(x)
+
+
+class CharLSTM(nn.Module):
+    """The SBC paper's CharLSTM (Sattler et al., Shakespeare: a two-layer LSTM of 200 units) for
+    next-byte prediction: an 8-wide byte embedding, the LSTM, and logits over ``num_classes``
+    bytes from its last step. Input ``N x L`` byte codes (uint8 or int64), output ``N x
+    num_classes``. 539,800 parameters with 256 classes."""
+
+    def __init__(self, num_classes: int = 256, embedding: int = 8, hidden: int = 200, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(num_classes, embedding)
+        self.lstm = nn.LSTM(embedding, hidden, layers, batch_first=True)
+        self.fc = nn.Linear(hidden, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.lstm(self.embed(x.long()))
+        return self.fc(out[:, -1])
+
+
+def model_for(dataset: str) -> nn.Module:
+    """The reference app's model for ``dataset``: CharLSTM for "shakespeare", else LeNet5Caffe."""
+    return CharLSTM() if dataset == "shakespeare" else LeNet5Caffe()
 
 
 def state_dict_nbytes(model: nn.Module) -> int:
