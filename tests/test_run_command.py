@@ -410,3 +410,29 @@ def test_a_users_app_with_batchnorm_and_a_scalar_parameter_runs_compressed(tmp_p
     # two rounds of one epoch over each client's half of MNIST's 60,000 images, 32 to a batch
     assert float(model["bn1.num_batches_tracked"]) == 2 * -(-30_000 // 32)
     assert watch.new_alive() == [], "processes of the run still alive"
+
+
+@pytest.mark.slow
+@pytest.mark.flower
+def test_the_shakespeare_char_lstm_runs_compressed(tmp_path: Path) -> None:
+    """``dataset = "shakespeare"``: the CharLSTM (LSTM weights and biases, an embedding) through a
+    real simulation, two rounds: completed, every update aggregated, the uplink compressed, the
+    test loss below the uniform guess's ln(256) = 5.55."""
+    data = os.environ.get("FEDCOMP_DATA_DIR", "")
+    if not data or not (Path(data) / "tinyshakespeare" / "input.txt").is_file():
+        pytest.skip(
+            "FEDCOMP_DATA_DIR does not hold tinyshakespeare/input.txt (e.g. FEDCOMP_DATA_DIR=/work/shared/data)"
+        )
+    out_dir = tmp_path / "run"
+    config = "dataset='shakespeare' local-iters=3 lr=0.01"
+    done, watch = fedcomp_run(
+        ["--nodes", "2", "--rounds", "2", "--run-config", config, "--out", str(out_dir)], timeout=400
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    data_ = _results(out_dir)
+    assert data_["status"] == "completed"
+    last = data_["rounds"][-1]
+    assert last["updates_aggregated"] == 2 and last["uplink_compression"] > 10
+    assert last["dense_uplink_bytes"] == 2 * 4 * 543_104  # two clients' CharLSTM, as dense float32
+    assert last["loss"] < 5.5
+    assert watch.new_alive() == [], "processes of the run still alive"
