@@ -87,6 +87,11 @@ def keeps_nothing(mean: float) -> bool:
     return mean == 0.0 and math.copysign(1.0, mean) > 0
 
 
+def side_payload(mean: float, golomb_b: int, nnz: int, bits: bytes) -> SBCPayload:
+    """The payload of a kept side: :data:`NOTHING_KEPT` where its mean is +0.0 (the module doc)."""
+    return NOTHING_KEPT if keeps_nothing(mean) else SBCPayload(mean=mean, golomb_b=golomb_b, nnz=nnz, bits=bits)
+
+
 #: Seed of the fast mode's sample positions (part of the wire format: changing it changes bytes).
 _SAMPLE_SEED = 0x5BC_2018
 
@@ -203,8 +208,7 @@ class SBC(Codec):
             if mean is None:
                 continue
             name, t = tensors[i]
-            payload = NOTHING_KEPT if keeps_nothing(mean) else SBCPayload(mean=mean, golomb_b=b, nnz=nnz, bits=bits)
-            out[i] = self._envelope(t, name, payload)
+            out[i] = self._envelope(t, name, side_payload(mean, b, nnz, bits))
         return out
 
     def encode_sparse(self, tensor: torch.Tensor, name: str = "") -> tuple[EncodedTensor, np.ndarray, float] | None:

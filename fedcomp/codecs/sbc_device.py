@@ -43,7 +43,7 @@ import torch
 
 from fedcomp.codecs.flat import Layout, Rider, host_side, position_dtype, to_device, to_host
 from fedcomp.codecs.golomb import encode_positions, golomb_b
-from fedcomp.codecs.sbc import NOTHING_KEPT, SBC, _sample_positions_np, choose_side, choose_sides_flat, keeps_nothing
+from fedcomp.codecs.sbc import SBC, _sample_positions_np, choose_side, choose_sides_flat, side_payload
 from fedcomp.codecs.segments import segment_ids
 from fedcomp.wire.payloads import EncodedTensor, SBCPayload
 
@@ -225,7 +225,7 @@ def _finish(codec: SBC, layout: Layout, plan: _Plan, cands: _Candidates) -> Flat
             kept.append(idx + off)
         # (a mean of +0.0 sends no positions; the kept ones stay in ``kept``, where the residual
         # takes off -0.0 and the reconstruction writes +0.0: the same as not at all)
-        payloads.append(NOTHING_KEPT if keeps_nothing(mean) else SBCPayload(mean=mean, golomb_b=b, nnz=nnz, bits=bits))
+        payloads.append(side_payload(mean, b, nnz, bits))
     encoded = codec._float32_envelopes(layout.names, layout.shapes, payloads)
     if found.kept is not None and found.value is not None:
         return FlatEncoding(encoded, found.kept, found.value)

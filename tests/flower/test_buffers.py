@@ -9,16 +9,14 @@ from typing import Any
 
 import pytest
 import torch
-from flwr.app import ArrayRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ArrayRecord
 
 from fedcomp.errors import ConfigError
 from fedcomp.flower import protocol
-from fedcomp.flower.records import record_from_tensors, tensors_from_record
+from fedcomp.flower.records import tensors_from_record
 from tests.flower.helpers import (
     Client,
-    local_delta,
     make_strategy,
-    num_examples,
     server_identity,  # noqa: F401 (autouse fixture)
     tiny_model,
     train_round,
@@ -31,19 +29,9 @@ class _WithBuffers(Client):
     """Trains the float arrays as :class:`Client` does; counts ``STEP`` batches in the int64
     buffer it loaded as a model would (``load_state_dict`` casts the float32 it receives)."""
 
-    def app(self, msg: Message, ctx: Any) -> Message:
-        received = tensors_from_record(msg.content.array_records["arrays"])
-        rnd = int(msg.content.config_records[protocol.CONFIG_RECORD][protocol.SERVER_ROUND])  # type: ignore[arg-type]
-        if msg.metadata.message_type != MessageType.TRAIN:
-            return Message(RecordDict({"metrics": MetricRecord({"num-examples": 1, "loss": 1.0})}), reply_to=msg)
-        d = local_delta(self.node, rnd, received)
-        trained: dict[str, torch.Tensor] = {k: received[k] + d[k] for k in received}
-        trained["bn.num_batches_tracked"] = received["bn.num_batches_tracked"].to(torch.int64) + STEP
-        trained["mask"] = received["mask"].to(torch.bool)
-        content = RecordDict(
-            {"arrays": record_from_tensors(trained), "metrics": MetricRecord({"num-examples": num_examples(self.node)})}
-        )
-        return Message(content, reply_to=msg)
+    def trained(self, received: dict[str, torch.Tensor], trained: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        counted = received["bn.num_batches_tracked"].to(torch.int64) + STEP
+        return {**trained, "bn.num_batches_tracked": counted, "mask": received["mask"].to(torch.bool)}
 
 
 def _model() -> dict[str, torch.Tensor]:

@@ -247,16 +247,8 @@ def test_each_client_keeps_its_own_state() -> None:
 class _FrozenW1(Client):
     """A client that fine-tunes all but ``w1`` (a frozen layer: its update is exactly zero)."""
 
-    def app(self, msg: Message, ctx):  # type: ignore[no-untyped-def]
-        out = super().app(msg, ctx)
-        if msg.metadata.message_type != MessageType.TRAIN:
-            return out
-        rnd = int(msg.content.config_records[protocol.CONFIG_RECORD][protocol.SERVER_ROUND])  # type: ignore[arg-type]
-        received, _ = self.seen[rnd]
-        trained = tensors_from_record(out.content.array_records["arrays"])
-        trained["w1"] = received["w1"].clone()
-        out.content.array_records["arrays"] = record_from_tensors(trained)
-        return out
+    def trained(self, received: dict[str, torch.Tensor], trained: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {**trained, "w1": received["w1"].clone()}
 
 
 def test_a_frozen_layer_costs_no_positions_and_stays_bit_identical() -> None:
