@@ -140,7 +140,7 @@ class Client:
         if msg.metadata.message_type == MessageType.TRAIN:
             d = local_delta(self.node, rnd, received)
             self.seen[rnd] = (received, d)
-            trained = self.trained(received, {k: received[k] + d[k] for k in received})
+            trained = self.replied(received, {k: received[k] + d[k] for k in received})
             content = RecordDict(
                 {ARRAYS: record_from_tensors(trained), METRICS: MetricRecord({"num-examples": num_examples(self.node)})}
             )
@@ -150,7 +150,7 @@ class Client:
             content = RecordDict({METRICS: MetricRecord({"num-examples": num_examples(self.node), "loss": loss})})
         return Message(content, reply_to=msg)
 
-    def trained(self, received: dict[str, torch.Tensor], trained: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def replied(self, received: dict[str, torch.Tensor], trained: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The arrays this client replies after training from ``received`` (a subclass changes some:
         a frozen layer, a counter)."""
         return trained

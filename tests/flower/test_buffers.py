@@ -29,7 +29,7 @@ class _WithBuffers(Client):
     """Trains the float arrays as :class:`Client` does; counts ``STEP`` batches in the int64
     buffer it loaded as a model would (``load_state_dict`` casts the float32 it receives)."""
 
-    def trained(self, received: dict[str, torch.Tensor], trained: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def replied(self, received: dict[str, torch.Tensor], trained: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         counted = received["bn.num_batches_tracked"].to(torch.int64) + STEP
         return {**trained, "bn.num_batches_tracked": counted, "mask": received["mask"].to(torch.bool)}
 

@@ -247,7 +247,7 @@ def test_each_client_keeps_its_own_state() -> None:
 class _FrozenW1(Client):
     """A client that fine-tunes all but ``w1`` (a frozen layer: its update is exactly zero)."""
 
-    def trained(self, received: dict[str, torch.Tensor], trained: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def replied(self, received: dict[str, torch.Tensor], trained: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {**trained, "w1": received["w1"].clone()}
 
 
