@@ -5,8 +5,9 @@ initial model itself, so with ``seeded-initial-model = true`` no initial model i
 
 from flwr.clientapp import ClientApp
 
-from fedcomp.app.apps import client_initial_model, client_train
+from fedcomp.app.apps import client_initial_model, client_query, client_train
 from fedcomp.flower.mod import make_compression_mod
 
 app = ClientApp(mods=[make_compression_mod(initial_model=client_initial_model)])
 app.train()(client_train)
+app.query()(client_query)  # its partition id, for reproducible client sampling

@@ -436,3 +436,27 @@ def test_the_shakespeare_char_lstm_runs_compressed(tmp_path: Path) -> None:
     assert last["dense_uplink_bytes"] == 2 * 4 * 543_104  # two clients' CharLSTM, as dense float32
     assert last["loss"] < 5.5
     assert watch.new_alive() == [], "processes of the run still alive"
+
+
+@pytest.mark.slow
+@pytest.mark.flower
+def test_one_seed_samples_the_same_partitions_in_every_run_compressed_or_not(tmp_path: Path) -> None:
+    """``clients-per-round``: two runs with the same seed train the same partitions each round and
+    end on the same models, and the dense baseline samples those partitions too (a simulation's
+    node ids are new in every run; before, only round 1's sample was the same)."""
+    runs = {}
+    for name, extra in (("a", ""), ("b", ""), ("dense", " compress=false")):
+        out_dir = tmp_path / name
+        config = f"clients-per-round=2 local-iters=1 dataset=digits{extra}"
+        done, watch = fedcomp_run(["--nodes", "5", "--rounds", "4", "--run-config", config, "--out", str(out_dir)], 400)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert watch.new_alive() == [], "processes of the run still alive"
+        data = _results(out_dir)
+        parts = data["summary"]["node_partitions"]
+        assert sorted(parts.values()) == list(range(5))
+        sampled = [sorted(parts[c] for c in r["clients"]["ids"]) for r in data["rounds"][1:]]
+        assert all(len(s) == 2 for s in sampled)
+        runs[name] = (sampled, [r["model_digest"] for r in data["rounds"]])
+    assert runs["a"] == runs["b"]
+    assert runs["dense"][0] == runs["a"][0]
+    assert len({tuple(s) for s in runs["a"][0]}) > 1  # the rounds do sample differently
