@@ -112,6 +112,7 @@ KEYS_ADDED_OFF: dict[str, Any] = {
     "stale-residual-decay": 1.0,
     "stale-residual-clip": 0.0,
     "lattice-step": 8.0,  # the "lattice" downlink's (issue 12), read only by it
+    "lattice-weight-step": 1024.0,  # its bound by the weights (2026-11-27): 1024 never binds on LeNet
     "downlink-candidates": "3lc,3lc*2,sparse-fp16,sparse-fp32,dense-fp32",  # the "auto" downlink's
 }
 
@@ -205,6 +206,7 @@ class Task:
                     del resolved[k]
             if resolved.get("downlink-codec") != "lattice":
                 resolved.pop("lattice-step", None)  # read by the lattice downlink only
+                resolved.pop("lattice-weight-step", None)
             fields["compression"] = resolved
         return fields
 

@@ -40,6 +40,7 @@ def test_pyproject_defaults_are_valid_and_match_the_model() -> None:
         ({"dataset": "cifar10"}, "dataset: must be one of"),
         ({"partitioning": "pathological"}, "partitioning: must be one of"),
         ({"dirichlet-alpha": 0.0}, "dirichlet-alpha: must be > 0"),
+        ({"lattice-weight-step": 0.0}, "lattice-weight-step: Input should be greater than 0 (got 0.0)"),
         ({"run-name": "../x"}, "run-name: must be a plain folder name"),
         ({"lerning-rate": 0.1}, "unknown key 'lerning-rate' (not a key of this app"),
         ({"sbc-pp": 0.01}, "unknown key 'sbc-pp' (did you mean 'sbc-p'?)"),

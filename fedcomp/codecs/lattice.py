@@ -58,31 +58,38 @@ _K_BITS, _K_MAX = 5, 23  # the Rice parameter's width and its largest value
 class Lattice(Codec):
     """Round to the grid ``2**exponent`` and send the non-zero multiples (see the module docstring).
 
-    ``step`` is the run's relative grid step (the ``lattice-step`` key): the server replica sets
-    each tensor's exponent to ``floor(log2(step * RMS(first movement)))``. The codec itself uses
-    only ``exponent``: required to encode; when set, decoding also requires the payload's grid to
-    be ``2**exponent``.
+    ``step`` and ``weight_step`` are the run's relative grid steps (the ``lattice-step`` and
+    ``lattice-weight-step`` keys): the server replica sets each tensor's exponent to
+    ``floor(log2(min(step * RMS(first movement), weight_step * RMS(values))))``
+    (:func:`fedcomp.flower.replica.grid_exponents`). The codec itself uses only ``exponent``:
+    required to encode; when set, decoding also requires the payload's grid to be ``2**exponent``.
     """
 
     codec_id = "lattice"
     version = 1
 
-    def __init__(self, step: float = 8.0, exponent: int | None = None) -> None:
-        if isinstance(step, bool) or not isinstance(step, (int, float)) or not (math.isfinite(step) and step > 0):
-            raise ConfigError(f"lattice: step must be a finite number > 0, got {step!r}")
+    def __init__(self, step: float = 8.0, exponent: int | None = None, weight_step: float = 2.0) -> None:
+        for key, value in (("step", step), ("weight_step", weight_step)):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not (math.isfinite(value) and value > 0)
+            ):
+                raise ConfigError(f"lattice: {key} must be a finite number > 0, got {value!r}")
         if exponent is not None and (
             isinstance(exponent, bool) or not isinstance(exponent, int) or not E_MIN <= exponent <= E_MAX
         ):
             raise ConfigError(f"lattice: exponent must be an int in [{E_MIN}, {E_MAX}], got {exponent!r}")
         self.step = float(step)
         self.exponent = exponent
+        self.weight_step = float(weight_step)
 
     def _params(self) -> dict[str, Any]:
-        return {"step": self.step, "exponent": self.exponent}
+        return {"step": self.step, "exponent": self.exponent, "weight_step": self.weight_step}
 
     def with_exponent(self, exponent: int) -> Lattice:
         """The same codec on the grid ``2**exponent``."""
-        return Lattice(self.step, exponent)
+        return Lattice(self.step, exponent, self.weight_step)
 
     # --- encoding -----------------------------------------------------------------------------
 

@@ -178,7 +178,7 @@ class ServerReplica:
     def _advance_lattice(self, target: dict[str, torch.Tensor], codec: Lattice) -> bytes:
         """The lattice step: ``dK = round(W / h) - round(R / h)`` per tensor, applied as clients do."""
         if self.grid is None:
-            self.grid = grid_exponents(target, self.tensors, codec.step)
+            self.grid = grid_exponents(target, self.tensors, codec.step, codec.weight_step)
         if self._lattice_from is None:
             self._lattice_from = self.version
         delta: dict[str, torch.Tensor] = {}
@@ -296,15 +296,26 @@ def apply_delta(
         tensors[k] += d
 
 
-def grid_exponents(target: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tensor], step: float) -> dict[str, int]:
+def grid_exponents(
+    target: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tensor], step: float, weight_step: float
+) -> dict[str, int]:
     """Each tensor's lattice exponent ``e = floor(log2(step * RMS(target - base)))`` (the first
-    movement of the model sets the grid for the run).
+    movement of the model sets the grid for the run), at most ``floor(log2(weight_step *
+    RMS(target)))``.
+
+    The second bound is fedcomp's (the lattice is no paper's): a grid coarser than the weights
+    rounds most of them to zero or one step. It binds where the first movement is large against
+    the weights: with Adam (every weight moves by about the learning rate a step) the Shakespeare
+    CharLSTM's first movement put its LSTM weights on a grid 6x their RMS, and the replica its
+    clients trained from lost 12 points of accuracy (docs/lattice.md). A zero-initialised tensor
+    (a bias, a norm's shift) has a first movement equal to its values and takes the bound.
 
     Fallbacks, documented in FORMAT.md: a tensor that did not move takes the smallest exponent of
-    those that moved (-24 when none did); a tensor whose values are all integers, in ``target`` and
-    ``base`` (a counter such as BatchNorm's ``num_batches_tracked``, a mask: the grid of its first
-    movement would round a counter that moves by thousands to a multiple of 2**13), takes at most
-    0, so that its grid holds every integer; every exponent is then raised as far as needed for the
+    those that moved (-24 when none did), within its own weight bound; a tensor whose values are
+    all integers, in ``target`` and ``base`` (a counter such as BatchNorm's ``num_batches_tracked``,
+    a mask: the grid of its first movement would round a counter that moves by thousands to a
+    multiple of 2**13), takes at most 0, so that its grid holds every integer; every exponent is
+    then raised as far as needed for the
     tensor's largest value to stay below ``2**22 * h`` (a 4x margin under ``|K| < 2**24`` for the
     model to grow), and clamped to ``[E_MIN, E_MAX]``.
     """
@@ -318,6 +329,9 @@ def grid_exponents(target: Mapping[str, torch.Tensor], base: Mapping[str, torch.
     out: dict[str, int] = {}
     for k, t in target.items():
         e = moved.get(k, fallback)
+        values = float(t.detach().to(torch.float64).pow(2).mean().sqrt()) if t.numel() else 0.0
+        if values > 0 and math.isfinite(values):
+            e = min(e, math.floor(math.log2(weight_step * values)))
         if _integer_valued(t) and _integer_valued(base[k]):
             e = min(e, 0)
         biggest = max(

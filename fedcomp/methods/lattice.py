@@ -21,10 +21,11 @@ __all__ = ["LatticeDownlink"]
 
 
 class LatticeDownlink(DownlinkMethod):
-    """Lattice replica: per-tensor grid ``2**floor(log2(lattice-step * RMS(first movement)))``."""
+    """Lattice replica: per-tensor grid ``2**floor(log2(min(lattice-step * RMS(first movement),
+    lattice-weight-step * RMS(values))))``."""
 
     method_id = "lattice"
 
     @classmethod
     def codec_config(cls, config: CompressionConfig, server_round: int) -> dict[str, Any]:
-        return {"id": "lattice", "step": config.lattice_step}
+        return {"id": "lattice", "step": config.lattice_step, "weight_step": config.lattice_weight_step}

@@ -80,16 +80,28 @@ def test_round_trip_on_devices(device: str) -> None:
 
 
 def test_config_round_trip() -> None:
-    for codec in (Lattice(), Lattice(0.25), Lattice(1.0, -9)):
+    for codec in (Lattice(), Lattice(0.25), Lattice(1.0, -9), Lattice(1.0, -9, weight_step=0.5)):
         kit.check_config_round_trip(codec)
     assert get_codec({"id": "lattice", "step": 0.5}) == Lattice(0.5)
+    assert Lattice(3.0, weight_step=0.5).with_exponent(-2) == Lattice(3.0, -2, 0.5)
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"step": 0}, {"step": -1.0}, {"step": math.inf}, {"step": True}, {"exponent": 200}, {"exponent": 1.5}]
+    "kwargs",
+    [
+        {"step": 0},
+        {"step": -1.0},
+        {"step": math.inf},
+        {"step": True},
+        {"exponent": 200},
+        {"exponent": 1.5},
+        {"weight_step": 0.0},
+        {"weight_step": math.nan},
+        {"weight_step": "2"},
+    ],
 )
 def test_invalid_config(kwargs: dict) -> None:
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match=f"lattice: {next(iter(kwargs))} must be"):
         Lattice(**kwargs)
 
 

@@ -13,7 +13,7 @@ from fedcomp.errors import PayloadError
 from fedcomp.flower import protocol
 from fedcomp.flower.mod import make_compression_mod
 from fedcomp.flower.records import digest
-from fedcomp.flower.replica import ServerReplica, apply_delta, apply_lattice
+from fedcomp.flower.replica import ServerReplica, apply_delta, apply_lattice, grid_exponents
 from fedcomp.methods.update import specs_of
 from fedcomp.wire.serde import update_from_bytes
 from tests.flower.helpers import (  # noqa: F401  (server_identity: autouse fixture)
@@ -314,3 +314,66 @@ def test_the_server_merges_its_own_delta_to_the_bits_a_client_decodes() -> None:
         for k, got in replica.tensors.items():
             assert torch.equal(got.view(torch.int32), before[k].view(torch.int32)), (rnd, k)
     assert negative_zero_deltas  # the sign of zero was at stake (so the comparison above saw it)
+
+
+# --- the grid each tensor gets (grid_exponents) ---------------------------------------------------
+
+
+def _rms(t: torch.Tensor) -> float:
+    return float(t.double().pow(2).mean().sqrt())
+
+
+def _normal(n: int, scale: float, seed: int) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def test_a_first_movement_large_against_the_weights_is_bounded_by_the_weights() -> None:
+    # Adam's first round on an LSTM: weights of RMS 0.04 each move by about 0.025.
+    base = {"lstm": _normal(4000, 0.04, 1), "conv": _normal(4000, 0.1, 2)}
+    target = {"lstm": base["lstm"] + _normal(4000, 0.025, 3), "conv": base["conv"] + _normal(4000, 0.0005, 4)}
+    grid = grid_exponents(target, base, step=12.0, weight_step=2.0)
+    by_movement = grid_exponents(target, base, step=12.0, weight_step=1024.0)
+    assert by_movement["lstm"] == math.floor(math.log2(12.0 * _rms(target["lstm"] - base["lstm"])))  # 2**-2
+    assert grid["lstm"] == math.floor(math.log2(2.0 * _rms(target["lstm"]))) < by_movement["lstm"]
+    # A tensor that moved little against its values keeps the grid of its movement (LeNet's case).
+    assert grid["conv"] == by_movement["conv"] == math.floor(math.log2(12.0 * _rms(target["conv"] - base["conv"])))
+
+
+def test_a_zero_initialised_tensor_and_a_frozen_one_take_their_own_bound() -> None:
+    base = {"w": _normal(4000, 0.05, 5), "bias": torch.zeros(300), "frozen": _normal(300, 0.001, 6)}
+    target = {"w": base["w"] + _normal(4000, 0.02, 7), "bias": _normal(300, 0.01, 8), "frozen": base["frozen"]}
+    grid = grid_exponents(target, base, step=12.0, weight_step=2.0)
+    # The bias's first movement is its values: the bound, 6x finer than 12x its movement.
+    assert grid["bias"] == math.floor(math.log2(2.0 * _rms(target["bias"])))
+    assert grid["bias"] < grid_exponents(target, base, step=12.0, weight_step=1024.0)["bias"]
+    # The frozen tensor's fallback (the smallest exponent that moved) is bounded by its own values.
+    assert grid["frozen"] == math.floor(math.log2(2.0 * _rms(target["frozen"]))) < grid["w"]
+
+
+def test_the_bound_leaves_the_integer_rule_and_the_range_floor_in_force() -> None:
+    # A counter keeps a grid that holds every integer; a tensor with a value of 1000 moving very little
+    # keeps |K| < 2**22 (the floor raises the movement's exponent; the bound is far above both).
+    base = {"count": torch.tensor([3000.0]), "big": _normal(5000, 1.0, 9)}
+    base["big"][0] = 1000.0
+    target = {"count": torch.tensor([4000.0]), "big": base["big"] + _normal(5000, 1e-6, 10)}
+    grid = grid_exponents(target, base, step=12.0, weight_step=2.0)
+    assert grid["count"] == 0
+    floor = math.frexp(float(target["big"].abs().max()))[1] - 22
+    assert grid["big"] == floor > math.floor(math.log2(12.0 * _rms(target["big"] - base["big"])))
+
+
+def test_the_run_config_bounds_the_grid_of_the_strategy_and_its_clients() -> None:
+    # Through the real wrapper and mod: lattice-weight-step reaches the grid the clients adopt.
+    grids = {}
+    for weight_step in (0.25, 1024.0):
+        strategy = make_strategy(**{**LATTICE, "lattice-step": 12.0, "lattice-weight-step": weight_step})
+        clients = {n: Client(n) for n in (1, 2)}
+        new, _ = train_round(strategy, clients, 1, MODEL)
+        assert new is not None
+        train_round(strategy, clients, 2, new)
+        assert strategy.replica is not None and strategy.replica.grid is not None
+        assert strategy.replica.grid == grid_exponents(new, MODEL, 12.0, weight_step)
+        for c in clients.values():
+            assert dict(c.ctx.state.config_records[protocol.STATE_LATTICE]) == strategy.replica.grid
+        grids[weight_step] = strategy.replica.grid
+    assert all(grids[0.25][k] < grids[1024.0][k] for k in ("w1", "w2"))
