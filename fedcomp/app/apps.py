@@ -430,7 +430,9 @@ def client_initial_model(context: Context) -> dict[str, torch.Tensor]:
     seed, dataset = context.run_config.get("seed", 0), context.run_config.get("dataset", "digits")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ConfigError(f"seed: must be an integer (got {seed!r})")
-    return dict(initial_model_of(seed, str(dataset)).state_dict())
+    if not isinstance(dataset, str):
+        raise ConfigError(f"dataset: must be a string (got {dataset!r})")
+    return dict(initial_model_of(seed, dataset).state_dict())
 
 
 def client_query(msg: Message, context: Context) -> Message:

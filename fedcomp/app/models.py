@@ -11,7 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedcomp.errors import ConfigError
+
 __all__ = [
+    "MODELS",
     "CharLSTM",
     "LeNet5Caffe",
     "evaluate",
@@ -62,9 +65,22 @@ class CharLSTM(nn.Module):
         return self.fc(out[:, -1])
 
 
+#: The reference app's datasets, each with the model that trains on it.
+MODELS: dict[str, type[nn.Module]] = {
+    "digits": LeNet5Caffe,
+    "mnist": LeNet5Caffe,
+    "fashion-mnist": LeNet5Caffe,
+    "shakespeare": CharLSTM,
+}
+
+
 def model_for(dataset: str) -> nn.Module:
-    """The reference app's model for ``dataset``: CharLSTM for "shakespeare", else LeNet5Caffe."""
-    return CharLSTM() if dataset == "shakespeare" else LeNet5Caffe()
+    """The reference app's model for ``dataset``: CharLSTM for "shakespeare", LeNet5Caffe for the
+    images; a :class:`ConfigError` naming the key for any other name (a ClientApp reads the run
+    config without the server's validation: it must not build LeNet for a typo)."""
+    if dataset not in MODELS:
+        raise ConfigError(f"dataset: must be one of {', '.join(map(repr, MODELS))} (got {dataset!r})")
+    return MODELS[dataset]()
 
 
 def state_dict_nbytes(model: nn.Module) -> int:

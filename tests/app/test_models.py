@@ -1,12 +1,18 @@
-"""The reference app's training and evaluation on the CPU: subnormal floats flushed to zero
-inside them only (``fedcomp.app.models.flushing_denormals``)."""
+"""The reference app's models, and its training and evaluation on the CPU: subnormal floats
+flushed to zero inside them only (``fedcomp.app.models.flushing_denormals``)."""
 
 from __future__ import annotations
 
+from typing import get_args
+
 import pytest
 import torch
+from flwr.app import Context, RecordDict
 
-from fedcomp.app.models import LeNet5Caffe, evaluate, flushing_denormals, train_local
+from fedcomp.app.apps import client_initial_model
+from fedcomp.app.config import Dataset
+from fedcomp.app.models import MODELS, CharLSTM, LeNet5Caffe, evaluate, flushing_denormals, model_for, train_local
+from fedcomp.errors import ConfigError
 
 TINY = 1e-39  # a float32 subnormal
 
@@ -35,3 +41,12 @@ def test_training_and_evaluation_leave_subnormals_as_they_were() -> None:
     assert _kept()
     evaluate(model, x, y)
     assert _kept()
+
+
+def test_every_dataset_has_its_model_and_another_name_is_a_config_error() -> None:
+    assert set(MODELS) == set(get_args(Dataset))
+    assert isinstance(model_for("shakespeare"), CharLSTM) and isinstance(model_for("mnist"), LeNet5Caffe)
+    for bad in ("cifar10", 5):
+        ctx = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={"dataset": bad})
+        with pytest.raises(ConfigError, match=r"^dataset: must be"):
+            client_initial_model(ctx)
