@@ -224,7 +224,14 @@ class TopK(Codec):
         return torch.cat(parts)  # ranges are sorted and disjoint: already ascending
 
     def _encode(self, flat: torch.Tensor, name: str) -> tuple[Payload, torch.Tensor | None]:
-        return sparse_payload(flat, self.select(flat, name).to(flat.device), self.values)
+        idx = self.select(flat, name).to(flat.device)
+        # A tensor with fewer than k non-zeros (a frozen layer, a sparse update) would send zeros
+        # among the k largest: they decode to nothing, so only the non-zero ones are sent.
+        if idx.numel():
+            kept = flat.index_select(0, idx) != 0
+            if not bool(kept.all()):
+                idx = idx[kept]
+        return sparse_payload(flat, idx, self.values)
 
     # --- decoding -----------------------------------------------------------------------------
 

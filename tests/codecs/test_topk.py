@@ -105,10 +105,12 @@ def test_round_trip(codec, tensor, device):
         return
     dec, _ = kit.round_trip(codec, x)
     nnz = codec.encode(x, "t").payload.nnz
+    selected = codec.select(x.cpu().reshape(-1).float())
     if codec.p is not None:
-        assert nnz == min(x.numel(), max(1, round(codec.p * x.numel())))
+        assert selected.numel() == min(x.numel(), max(1, round(codec.p * x.numel())))
     else:
-        assert nnz == sum(k for _, _, k in codec.ranges)
+        assert selected.numel() == sum(k for _, _, k in codec.ranges)
+    assert nnz == int((x.cpu().reshape(-1)[selected] != 0).sum())  # the selected non-zeros only
     if codec.values == "float32":  # kept entries are exact
         kept = dec != 0
         assert torch.equal(dec[kept], x[kept])
@@ -119,6 +121,17 @@ def test_empty_tensor_and_empty_ranges():
     enc = TopK(ranges=()).encode(seeded(100), "t")
     assert enc.payload.nnz == 0 and enc.payload.bits == b"" and enc.payload.values == b""
     assert not TopK(ranges=()).decode(enc, TensorSpec("t", (100,))).any()
+
+
+def test_zeros_among_the_k_largest_are_not_sent():
+    # A frozen layer and a tensor with 3 non-zeros, k = 100: nothing, then the 3, are sent.
+    x = torch.zeros(1000)
+    assert TopK(0.1).encode(x, "frozen").payload == SparsePayload(0, 0, b"", "float32", b"")
+    x[[5, 500, 999]] = torch.tensor([1.5, -2.0, 0.25])
+    for codec in (TopK(0.1), TopK(ranges=((0, 600, 50), (600, 1000, 50))), TopK(0.1, values="float16")):
+        enc, recon = codec.encode_with_reconstruction(x, "sparse")
+        assert enc.payload.nnz == 3 and torch.equal(recon, x)
+        assert torch.equal(codec.decode(enc, TensorSpec("sparse", (1000,))), x)
 
 
 def test_selection_semantics():
