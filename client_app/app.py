@@ -5,9 +5,10 @@ initial model itself, so with ``seeded-initial-model = true`` no initial model i
 
 from flwr.clientapp import ClientApp
 
-from fedcomp.app.apps import client_initial_model, client_query, client_train
+from fedcomp.app.apps import client_initial_model, client_train
 from fedcomp.flower.mod import make_compression_mod
+from fedcomp.flower.sampling import add_partition_query
 
 app = ClientApp(mods=[make_compression_mod(initial_model=client_initial_model)])
 app.train()(client_train)
-app.query()(client_query)  # its partition id, for reproducible client sampling
+add_partition_query(app)  # the server asks each node its partition, to sample clients reproducibly

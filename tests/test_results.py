@@ -82,9 +82,9 @@ def test_payload_nbytes_counts_arrays_and_bytes_only() -> None:
 class _Msg:
     """Stand-in for flwr.app.Message (a real one needs a running Flower task)."""
 
-    def __init__(self, content: RecordDict, dst: int = 0, src: int = 0, error: bool = False):
+    def __init__(self, content: RecordDict, dst: int = 0, src: int = 0, error: bool = False, kind: str = "train"):
         self.content = content
-        self.metadata = SimpleNamespace(dst_node_id=dst, src_node_id=src)
+        self.metadata = SimpleNamespace(dst_node_id=dst, src_node_id=src, message_type=kind)
         self._error = error
 
     def has_error(self) -> bool:
@@ -95,7 +95,12 @@ class _FakeGrid:
     """Just enough Grid: each node replies with the content it got; node 13 fails."""
 
     def send_and_receive(self, messages, *, timeout=None):
-        return [_Msg(m.content, src=m.metadata.dst_node_id, error=m.metadata.dst_node_id == 13) for m in messages]
+        return [
+            _Msg(
+                m.content, src=m.metadata.dst_node_id, error=m.metadata.dst_node_id == 13, kind=m.metadata.message_type
+            )
+            for m in messages
+        ]
 
 
 def test_metered_grid_reports_both_directions(tmp_path: Path) -> None:
@@ -105,6 +110,8 @@ def test_metered_grid_reports_both_directions(tmp_path: Path) -> None:
     content = RecordDict({"arrays": ArrayRecord(LeNet5Caffe().state_dict())})
     replies = list(grid.send_and_receive([_Msg(content, dst=n) for n in (5, 9, 13)]))
     assert len(replies) == 3
+    # A query (SeededSampling asking the nodes their partition) is no round's traffic.
+    assert len(list(grid.send_and_receive([_Msg(content, dst=n, kind="query.fedcomp_partition") for n in (5, 7)]))) == 2
     entry = rec.end_round(1, accuracy=0.5, loss=1.0)
     assert entry["clients"]["ids"] == ["5", "9", "13"]
     assert entry["clients"]["downlink_bytes"] == [model_bytes] * 3

@@ -33,11 +33,9 @@ from fedcomp.app.checkpoint import CHECKPOINT_FILE, ServerCheckpoint, load_check
 from fedcomp.app.config import AppConfig
 from fedcomp.app.data import load_dataset, load_partition
 from fedcomp.app.fl import (
-    PARTITION_RECORD,
     MeteredGrid,
     arrayrecord_nbytes,
     centralized_evaluate_fn,
-    query_partitions,
     recording_train_metrics_aggr,
     wait_for_nodes,
 )
@@ -46,6 +44,7 @@ from fedcomp.app.results import RESULTS_FILE, RunRecorder, record_failure
 from fedcomp.errors import ConfigError
 from fedcomp.flower import protocol
 from fedcomp.flower.records import digest, tensors_from_record
+from fedcomp.flower.sampling import SeededSampling
 from fedcomp.flower.strategy import CompressionStrategy
 
 log = logging.getLogger("flwr").getChild("fedcomp")
@@ -74,10 +73,8 @@ class _WatchedGrid(MeteredGrid):
     """A :class:`MeteredGrid` that also keeps, per round, how many train replies came back
     without an error and why the others failed (``Message.error``: the ClientApp's exception)."""
 
-    def __init__(
-        self, grid: Grid, recorder: RunRecorder, dense_nbytes: int, node_order: dict[int, int] | None = None
-    ) -> None:
-        super().__init__(grid, recorder, dense_nbytes=dense_nbytes, node_order=node_order)
+    def __init__(self, grid: Grid, recorder: RunRecorder, dense_nbytes: int) -> None:
+        super().__init__(grid, recorder, dense_nbytes=dense_nbytes)
         self.ok_replies = 0
         self.errors: dict[str, str] = {}
 
@@ -150,10 +147,7 @@ def server_main(
             torch.set_num_threads(cfg.torch_threads)
         model = initial_model_of(cfg.seed, cfg.dataset)
         test = load_dataset(cfg.dataset, cfg.resolved_data_dir()).test  # fail before round 1
-        nodes = wait_for_nodes(grid, max(cfg.clients_per_round, 1))
-        # Sampling draws from the node list with the seeded `random`; node ids are random per
-        # run, so the list goes in partition order for the same seed to pick the same clients.
-        partitions = query_partitions(grid, nodes) if cfg.clients_per_round else {}
+        wait_for_nodes(grid, max(cfg.clients_per_round, 1))
     except Exception as err:
         if not _resumed_run_dir_exists(context.run_config):  # never overwrite the results of the run to resume
             record_failure(dict(context.run_config), f"{type(err).__name__}: {err}")
@@ -161,12 +155,15 @@ def server_main(
     if ckpt is not None:
         model.load_state_dict(ckpt.model)  # W after the checkpoint's round
     arrays = ArrayRecord(model.state_dict())
-    random.seed(cfg.seed)  # (each round's sampling is seeded again by SeededRounds)
+    random.seed(cfg.seed)
     recorder = RunRecorder(cfg.to_run_config(), cfg.resolved_results_dir(), cfg.run_name)
     strategy = make_inner(cfg, recording_train_metrics_aggr(recorder))
     wrapper: CompressionStrategy | None = None
     if comp.compress:
         strategy = wrapper = CompressionStrategy(strategy, comp)
+    sampling: SeededSampling | None = None
+    if cfg.clients_per_round:  # one seed, the same partitions every round, compressed or not
+        strategy = sampling = SeededSampling(strategy, cfg.seed)
     done = 0  # rounds finished before this process started (resume)
     if ckpt is not None:
         done = ckpt.round
@@ -177,10 +174,7 @@ def server_main(
         log.info("fedcomp: resuming run %s after round %s of %s", cfg.run_name, done, cfg.num_server_rounds)
     latest = {"arrays": arrays}
     evaluate = centralized_evaluate_fn(model, test.x, test.y, recorder, resolve_device(cfg.device))
-    watched = _WatchedGrid(grid, recorder, dense_nbytes=arrayrecord_nbytes(arrays), node_order=partitions)
-    if cfg.clients_per_round:
-        log.info("fedcomp: sampling %s clients a round; partition ids known for %s of %s nodes",
-                 cfg.clients_per_round, len(partitions), len(nodes))  # fmt: skip
+    watched = _WatchedGrid(grid, recorder, dense_nbytes=arrayrecord_nbytes(arrays))
     empty_rounds: list[int] = []  # the current streak of train rounds without an aggregated update
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
@@ -271,7 +265,7 @@ def server_main(
         return evaluate_fn(server_round + done, arrays)
 
     try:
-        runner = SeededRounds(strategy, done, cfg.seed)
+        runner = _FromRound(strategy, done) if done else strategy
         runner.start(
             grid=watched,
             initial_arrays=arrays,
@@ -281,43 +275,29 @@ def server_main(
             evaluate_fn=shifted_evaluate_fn,
         )
     except BaseException as err:
-        recorder.finish("failed", error=f"{type(err).__name__}: {err}", node_partitions=_by_node(partitions))
+        recorder.finish("failed", error=f"{type(err).__name__}: {err}", **_partitions_of(sampling))
         write_plots(recorder.run_dir)
         raise
     # The model after the last round (the one evaluate_fn saw last: Result.arrays stays unset
     # when no round aggregated anything, and a resumed run may have no round left to run).
     torch.save(latest["arrays"].to_torch_state_dict(), Path(recorder.run_dir) / "final_model.pt")
-    recorder.finish(node_partitions=_by_node(partitions))
+    recorder.finish(**_partitions_of(sampling))
     write_plots(recorder.run_dir)
 
 
-class SeededRounds(Strategy):
-    """``strategy`` as :func:`server_main` runs it: each round's sampling seeded, and a resumed run
-    continued after round ``done``.
+class _FromRound(Strategy):
+    """``strategy`` continued after round ``done``: Flower's ``Strategy.start`` counts rounds from
+    1, so a resumed run passes every round on shifted by ``done`` (the inner strategy, the
+    wrapper, the clients' ``server-round`` all see the true round; only Flower's own
+    ``[ROUND i/n]`` log line counts from the resume)."""
 
-    Flower's FedAvg samples clients with the global ``random``, which Flower itself also draws from
-    at times that depend on timing (jittered back-offs and heartbeats): seeded once, the sampling
-    of round 1 was the same in two runs and round 2's was not. So ``random`` is seeded from
-    (``seed``, round) just before each configure call: the same seed samples the same nodes in
-    every round of every run, a resumed one included (with the nodes listed in partition order,
-    :class:`~fedcomp.app.fl.MeteredGrid`, the same partitions).
-
-    Flower's ``Strategy.start`` counts rounds from 1, so a resumed run passes every round on
-    shifted by ``done`` (the inner strategy, the wrapper, the clients' ``server-round`` all see
-    the true round; only Flower's own ``[ROUND i/n]`` log line counts from the resume)."""
-
-    def __init__(self, strategy: Strategy, done: int, seed: int) -> None:
-        self.strategy, self.done, self.seed = strategy, done, seed
-
-    def _seeded(self, server_round: int, phase: str) -> int:
-        random.seed(f"fedcomp-sampling:{self.seed}:{server_round}:{phase}")
-        return server_round
+    def __init__(self, strategy: Strategy, done: int) -> None:
+        self.strategy, self.done = strategy, done
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        server_round = self._seeded(server_round + self.done, "train")
-        return self.strategy.configure_train(server_round, arrays, config, grid)
+        return self.strategy.configure_train(server_round + self.done, arrays, config, grid)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -327,18 +307,13 @@ class SeededRounds(Strategy):
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        server_round = self._seeded(server_round + self.done, "evaluate")
-        return self.strategy.configure_evaluate(server_round, arrays, config, grid)
+        return self.strategy.configure_evaluate(server_round + self.done, arrays, config, grid)
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         return self.strategy.aggregate_evaluate(server_round + self.done, replies)
 
     def summary(self) -> None:
-        log.info(
-            "fedcomp: %s, each round's client sampling seeded from seed %s", type(self.strategy).__name__, self.seed
-        )
-        if self.done:
-            log.info("fedcomp: resumed after round %s", self.done)
+        log.info("fedcomp: resumed after round %s", self.done)
         self.strategy.summary()
 
 
@@ -412,6 +387,12 @@ def write_plots(run_dir: Path) -> list[Path]:
         return []
 
 
+def _partitions_of(sampling: SeededSampling | None) -> dict[str, Any]:
+    """The summary entry ``node_partitions`` (which partition each node id trains on) of a
+    sampled run; nothing when every node trains every round."""
+    return {} if sampling is None else {"node_partitions": _by_node(sampling.partitions)}
+
+
 def _by_node(values: dict) -> dict[str, object]:
     return {str(k): v for k, v in sorted(values.items())}
 
@@ -433,16 +414,6 @@ def client_initial_model(context: Context) -> dict[str, torch.Tensor]:
     if not isinstance(dataset, str):
         raise ConfigError(f"dataset: must be a string (got {dataset!r})")
     return dict(initial_model_of(seed, dataset).state_dict())
-
-
-def client_query(msg: Message, context: Context) -> Message:
-    """Answer :func:`~fedcomp.app.fl.query_partitions`: this SuperNode's ``partition-id`` (none
-    when its node config has no integer one), so the server samples partitions reproducibly."""
-    pid = context.node_config.get("partition-id")
-    content = RecordDict()
-    if isinstance(pid, int) and not isinstance(pid, bool):
-        content[PARTITION_RECORD] = MetricRecord({"partition-id": pid})
-    return Message(content=content, reply_to=msg)
 
 
 def client_train(msg: Message, context: Context, extra_keys: Iterable[str] = ()) -> Message:

@@ -10,16 +10,13 @@
   the global model on the test set and closes the round in the recorder.
 * :func:`recording_train_metrics_aggr` makes a ``train_metrics_aggr_fn`` that also records the
   clients' aggregated training metrics (``train_loss``) in the round's entry.
-* :func:`query_partitions` asks the nodes which data partition each trains on, so that a
-  :class:`MeteredGrid` can list them in that order and a seeded sampler picks the same partitions
-  in every run (node ids are random per run).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -39,7 +36,6 @@ __all__ = [
     "arrayrecord_nbytes",
     "centralized_evaluate_fn",
     "payload_nbytes",
-    "query_partitions",
     "recording_train_metrics_aggr",
     "wait_for_nodes",
 ]
@@ -81,11 +77,9 @@ class MeteredGrid(Grid):
     ``src_node_id`` (replies that carry an error count nothing). ``dense_nbytes`` is the
     uncompressed fp32 size of what each message stands for (the model); it is added as
     ``dense_*`` for every message that carries a payload. Traffic goes to the recorder's
-    current round, i.e. the round that the next ``end_round`` closes.
-
-    ``node_order`` (node id -> partition id, :func:`query_partitions`): :meth:`get_node_ids`
-    lists the nodes by it (those it lacks last, by id), so that Flower's sampler, which draws
-    from that list with the seeded ``random``, picks the same partitions in every run.
+    current round, i.e. the round that the next ``end_round`` closes. Query messages (e.g.
+    :class:`~fedcomp.flower.sampling.SeededSampling` asking the nodes their partition) are not a
+    round's traffic and count nothing.
     """
 
     def __init__(
@@ -94,19 +88,19 @@ class MeteredGrid(Grid):
         recorder: RunRecorder,
         dense_nbytes: int,
         measure: Callable[[RecordDict], int] = payload_nbytes,
-        node_order: Mapping[int, int] | None = None,
     ) -> None:
         self._grid = grid
         self._recorder = recorder
         self._dense = int(dense_nbytes)
         self._measure = measure
-        self._order = dict(node_order or {})
 
     # --- metering -----------------------------------------------------------------------------
 
     def _out(self, messages: Iterable[Message]) -> list[Message]:
         messages = list(messages)
         for m in messages:
+            if m.metadata.message_type.split(".")[0] == MessageType.QUERY:
+                continue
             n = self._measure(m.content)
             self._recorder.add_traffic(
                 m.metadata.dst_node_id,
@@ -118,7 +112,7 @@ class MeteredGrid(Grid):
     def _in(self, replies: Iterable[Message]) -> list[Message]:
         replies = list(replies)
         for m in replies:
-            if m.has_error():
+            if m.has_error() or m.metadata.message_type.split(".")[0] == MessageType.QUERY:
                 continue
             n = self._measure(m.content)
             self._recorder.add_traffic(
@@ -150,10 +144,7 @@ class MeteredGrid(Grid):
         return self._grid.create_message(*args, **kwargs)
 
     def get_node_ids(self) -> Iterable[int]:
-        ids = list(self._grid.get_node_ids())
-        if not self._order:
-            return ids
-        return sorted(ids, key=lambda n: (0, self._order[n], n) if n in self._order else (1, 0, n))
+        return self._grid.get_node_ids()
 
     def get_nodes(self) -> Iterable[Any]:
         return self._grid.get_nodes()
@@ -177,26 +168,6 @@ def wait_for_nodes(grid: Grid, n: int, timeout_s: float = 30.0, key: str = "clie
             )
         time.sleep(0.5)
     return nodes
-
-
-#: The reply to a :func:`query_partitions` message: a MetricRecord under this key holding
-#: ``partition-id`` (the reference ClientApp answers from its node config).
-PARTITION_RECORD = "fedcomp.partition"
-
-
-def query_partitions(grid: Grid, nodes: Iterable[int], timeout_s: float = 60.0) -> dict[int, int]:
-    """Ask ``nodes`` (one query message each, no payload) for their ``partition-id``: node id ->
-    partition id, for the nodes that answered with an int within ``timeout_s``. A node whose
-    ClientApp has no query handler, or no ``partition-id`` in its node config, is left out."""
-    messages = [Message(RecordDict(), dst_node_id=n, message_type=MessageType.QUERY) for n in nodes]
-    order: dict[int, int] = {}
-    for reply in grid.send_and_receive(messages, timeout=timeout_s):
-        if reply.has_error() or PARTITION_RECORD not in reply.content.metric_records:
-            continue
-        pid = reply.content.metric_records[PARTITION_RECORD].get("partition-id")
-        if isinstance(pid, int) and not isinstance(pid, bool):
-            order[reply.metadata.src_node_id] = pid
-    return order
 
 
 def centralized_evaluate_fn(
