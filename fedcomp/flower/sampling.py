@@ -4,8 +4,8 @@ Flower's strategies sample clients with ``random.sample`` over ``grid.get_node_i
 make that differ between runs with one seed: a simulation's node ids are new random numbers in
 every run (and a deployment's differ by host), and Flower itself draws from the global ``random``
 at times that depend on timing (jittered back-offs and heartbeats), so a seed set once at the
-start leaves round 2's sample to chance (measured on the reference app: two runs sampled the same
-partitions in round 1 only).
+start leaves round 2's sample to chance (measured on the reference app: with the nodes listed in
+partition order and the seed set once, two runs sampled the same partitions in round 1 only).
 
 * :class:`SeededSampling` wraps any strategy: it asks each node once which partition it trains on
   (a ``query.fedcomp_partition`` message, answered by :func:`answer_partition_query` from the node
