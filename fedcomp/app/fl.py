@@ -29,6 +29,7 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 from fedcomp.app.models import evaluate
 from fedcomp.app.results import RunRecorder
 from fedcomp.errors import ConfigError
+from fedcomp.flower.grids import DelegatingGrid
 
 __all__ = [
     "MeteredGrid",
@@ -70,7 +71,7 @@ def payload_nbytes(content: RecordDict) -> int:
     return n
 
 
-class MeteredGrid(Grid):
+class MeteredGrid(DelegatingGrid):
     """A ``Grid`` that reports each message's payload size to ``recorder``, then delegates.
 
     Outgoing messages count as downlink to ``dst_node_id``, replies as uplink from
@@ -89,7 +90,7 @@ class MeteredGrid(Grid):
         dense_nbytes: int,
         measure: Callable[[RecordDict], int] = payload_nbytes,
     ) -> None:
-        self._grid = grid
+        super().__init__(grid)
         self._recorder = recorder
         self._dense = int(dense_nbytes)
         self._measure = measure
@@ -99,7 +100,7 @@ class MeteredGrid(Grid):
     def _out(self, messages: Iterable[Message]) -> list[Message]:
         messages = list(messages)
         for m in messages:
-            if m.metadata.message_type.split(".")[0] == MessageType.QUERY:
+            if _is_query(m):
                 continue
             n = self._measure(m.content)
             self._recorder.add_traffic(
@@ -112,7 +113,7 @@ class MeteredGrid(Grid):
     def _in(self, replies: Iterable[Message]) -> list[Message]:
         replies = list(replies)
         for m in replies:
-            if m.has_error() or m.metadata.message_type.split(".")[0] == MessageType.QUERY:
+            if m.has_error() or _is_query(m):
                 continue
             n = self._measure(m.content)
             self._recorder.add_traffic(
@@ -131,26 +132,10 @@ class MeteredGrid(Grid):
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
         return self._in(self._grid.send_and_receive(self._out(messages), timeout=timeout))
 
-    # --- plain delegation ---------------------------------------------------------------------
 
-    def set_run(self, run: Any) -> None:
-        self._grid.set_run(run)
-
-    @property
-    def run(self) -> Any:
-        return self._grid.run
-
-    def create_message(self, *args: Any, **kwargs: Any) -> Message:
-        return self._grid.create_message(*args, **kwargs)
-
-    def get_node_ids(self) -> Iterable[int]:
-        return self._grid.get_node_ids()
-
-    def get_nodes(self) -> Iterable[Any]:
-        return self._grid.get_nodes()
-
-    def __getattr__(self, name: str) -> Any:  # anything a concrete grid adds
-        return getattr(self._grid, name)
+def _is_query(m: Message) -> bool:
+    """Whether ``m`` is a query message (``query`` or ``query.<action>``), not a round's traffic."""
+    return m.metadata.message_type.split(".")[0] == MessageType.QUERY
 
 
 def wait_for_nodes(grid: Grid, n: int, timeout_s: float = 30.0, key: str = "clients-per-round") -> list[int]:

@@ -315,9 +315,8 @@ def grid_exponents(
     all integers, in ``target`` and ``base`` (a counter such as BatchNorm's ``num_batches_tracked``,
     a mask: the grid of its first movement would round a counter that moves by thousands to a
     multiple of 2**13), takes at most 0, so that its grid holds every integer; every exponent is
-    then raised as far as needed for the
-    tensor's largest value to stay below ``2**22 * h`` (a 4x margin under ``|K| < 2**24`` for the
-    model to grow), and clamped to ``[E_MIN, E_MAX]``.
+    then raised as far as needed for the tensor's largest value to stay below ``2**22 * h`` (a 4x
+    margin under ``|K| < 2**24`` for the model to grow), and clamped to ``[E_MIN, E_MAX]``.
     """
     moved: dict[str, int] = {}
     for k, t in target.items():

@@ -27,13 +27,14 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Iterable
-from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.app.message_type import MessageType
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
+
+from fedcomp.flower.grids import DelegatingGrid
 
 __all__ = [
     "PARTITION_QUERY",
@@ -88,38 +89,17 @@ def query_partitions(grid: Grid, nodes: Iterable[int], timeout_s: float = 60.0) 
     return order
 
 
-class _InPartitionOrder(Grid):
+class _InPartitionOrder(DelegatingGrid):
     """``grid`` whose :meth:`get_node_ids` lists the nodes by partition id (unknown ones last, by
-    id); everything else is the wrapped grid's."""
+    id)."""
 
     def __init__(self, grid: Grid, order: dict[int, int]) -> None:
-        self._grid, self._order = grid, order
+        super().__init__(grid)
+        self._order = order
 
     def get_node_ids(self) -> Iterable[int]:
         ids = list(self._grid.get_node_ids())
         return sorted(ids, key=lambda n: (0, self._order[n], n) if n in self._order else (1, 0, n))
-
-    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        return self._grid.push_messages(messages)
-
-    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        return self._grid.pull_messages(message_ids)
-
-    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
-        return self._grid.send_and_receive(messages, timeout=timeout)
-
-    def create_message(self, *args: Any, **kwargs: Any) -> Message:
-        return self._grid.create_message(*args, **kwargs)
-
-    def set_run(self, run: Any) -> None:
-        self._grid.set_run(run)
-
-    @property
-    def run(self) -> Any:
-        return self._grid.run
-
-    def __getattr__(self, name: str) -> Any:  # anything a concrete grid adds
-        return getattr(self._grid, name)
 
 
 class SeededSampling(Strategy):

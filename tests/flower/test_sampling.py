@@ -13,13 +13,13 @@ from typing import Any
 import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
-from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
 from fedcomp.app.fl import MeteredGrid
 from fedcomp.app.results import RunRecorder
 from fedcomp.flower.mod import compression_mod
 from fedcomp.flower.sampling import PARTITION_QUERY, SeededSampling, add_partition_query, query_partitions
+from tests.flower.helpers import FixedGrid
 
 
 @pytest.fixture(autouse=True)
@@ -43,14 +43,14 @@ def _client_app(answers: bool) -> ClientApp:
     return add_partition_query(app) if answers else app
 
 
-class _Nodes(Grid):
+class _Nodes(FixedGrid):
     """Nodes running real ClientApps: ``configs`` maps each node id to its node config (None: a
     ClientApp without the partition query, which Flower answers with an error). ``get_node_ids``
-    lists them in ``listing`` order (a simulation's ids are random, and so is their order)."""
+    lists them in ``nodes`` order (a simulation's ids are random, and so is their order)."""
 
     def __init__(self, configs: dict[int, dict[str, Any] | None]) -> None:
+        super().__init__(configs)
         self.configs = configs
-        self.listing = list(configs)
         self.queries = 0
         self.apps = {True: _client_app(True), False: _client_app(False)}
 
@@ -68,25 +68,6 @@ class _Nodes(Grid):
             except ValueError as err:  # as Flower turns a ClientApp's exception into an error reply
                 replies.append(Message(Error(code=0, reason=str(err)), reply_to=m))
         return replies
-
-    def get_node_ids(self) -> Iterable[int]:
-        return list(self.listing)
-
-    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        raise NotImplementedError
-
-    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        raise NotImplementedError
-
-    def create_message(self, *args: Any, **kwargs: Any) -> Message:
-        raise NotImplementedError
-
-    @property
-    def run(self) -> Any:
-        raise NotImplementedError
-
-    def set_run(self, run_id: Any) -> None:
-        raise NotImplementedError
 
 
 def test_nodes_answer_their_partition() -> None:
@@ -114,7 +95,7 @@ def _sampled(seed: int, ids: list[int], tmp_path: Path, noise: random.Random, ro
     sampling = SeededSampling(FedAvg(fraction_train=1e-9, min_train_nodes=2, min_available_nodes=2), seed)
     out = []
     for rnd in range(1, rounds + 1):
-        noise.shuffle(grid.listing)
+        noise.shuffle(grid.nodes)
         for _ in range(noise.randrange(1, 50)):
             random.random()
         messages = list(sampling.configure_train(rnd, ArrayRecord(), ConfigRecord(), metered))
@@ -138,7 +119,7 @@ def test_a_node_that_joins_later_is_asked_then(tmp_path: Path) -> None:
     sampling = SeededSampling(FedAvg(fraction_train=1.0, min_train_nodes=2, min_available_nodes=2), 0)
     sampling.configure_train(1, ArrayRecord(), ConfigRecord(), grid)
     grid.configs[9] = {"partition-id": 2}
-    grid.listing.append(9)
+    grid.nodes.append(9)
     messages = sampling.configure_train(2, ArrayRecord(), ConfigRecord(), grid)
     assert sampling.partitions == {5: 0, 6: 1, 9: 2} and grid.queries == 3
     assert sorted(m.metadata.dst_node_id for m in messages) == [5, 6, 9]
