@@ -48,6 +48,9 @@ def test_pyproject_defaults_are_valid_and_match_the_model() -> None:
         ({"error-feedback": 1}, "error-feedback: must be true or false (got 1)"),
         ({"max-empty-rounds": 0}, "max-empty-rounds: must be >= 1"),
         ({"resume": "yes"}, "resume: must be true or false (got 'yes')"),
+        ({"dp-clipping-norm": -0.1}, "dp-clipping-norm: must be >= 0"),
+        ({"dp-noise-multiplier": "inf"}, "dp-noise-multiplier:"),
+        ({"dp-clipping": "both"}, "dp-clipping: must be one of"),
     ],
 )
 def test_bad_values_name_the_key(override: dict, message: str) -> None:

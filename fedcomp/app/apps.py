@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import random
 import re
 from collections.abc import Callable, Iterable
@@ -26,7 +27,12 @@ from flwr.app import (
 )
 from flwr.app.message_type import MessageType
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import FedAvg, Strategy
+from flwr.serverapp.strategy import (
+    DifferentialPrivacyClientSideFixedClipping,
+    DifferentialPrivacyServerSideFixedClipping,
+    FedAvg,
+    Strategy,
+)
 from torch import nn
 
 from fedcomp.app.checkpoint import CHECKPOINT_FILE, ServerCheckpoint, load_checkpoint, save_checkpoint
@@ -43,6 +49,7 @@ from fedcomp.app.models import model_for, resolve_device, train_local
 from fedcomp.app.results import RESULTS_FILE, RunRecorder, record_failure
 from fedcomp.errors import ConfigError
 from fedcomp.flower import protocol
+from fedcomp.flower.clipping import clipping_norm_of
 from fedcomp.flower.records import digest, tensors_from_record
 from fedcomp.flower.sampling import SeededSampling
 from fedcomp.flower.strategy import CompressionStrategy
@@ -61,6 +68,24 @@ def default_inner(cfg: AppConfig, train_metrics_aggr_fn: Callable) -> Strategy:
         min_train_nodes=max(n, 1),
         min_available_nodes=max(n, 1),
         train_metrics_aggr_fn=train_metrics_aggr_fn,
+    )
+
+
+def with_central_dp(strategy: Strategy, cfg: AppConfig, sampled: int) -> Strategy:
+    """``strategy`` inside Flower's central-DP wrapper with fixed clipping that ``dp-clipping``
+    names, calibrated for ``sampled`` clients a round. Its noise comes from NumPy's global
+    generator, which the run's ``seed`` does not set: a noise anyone could replay would protect
+    nothing."""
+    dp = (
+        DifferentialPrivacyClientSideFixedClipping
+        if cfg.dp_clipping == "client"
+        else DifferentialPrivacyServerSideFixedClipping
+    )
+    return dp(
+        strategy,
+        noise_multiplier=cfg.dp_noise_multiplier,
+        clipping_norm=cfg.dp_clipping_norm,
+        num_sampled_clients=sampled,
     )
 
 
@@ -147,7 +172,7 @@ def server_main(
             torch.set_num_threads(cfg.torch_threads)
         model = initial_model_of(cfg.seed, cfg.dataset)
         test = load_dataset(cfg.dataset, cfg.resolved_data_dir()).test  # fail before round 1
-        wait_for_nodes(grid, max(cfg.clients_per_round, 1))
+        nodes = wait_for_nodes(grid, max(cfg.clients_per_round, 1))
     except Exception as err:
         if not _resumed_run_dir_exists(context.run_config):  # never overwrite the results of the run to resume
             record_failure(dict(context.run_config), f"{type(err).__name__}: {err}")
@@ -158,6 +183,8 @@ def server_main(
     random.seed(cfg.seed)
     recorder = RunRecorder(cfg.to_run_config(), cfg.resolved_results_dir(), cfg.run_name)
     strategy = make_inner(cfg, recording_train_metrics_aggr(recorder))
+    if cfg.dp_clipping_norm > 0:
+        strategy = with_central_dp(strategy, cfg, sampled=cfg.clients_per_round or len(nodes))
     wrapper: CompressionStrategy | None = None
     if comp.compress:
         strategy = wrapper = CompressionStrategy(strategy, comp)
@@ -447,13 +474,36 @@ def client_train(msg: Message, context: Context, extra_keys: Iterable[str] = ())
         batch_size=cfg.batch_size,
         generator=gen,
     )
+    trained = model.cpu().state_dict()
+    bound = clipping_norm_of(config)
+    if bound is not None and not cfg.compression.compress:
+        # Client-side DP, dense baseline: the update clipped as Flower's fixedclipping_mod clips
+        # it. Compressed, the mod clips what it sends, residual included (fedcomp.flower.clipping).
+        received = msg.content.array_records["arrays"].to_torch_state_dict()
+        trained = clip_update(trained, received, bound)
+    # Under DP every client weighs the same: the noise is calibrated to a mean of equal shares.
+    weight = 1 if cfg.dp_clipping_norm > 0 else len(data)
     content = RecordDict(
         {
-            "arrays": ArrayRecord(model.cpu().state_dict()),
-            "metrics": MetricRecord({"num-examples": len(data), "train-loss": loss}),
+            "arrays": ArrayRecord(trained),
+            "metrics": MetricRecord({"num-examples": weight, "train-loss": loss}),
         }
     )
     return Message(content=content, reply_to=msg)
+
+
+def clip_update(
+    trained: dict[str, torch.Tensor], received: dict[str, torch.Tensor], bound: float
+) -> dict[str, torch.Tensor]:
+    """``trained`` moved back towards ``received`` so that their difference has an L2 norm of at
+    most ``bound`` (unchanged when it has already). Floating-point tensors only: an integer buffer
+    (a batch-norm counter) is not a parameter and is left as trained."""
+    delta = {k: t.float() - received[k].float() for k, t in trained.items() if t.is_floating_point()}
+    norm = math.sqrt(math.fsum(float(d.double().pow(2).sum()) for d in delta.values()))
+    if norm <= bound:
+        return trained
+    scale = bound / norm
+    return {k: (received[k].float() + delta[k] * scale).to(t.dtype) if k in delta else t for k, t in trained.items()}
 
 
 def _float(value: object) -> float:

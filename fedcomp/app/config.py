@@ -84,6 +84,14 @@ class AppConfig(BaseModel):
     #: Continue the run in ``results-dir/run-name`` from its ``checkpoint.pt`` (written after every
     #: round) instead of starting over; the rest of the run config must be the checkpointed run's.
     resume: bool = Field(False, alias="resume")
+    #: Flower's central differential privacy with fixed clipping around the inner strategy, on when
+    #: > 0: every client's update (as sent, residual included) is clipped to this L2 norm, by the
+    #: client (``dp-clipping = "client"``) or by the server on the decoded update ("server"), and
+    #: Gaussian noise of std ``dp-noise-multiplier x dp-clipping-norm / sampled clients`` is added
+    #: to the mean. Clients then weigh the same in the mean (the noise's calibration assumes it).
+    dp_clipping_norm: float = Field(0.0, alias="dp-clipping-norm", ge=0, allow_inf_nan=False)
+    dp_noise_multiplier: float = Field(0.0, alias="dp-noise-multiplier", ge=0, allow_inf_nan=False)
+    dp_clipping: Literal["client", "server"] = Field("client", alias="dp-clipping")
     #: Codecs, schedules (local iterations, p, s) and the other compression keys; validated by
     #: :class:`fedcomp.flower.settings.CompressionConfig`, from the same flat run config.
     compression: CompressionConfig = Field(default_factory=lambda: CompressionConfig(**APP_COMPRESSION_DEFAULTS))

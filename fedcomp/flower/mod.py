@@ -29,6 +29,7 @@ from flwr.clientapp.typing import ClientAppCallable, Mod  # type: ignore[import-
 from fedcomp.codecs import Codec, DenseFP32, Lattice, TensorSpec, get_codec
 from fedcomp.errors import ConfigError, PayloadError
 from fedcomp.flower import protocol
+from fedcomp.flower.clipping import clipping_norm_of
 from fedcomp.flower.downlink_policy import chain_decoders
 from fedcomp.flower.pending import PendingUpdate
 from fedcomp.flower.persist import ClientStore, store_for
@@ -377,6 +378,9 @@ def _handle(
 
     config = msg.content.config_records.get(dl.config_key)
     rnd_value = config.get(protocol.SERVER_ROUND) if config is not None else None
+    # Flower's client-side DP wrappers ask every train reply to stay within this norm (checked
+    # here, before training, so a bad value costs no compute).
+    bound = clipping_norm_of(config) if is_train else None
     method_state = MethodState(context, method.method_id)
     rnd = ClientRound(
         codec_config=dict(dl.uplink_codec),
@@ -428,12 +432,28 @@ def _handle(
             # recovered like any other (it becomes the residual).
             overrides = None
         feedback = dl.error_feedback and method.error_feedback
-        encoder = UpdateEncoder(base_codec, min_numel=dl.min_compress_numel, error_feedback=feedback)
-        encoder.load_state_dict(st.residual, device)
         # Protocol 2: keep what is sent until the server says whether it was aggregated.
         keep = dl.outcome is not None and method.client_keeps_sent(feedback)
+        version = st.version
+
+        def encode(
+            residual: Mapping[str, torch.Tensor], update: Mapping[str, torch.Tensor]
+        ) -> tuple[UpdateEncoder, bytes]:
+            enc = UpdateEncoder(base_codec, min_numel=dl.min_compress_numel, error_feedback=feedback)
+            enc.load_state_dict(residual, device)
+            sent = keep or bound is not None
+            return enc, enc.encode_to_bytes(update, base_model_version=version, codecs=overrides, keep_sent=sent)
+
         t0 = time.perf_counter()
-        data = encoder.encode_to_bytes(delta, base_model_version=st.version, codecs=overrides, keep_sent=keep)
+        if bound is None:
+            encoder, data = encode(st.residual, delta)
+        else:
+            clipped = _encode_clipped(bound, st.residual, delta, encode)
+            if clipped is None:
+                return _local_update_rejected(
+                    msg, f"no encoding by {base_codec.codec_id!r} kept the update within clipping_norm {bound}"
+                )
+            encoder, data = clipped
         seconds = time.perf_counter() - t0
         if plan is not None and plan.choice is not None:
             _time_codecs(context, base_codec, seconds, delta, dl.min_compress_numel, st.version)
@@ -468,6 +488,60 @@ def _handle(
         reply.content[protocol.UPLINK] = UplinkReport(st.version, st.digest(), status=status).to_record()
     st.save()
     return reply
+
+
+#: The scale of a message that overshot the bound, below ``bound / norm`` by a margin for float32's
+#: rounding of ``scale * residual + scale * update`` (2^-24 relative per value) and of SBC's mean;
+#: later tries aim at the bound less the wider one, at most ``_CLIP_TRIES`` encodings in all.
+_CLIP_MARGIN = 1.0 - 2.0**-20
+_RETRY_MARGIN = 1.0 - 2.0**-10
+_CLIP_TRIES = 6
+
+
+def _encode_clipped(
+    bound: float,
+    residual: Mapping[str, torch.Tensor],
+    update: Mapping[str, torch.Tensor],
+    encode: Callable[[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]], tuple[UpdateEncoder, bytes]],
+) -> tuple[UpdateEncoder, bytes] | None:
+    """``encode`` of ``update`` with ``residual``; where what the server would decode (the
+    encoder's ``sent``) is longer than ``bound``, ``encode`` again of both scaled down to fit, the
+    part scaled away dropped (fedcomp.flower.clipping). None when no encoding fit (the update is
+    then not sent)."""
+    scale, tried = 1.0, []
+    for _ in range(_CLIP_TRIES):
+        if scale == 1.0:
+            encoder, data = encode(residual, update)
+        else:
+            encoder, data = encode(
+                {k: v * scale for k, v in residual.items()}, {k: v * scale for k, v in update.items()}
+            )
+        sent = _not_finite_and_norm(encoder.sent or {})[1]
+        if sent <= bound:
+            return encoder, data
+        tried.append((scale, sent))
+        scale = _next_scale(tried, bound)
+        if not 0.0 < scale < tried[-1][0]:
+            break
+    return None
+
+
+def _next_scale(tried: list[tuple[float, float]], bound: float) -> float:
+    """The next scale to encode at, from the (scale, decoded norm) pairs tried so far, all over
+    ``bound``. A codec whose output scales with its input (SBC, top-k, STC, DEFT, dense fp32) fits
+    at the first, proportional, step with a margin for float32's rounding; dense fp16's rounding
+    may need a second at a wider margin. GradiVeQ decodes ``mu + U c``: its norm is not
+    proportional to the scale but nearly affine in it, so later steps go by the secant through the
+    last two tries."""
+    (s1, n1), target = tried[-1], bound * _RETRY_MARGIN
+    if len(tried) == 1:
+        return s1 * bound / n1 * _CLIP_MARGIN
+    s0, n0 = tried[-2]
+    if n0 > n1:
+        secant = s1 + (target - n1) * (s1 - s0) / (n1 - n0)
+        if 0.0 < secant < s1:
+            return secant
+    return s1 * target / n1
 
 
 def _not_finite_and_norm(tensors: Mapping[str, torch.Tensor]) -> tuple[list[str], float]:

@@ -11,6 +11,7 @@ from flwr.app import Context, RecordDict
 
 from fedcomp.app.apps import client_initial_model
 from fedcomp.app.config import Dataset
+from fedcomp.app.data import DATASETS
 from fedcomp.app.models import MODELS, CharLSTM, LeNet5Caffe, evaluate, flushing_denormals, model_for, train_local
 from fedcomp.errors import ConfigError
 
@@ -44,7 +45,7 @@ def test_training_and_evaluation_leave_subnormals_as_they_were() -> None:
 
 
 def test_every_dataset_has_its_model_and_another_name_is_a_config_error() -> None:
-    assert set(MODELS) == set(get_args(Dataset))
+    assert set(MODELS) == set(get_args(Dataset)) == set(DATASETS)
     assert isinstance(model_for("shakespeare"), CharLSTM) and isinstance(model_for("mnist"), LeNet5Caffe)
     for bad in ("cifar10", 5):
         ctx = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={"dataset": bad})
