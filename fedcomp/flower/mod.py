@@ -451,7 +451,7 @@ def _handle(
             clipped = _encode_clipped(bound, st.residual, delta, encode)
             if clipped is None:
                 return _local_update_rejected(
-                    msg, f"no encoding by {base_codec.codec_id!r} kept the update within clipping_norm {bound}"
+                    msg, f"no encoding by {method.method_id!r} kept the update within clipping_norm {bound}"
                 )
             encoder, data = clipped
         seconds = time.perf_counter() - t0
@@ -517,7 +517,7 @@ def _encode_clipped(
                 {k: v * scale for k, v in residual.items()}, {k: v * scale for k, v in update.items()}
             )
         sent = _not_finite_and_norm(encoder.sent or {})[1]
-        if sent <= bound:
+        if sent <= bound or not math.isfinite(sent):  # (not finite: the caller's check says so)
             return encoder, data
         tried.append((scale, sent))
         scale = _next_scale(tried, bound)

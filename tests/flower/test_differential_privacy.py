@@ -284,3 +284,18 @@ def test_client_side_clipping_holds_for_gradiveq_whose_decoding_adds_a_mean() ->
         steps.append(_norm({k: new[k].double() - model[k].double() for k in model}))
         model = new
     assert max(steps) <= CLIP * (1 + 1e-6) and min(steps) > 0.5 * CLIP
+
+
+def test_a_message_that_cannot_be_fitted_is_not_sent_and_the_state_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One encoding allowed: the first, at 4x the norm, does not fit, so the client replies an
+    error instead of its update and keeps its residual and replica as they were."""
+    strategy = CompressionStrategy(_client_dp(), CompressionConfig.from_run_config({"sbc-p": 0.2}))
+    clients = {n: SteadyClient(n) for n in NODES}
+    model, _ = train_round(strategy, clients, 1, tiny_model())
+    assert model is not None
+    before = {n: dict(c.ctx.state.array_records[protocol.STATE_RESIDUAL]) for n, c in clients.items()}
+    monkeypatch.setattr(mod_module, "_CLIP_TRIES", 1)
+    _, log = train_round(strategy, clients, 2, model)
+    for n, reply in log.replies.items():
+        assert reply.has_error() and "clipping_norm" in reply.error.reason
+        assert dict(clients[n].ctx.state.array_records[protocol.STATE_RESIDUAL]) == before[n]
