@@ -344,6 +344,10 @@ def _report(results_path: Path, work: Path | None, err: IO[str]) -> int:
     rounds = data.get("rounds") or [{}]
     acc = rounds[-1].get("accuracy")
     acc_text = f", final accuracy {acc:.4f}" if isinstance(acc, float) else ""
+    summary = data.get("summary") or {}
+    eps, delta = summary.get("dp_epsilon"), summary.get("dp_delta")
+    if isinstance(eps, float) and isinstance(delta, float):
+        acc_text += f", privacy spent: epsilon {eps:.3g} at delta {delta:.3g}"
     print(f"OK: {len(rounds) - 1} rounds{acc_text}\n{where}")
     return EXIT_OK
 

@@ -481,3 +481,34 @@ def test_central_dp_bounds_the_servers_step_by_the_clipping_norm(compress: str, 
     step = math.sqrt(math.fsum(float((final[k].double() - initial[k].double()).pow(2).sum()) for k in initial))
     # Unclipped, the same round moves the model by 1.51 (measured): the clip binds, 30x.
     assert 0.005 < step <= 0.05 * (1 + 1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.flower
+def test_a_noisy_dp_run_reports_the_privacy_it_spent_round_by_round(tmp_path: Path) -> None:
+    """``dp-noise-multiplier`` > 0: results.json holds each round's epsilon at ``dp-delta``, as
+    Flower's RDP accountant counts the same releases (3 of 3 clients, noise 1), and the closing
+    line says what the run spent."""
+    from flwr.serverapp import RdpAccountant
+    from flwr.supercore.privacy_accounting import (
+        GaussianPrivacyEvent,
+        NeighboringRelation,
+        PrivacyConfig,
+        SamplingMethod,
+    )
+
+    out_dir = tmp_path / "run"
+    config = "local-iters=2 dp-clipping-norm=0.5 dp-noise-multiplier=1.0 dp-delta=1e-6"
+    done, _ = fedcomp_run(["--nodes", "3", "--rounds", "2", "--run-config", config, "--out", str(out_dir)], timeout=400)
+    assert done.returncode == 0, done.stdout + done.stderr
+    data = _results(out_dir)
+    accountant = RdpAccountant(
+        PrivacyConfig(1e-6, 3, NeighboringRelation.ADD_OR_REMOVE_ONE, SamplingMethod.NO_AMPLIFICATION)
+    )
+    expected = []
+    for _ in range(2):
+        accountant.compose(GaussianPrivacyEvent(noise_multiplier=1.0, sample_size=3, population_size=3))
+        expected.append(accountant.get_epsilon(1e-6))
+    assert [r["dp_epsilon"] for r in data["rounds"][1:]] == pytest.approx(expected, rel=1e-9)
+    assert data["summary"]["dp_epsilon"] == pytest.approx(expected[-1]) and data["summary"]["dp_delta"] == 1e-6
+    assert f"privacy spent: epsilon {expected[-1]:.3g} at delta 1e-06" in done.stdout

@@ -26,13 +26,14 @@ from flwr.app import (
     RecordDict,
 )
 from flwr.app.message_type import MessageType
-from flwr.serverapp import Grid
+from flwr.serverapp import Grid, RdpAccountant
 from flwr.serverapp.strategy import (
     DifferentialPrivacyClientSideFixedClipping,
     DifferentialPrivacyServerSideFixedClipping,
     FedAvg,
     Strategy,
 )
+from flwr.supercore.privacy_accounting import NeighboringRelation, PrivacyConfig, SamplingMethod
 from torch import nn
 
 from fedcomp.app.checkpoint import CHECKPOINT_FILE, ServerCheckpoint, load_checkpoint, save_checkpoint
@@ -71,11 +72,23 @@ def default_inner(cfg: AppConfig, train_metrics_aggr_fn: Callable) -> Strategy:
     )
 
 
-def with_central_dp(strategy: Strategy, cfg: AppConfig, sampled: int) -> Strategy:
+def with_central_dp(strategy: Strategy, cfg: AppConfig, sampled: int, population: int) -> Strategy:
     """``strategy`` inside Flower's central-DP wrapper with fixed clipping that ``dp-clipping``
-    names, calibrated for ``sampled`` clients a round. Its noise comes from NumPy's global
-    generator, which the run's ``seed`` does not set: a noise anyone could replay would protect
-    nothing."""
+    names, calibrated for ``sampled`` clients a round. With noise, Flower's RDP accountant counts
+    each round's release over ``population`` clients (no amplification by sampling: a fixed number
+    sampled, as Flower's fixed-clipping accounting requires) and the wrapper then refuses a round
+    whose replies are not all there. The noise comes from NumPy's global generator, which the
+    run's ``seed`` does not set: a noise anyone could replay would protect nothing."""
+    accountant = None
+    if cfg.dp_noise_multiplier > 0:
+        accountant = RdpAccountant(
+            PrivacyConfig(
+                target_delta=cfg.dp_delta,
+                population_size=population,
+                neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE,
+                sampling_method=SamplingMethod.NO_AMPLIFICATION,
+            )
+        )
     dp = (
         DifferentialPrivacyClientSideFixedClipping
         if cfg.dp_clipping == "client"
@@ -86,7 +99,17 @@ def with_central_dp(strategy: Strategy, cfg: AppConfig, sampled: int) -> Strateg
         noise_multiplier=cfg.dp_noise_multiplier,
         clipping_norm=cfg.dp_clipping_norm,
         num_sampled_clients=sampled,
+        accountant=accountant,
     )
+
+
+def privacy_spent(strategy: Strategy | None) -> dict[str, Any]:
+    """``dp_epsilon`` and ``dp_delta`` spent so far by a DP wrapper with an accountant (else {})."""
+    spent = strategy.privacy_spent() if isinstance(strategy, _DP_WRAPPERS) else None
+    return {"dp_epsilon": spent.epsilon, "dp_delta": spent.delta} if spent is not None else {}
+
+
+_DP_WRAPPERS = (DifferentialPrivacyClientSideFixedClipping, DifferentialPrivacyServerSideFixedClipping)
 
 
 class NoProgressError(RuntimeError):
@@ -183,8 +206,9 @@ def server_main(
     random.seed(cfg.seed)
     recorder = RunRecorder(cfg.to_run_config(), cfg.resolved_results_dir(), cfg.run_name)
     strategy = make_inner(cfg, recording_train_metrics_aggr(recorder))
+    privacy: Strategy | None = None
     if cfg.dp_clipping_norm > 0:
-        strategy = with_central_dp(strategy, cfg, sampled=cfg.clients_per_round or len(nodes))
+        strategy = privacy = with_central_dp(strategy, cfg, cfg.clients_per_round or len(nodes), len(nodes))
     wrapper: CompressionStrategy | None = None
     if comp.compress:
         strategy = wrapper = CompressionStrategy(strategy, comp)
@@ -198,6 +222,9 @@ def server_main(
         if wrapper is not None and ckpt.strategy is not None:
             wrapper.load_state_dict(ckpt.strategy)
         ckpt.restore_rng()
+        accountant = getattr(privacy, "accountant", None)
+        if accountant is not None and ckpt.privacy is not None:
+            accountant.load_state_dict(ckpt.privacy)
         log.info("fedcomp: resuming run %s after round %s of %s", cfg.run_name, done, cfg.num_server_rounds)
     latest = {"arrays": arrays}
     evaluate = centralized_evaluate_fn(model, test.x, test.y, recorder, resolve_device(cfg.device))
@@ -237,6 +264,8 @@ def server_main(
             if t.sparse_numel:
                 recorder.add_metrics(uplink_union_density=t.union_nnz / t.sparse_numel)
             recorder.add_metrics(**wrapper.round_metrics(server_round))
+        if server_round > 0:
+            recorder.add_metrics(**privacy_spent(privacy))
         metrics = evaluate(server_round, arrays)
         latest["arrays"] = arrays
         if len(empty_rounds) >= cfg.max_empty_rounds:
@@ -258,6 +287,7 @@ def server_main(
             empty_rounds=list(empty_rounds),
             python_rng=python_rng,
             torch_rng=torch_rng,
+            privacy=accountant.state_dict() if (accountant := getattr(privacy, "accountant", None)) else None,
             started_at=recorder.started_at.isoformat(),
         )
         try:
@@ -302,13 +332,15 @@ def server_main(
             evaluate_fn=shifted_evaluate_fn,
         )
     except BaseException as err:
-        recorder.finish("failed", error=f"{type(err).__name__}: {err}", **_partitions_of(sampling))
+        recorder.finish(
+            "failed", error=f"{type(err).__name__}: {err}", **_partitions_of(sampling), **privacy_spent(privacy)
+        )
         write_plots(recorder.run_dir)
         raise
     # The model after the last round (the one evaluate_fn saw last: Result.arrays stays unset
     # when no round aggregated anything, and a resumed run may have no round left to run).
     torch.save(latest["arrays"].to_torch_state_dict(), Path(recorder.run_dir) / "final_model.pt")
-    recorder.finish(**_partitions_of(sampling))
+    recorder.finish(**_partitions_of(sampling), **privacy_spent(privacy))
     write_plots(recorder.run_dir)
 
 

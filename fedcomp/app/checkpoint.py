@@ -61,6 +61,8 @@ class ServerCheckpoint:
     python_rng: Any = None
     torch_rng: torch.Tensor | None = None
     started_at: str = ""
+    #: The DP accountant's state (``PrivacyAccountant.state_dict``), when the run accounts privacy.
+    privacy: dict[str, Any] | None = None
 
     @staticmethod
     def rng_now() -> tuple[Any, torch.Tensor]:
@@ -90,6 +92,7 @@ def save_checkpoint(run_dir: Path, ckpt: ServerCheckpoint) -> Path:
         "python-rng": ckpt.python_rng,
         "torch-rng": ckpt.torch_rng,
         "started-at": ckpt.started_at,
+        "privacy": ckpt.privacy,
     }
     where = _not_plain(data, "")
     if where is not None:
@@ -167,6 +170,9 @@ def load_checkpoint(run_dir: Path) -> ServerCheckpoint:
     torch_rng = data.get("torch-rng")
     if torch_rng is not None and not isinstance(torch_rng, torch.Tensor):
         raise CheckpointError(f"{path}: field 'torch-rng' is malformed")
+    privacy = data.get("privacy")
+    if privacy is not None and not isinstance(privacy, dict):
+        raise CheckpointError(f"{path}: field 'privacy' is malformed")
     return ServerCheckpoint(
         round=data["round"],
         model=model,
@@ -177,4 +183,5 @@ def load_checkpoint(run_dir: Path) -> ServerCheckpoint:
         python_rng=data.get("python-rng"),
         torch_rng=torch_rng,
         started_at=data["started-at"],
+        privacy=privacy,
     )

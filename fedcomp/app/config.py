@@ -92,6 +92,9 @@ class AppConfig(BaseModel):
     dp_clipping_norm: float = Field(0.0, alias="dp-clipping-norm", ge=0, allow_inf_nan=False)
     dp_noise_multiplier: float = Field(0.0, alias="dp-noise-multiplier", ge=0, allow_inf_nan=False)
     dp_clipping: Literal["client", "server"] = Field("client", alias="dp-clipping")
+    #: With noise (``dp-noise-multiplier`` > 0) the run accounts privacy with Flower's RDP accountant
+    #: and reports the epsilon spent at this delta, per round (no amplification by sampling claimed).
+    dp_delta: float = Field(1e-5, alias="dp-delta", gt=0, lt=1)
     #: Codecs, schedules (local iterations, p, s) and the other compression keys; validated by
     #: :class:`fedcomp.flower.settings.CompressionConfig`, from the same flat run config.
     compression: CompressionConfig = Field(default_factory=lambda: CompressionConfig(**APP_COMPRESSION_DEFAULTS))

@@ -5,6 +5,7 @@ tests/flower/test_differential_privacy.py, a real run in tests/test_run_command.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import torch
 from flwr.serverapp.strategy import (
@@ -12,8 +13,10 @@ from flwr.serverapp.strategy import (
     DifferentialPrivacyServerSideFixedClipping,
     FedAvg,
 )
+from flwr.supercore.privacy_accounting import GaussianPrivacyEvent
 
-from fedcomp.app.apps import clip_update, with_central_dp
+from fedcomp.app.apps import clip_update, privacy_spent, with_central_dp
+from fedcomp.app.checkpoint import ServerCheckpoint, load_checkpoint, save_checkpoint
 from fedcomp.app.config import AppConfig
 
 
@@ -41,6 +44,29 @@ def test_dp_clipping_picks_flowers_wrapper_with_the_runs_settings() -> None:
         ("server", DifferentialPrivacyServerSideFixedClipping),
     ):
         cfg = AppConfig.from_run_config({"dp-clipping-norm": 0.3, "dp-noise-multiplier": 0.7, "dp-clipping": where})
-        dp = with_central_dp(FedAvg(), cfg, sampled=5)
+        dp = with_central_dp(FedAvg(), cfg, sampled=5, population=8)
         assert isinstance(dp, kind)
         assert (dp.clipping_norm, dp.noise_multiplier, dp.num_sampled_clients) == (0.3, 0.7, 5)
+
+
+def test_with_noise_the_wrapper_accounts_privacy_and_a_checkpoint_carries_it(tmp_path: Path) -> None:
+    """Noise > 0: an RDP accountant over the population, no amplification; its state goes into the
+    server's checkpoint and comes back, so a resumed run keeps counting from where it stopped."""
+    cfg = AppConfig.from_run_config({"dp-clipping-norm": 1.0, "dp-noise-multiplier": 1.0, "dp-delta": 1e-6})
+    dp = with_central_dp(FedAvg(), cfg, sampled=3, population=10)
+    assert dp.accountant is not None and privacy_spent(dp) == {"dp_epsilon": 0.0, "dp_delta": 1e-6}  # no release yet
+    assert dp.accountant.config.population_size == 10 and dp.accountant.config.target_delta == 1e-6
+    event = GaussianPrivacyEvent(noise_multiplier=1.0, sample_size=3, population_size=10)
+    dp.accountant.compose(event, count=4)
+    spent = privacy_spent(dp)
+    assert spent["dp_delta"] == 1e-6 and spent["dp_epsilon"] > 0
+    ckpt = ServerCheckpoint(1, {"w": torch.zeros(2)}, None, [{"round": 1}], {}, privacy=dp.accountant.state_dict())
+    save_checkpoint(tmp_path, ckpt)
+    resumed = with_central_dp(FedAvg(), cfg, sampled=3, population=10)
+    privacy = load_checkpoint(tmp_path).privacy
+    assert privacy is not None
+    resumed.accountant.load_state_dict(privacy)
+    assert privacy_spent(resumed) == spent
+    # No noise, no accountant (Flower's accountant needs noise); no DP wrapper, nothing to report.
+    assert with_central_dp(FedAvg(), AppConfig.from_run_config({"dp-clipping-norm": 1.0}), 3, 10).accountant is None
+    assert privacy_spent(FedAvg()) == {} and privacy_spent(None) == {}
