@@ -42,7 +42,16 @@ from typing import Any, TypeVar
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import FedAdagrad, FedAdam, FedAvg, FedAvgM, FedYogi, Strategy
+from flwr.serverapp.strategy import (
+    DifferentialPrivacyClientSideAdaptiveClipping,
+    DifferentialPrivacyClientSideFixedClipping,
+    FedAdagrad,
+    FedAdam,
+    FedAvg,
+    FedAvgM,
+    FedYogi,
+    Strategy,
+)
 
 from fedcomp.codecs import DenseFP32, get_codec
 from fedcomp.errors import ConfigError, PayloadError
@@ -343,17 +352,27 @@ class CompressionStrategy(Strategy):
         return contribution
 
     def _check_values(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Every decoded value finite, and the update within ``max-update-norm``."""
+        """Every decoded value finite, and the update within ``max-update-norm`` and within the
+        clipping norm of Flower's client-side DP wrapper, where the inner strategy is one."""
         for name, t in tensors.items():
             if not bool(torch.isfinite(t).all()):
                 raise PayloadError(name, "decoded values are not all finite")
-        if self.config.max_update_norm > 0:
-            self._check_norm(float(sum(float(t.double().pow(2).sum()) for t in tensors.values())) ** 0.5)
+        if self.config.max_update_norm > 0 or _client_clipping_norm(self.strategy) is not None:
+            self._check_norm(math.sqrt(math.fsum(float(t.double().pow(2).sum()) for t in tensors.values())))
 
     def _check_norm(self, norm: float) -> None:
         bound = self.config.max_update_norm
         if bound > 0 and norm > bound:
             raise PayloadError("", f"update norm {norm:.4g} exceeds max-update-norm {bound:g}")
+        clip = _client_clipping_norm(self.strategy)
+        # The client measured what it sent in float64 as this does (fedcomp.flower.clipping); the
+        # slack covers only a different order of summation.
+        if clip is not None and norm > clip * (1 + 1e-9):
+            raise PayloadError(
+                "",
+                f"update norm {norm:.9g} exceeds the DP wrapper's clipping_norm {clip:g} (the noise is "
+                "calibrated to it): a client that does not clip what it sends (no compression_mod?)",
+            )
 
     def _check_structure(self, content: RecordDict) -> None:
         """What the inner strategy will read: no ArrayRecord of the client's own (the wrapper puts
@@ -366,7 +385,7 @@ class CompressionStrategy(Strategy):
         """Exactly one MetricRecord, with a weight in (0, max-num-examples] (train and evaluate)."""
         if len(content.metric_records) != 1:
             raise PayloadError("", f"reply has {len(content.metric_records)} MetricRecords, expected 1")
-        key = getattr(self.strategy, "weighted_by_key", None)
+        key = _through_wrappers(self.strategy, "weighted_by_key")
         if key is None:
             return
         metrics = next(iter(content.metric_records.values()))
@@ -499,7 +518,7 @@ class CompressionStrategy(Strategy):
         lengths): Flower's strategies require one shape of all replies and raise otherwise, so a
         single odd reply would end the run. The shape most replies share wins (ties: the first
         seen); ``reject`` is told of each other one. Error replies pass through."""
-        if getattr(self.strategy, "weighted_by_key", None) is None:
+        if _through_wrappers(self.strategy, "weighted_by_key") is None:
             return replies
         shapes = Counter(_metric_shape(m) for m in replies if not m.has_error())
         if len(shapes) <= 1:
@@ -520,7 +539,7 @@ class CompressionStrategy(Strategy):
             if _needs_resync_bookkeeping(msg):
                 self._note_node(msg.metadata.src_node_id, self._report_of(msg))
             self._hint_if_no_mod(msg)
-            if not msg.has_error() and getattr(self.strategy, "weighted_by_key", None) is not None:
+            if not msg.has_error() and _through_wrappers(self.strategy, "weighted_by_key") is not None:
                 try:
                     self._check_metrics(msg.content)
                 except PayloadError as exc:
@@ -538,7 +557,7 @@ class CompressionStrategy(Strategy):
         error reason alone says ``KeyError`` in the user's own code)."""
         if self._hinted_mod or not msg.has_error():
             return
-        key = getattr(self.strategy, "arrayrecord_key", "arrays")
+        key = _through_wrappers(self.strategy, "arrayrecord_key") or "arrays"
         reason = msg.error.reason or ""
         if "KeyError" in reason and repr(key) in reason:
             self._hinted_mod = True
@@ -727,6 +746,37 @@ def _needs_resync_bookkeeping(msg: Message) -> bool:
 def _overrides(method: UplinkMethod, hook: str) -> bool:
     """Whether ``method`` has its own ``hook`` (skips converting the aggregate when not)."""
     return getattr(type(method), hook) is not getattr(UplinkMethod, hook)
+
+
+def _through_wrappers(strategy: Strategy | None, name: str) -> Any:
+    """``strategy``'s attribute ``name``, else that of the strategy it wraps (Flower's DP wrappers
+    keep it in ``.strategy``), and so on down; None when none has it. The reply checks read FedAvg's
+    ``weighted_by_key`` through a DP wrapper so: skipped there, one odd reply would end the run."""
+    for _ in range(_WRAPPER_DEPTH):
+        if strategy is None:
+            return None
+        if hasattr(strategy, name):
+            return getattr(strategy, name)
+        strategy = getattr(strategy, "strategy", None)
+    return None
+
+
+_WRAPPER_DEPTH = 8
+
+
+_CLIENT_CLIPPING = (DifferentialPrivacyClientSideFixedClipping, DifferentialPrivacyClientSideAdaptiveClipping)
+
+
+def _client_clipping_norm(strategy: Strategy | None) -> float | None:
+    """The clipping norm that Flower's client-side DP wrapper (fixed or adaptive clipping), as or
+    inside ``strategy``, asks this round's clients to keep what they send to, else None."""
+    for _ in range(_WRAPPER_DEPTH):
+        if isinstance(strategy, _CLIENT_CLIPPING):
+            return float(strategy.clipping_norm)
+        strategy = getattr(strategy, "strategy", None)
+        if strategy is None:
+            return None
+    return None
 
 
 def streams_weighted_mean(strategy: Strategy) -> bool:

@@ -144,6 +144,12 @@ class GradiVeQUplink(UplinkMethod):
         if len(update.tensors) != len(specs):
             raise PayloadError("", f"update has {len(update.tensors)} tensors, expected {len(specs)}")
         out: dict[str, torch.Tensor] = {}
+        # The update in model space, for the server's norm checks (max-update-norm, a DP clipping
+        # norm): at hand outside the compressed domain; inside it, decompressed only when
+        # max-update-norm asks (what the compressed domain saves is that decompression).
+        model_delta: dict[str, torch.Tensor] | None = (
+            {} if not compressed_domain or self.config.max_update_norm > 0 else None
+        )
         dense = DenseFP32()
         for spec, enc in zip(specs, update.tensors, strict=True):
             if enc.name != spec.name:
@@ -152,17 +158,18 @@ class GradiVeQUplink(UplinkMethod):
                 if enc.codec_id != GradiVeQ.codec_id:
                     raise PayloadError(spec.name, f"codec {enc.codec_id!r} where 'gradiveq' was expected")
                 coeffs = coefficients_of(enc, spec, self.compressor)
-                if compressed_domain:
-                    out[spec.name] = coeffs
-                else:
-                    out[spec.name] = model[spec.name] + decompress(
-                        self.compressor, spec.name, coeffs, spec.numel
-                    ).reshape(spec.shape)
+                if model_delta is not None:
+                    model_delta[spec.name] = decompress(self.compressor, spec.name, coeffs, spec.numel).reshape(
+                        spec.shape
+                    )
+                out[spec.name] = coeffs if compressed_domain else model[spec.name] + model_delta[spec.name]  # type: ignore[index]
             else:
                 dense_delta = dense.decode(enc, spec)
+                if model_delta is not None:
+                    model_delta[spec.name] = dense_delta
                 out[spec.name] = dense_delta if compressed_domain else model[spec.name] + dense_delta
         self._domain[server_round] = compressed_domain
-        return Decoded(out)
+        return Decoded(out, model_delta)
 
     def finish(
         self, server_round: int, aggregated: Mapping[str, torch.Tensor], model: Mapping[str, torch.Tensor]

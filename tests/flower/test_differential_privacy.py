@@ -91,10 +91,11 @@ class FlowerClippedClient(SteadyClient):
         return compression_mod(msg, self.ctx, lambda m, c: fixedclipping_mod(m, c, self.app))
 
 
-def _sent_norms(strategy: CompressionStrategy, logs: list, rounds: int) -> list[float]:
-    """The L2 norm of every uplink as the server decodes it, all rounds, all clients."""
+def _sent_norms(strategy: CompressionStrategy, logs: list, rounds: int, first_round: int = 1) -> list[float]:
+    """The L2 norm of every uplink as the server decodes it, all rounds, all clients (in node
+    order within a round)."""
     norms = []
-    for rnd, log in enumerate(logs, start=1):
+    for rnd, log in enumerate(logs, start=first_round):
         codec = strategy.config.uplink_codec_at(rnd)
         for rec in log.uplinks.values():
             payload = protocol.UplinkReport.from_record(rec).payload
@@ -211,12 +212,23 @@ def test_under_clipping_the_residual_stays_within_a_few_norms(codec: str) -> Non
     assert max(norms) <= 4 * CLIP and max(norms[6:]) <= 2 * max(norms[:6])
 
 
-def test_fixedclipping_mod_alone_lets_the_residual_through(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fixedclipping_mod_alone_lets_the_residual_through_and_the_server_rejects_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Why the mod clips: with its clip switched off, Flower's mod clips each trained update to the
-    norm, and SBC's error feedback still sends more than the norm (the residual of earlier rounds)."""
+    norm, and SBC's error feedback still sends more than the norm (the residual of earlier rounds).
+    The server, whose noise is calibrated to the norm, rejects each such reply, naming the norm."""
     monkeypatch.setattr(mod_module, "clipping_norm_of", lambda config: None)
-    clients = {n: FlowerClippedClient(n) for n in NODES}
-    strategy, _, logs = _run(_client_dp(), clients, **{"sbc-p": 0.2})
+    strategy = CompressionStrategy(_client_dp(), CompressionConfig.from_run_config({"sbc-p": 0.2}))
+    clients, model, logs = {n: FlowerClippedClient(n) for n in NODES}, tiny_model(), []
+    for rnd in range(1, ROUNDS + 1):
+        new, log = train_round(strategy, clients, rnd, model)
+        logs.append(log)
+        sent = _sent_norms(strategy, [log], 1, first_round=rnd)
+        over = {n for n, norm in zip(log.uplinks, sent, strict=True) if norm > CLIP}
+        rejected = strategy.traffic[rnd].rejected
+        assert set(rejected) == over and all("clipping_norm" in why for why in rejected.values())
+        model = new if new is not None else model
     assert max(_sent_norms(strategy, logs, ROUNDS)) > 1.5 * CLIP  # measured: 1.73x by round 5
 
 
@@ -297,3 +309,26 @@ def test_a_message_that_cannot_be_fitted_is_not_sent_and_the_state_is_kept(monke
     for n, reply in log.replies.items():
         assert reply.has_error() and "clipping_norm" in reply.error.reason
         assert dict(clients[n].ctx.state.array_records[protocol.STATE_RESIDUAL]) == before[n]
+
+
+@pytest.mark.parametrize("tamper", ["extra-metric-key", "weight-nan"])
+def test_a_hostile_reply_is_rejected_through_a_dp_wrapper_and_the_round_goes_on(tamper: str) -> None:
+    """The wrapper's reply checks read FedAvg's ``weighted_by_key`` through the DP wrapper: an odd
+    MetricRecord (which FedAvg would raise on, ending the run) or a weight that is not a number is
+    rejected, and the others are aggregated."""
+
+    def hostile(node: int, reply: Message) -> Message:
+        if node != 3:
+            return reply
+        name, rec = next(iter(reply.content.metric_records.items()))
+        changed = {**dict(rec), "extra": 1.0} if tamper == "extra-metric-key" else {"num-examples": math.nan}
+        content = RecordDict(dict(reply.content.items()))
+        content[name] = MetricRecord(changed)
+        reply.content = content
+        return reply
+
+    strategy = CompressionStrategy(_client_dp(), CompressionConfig.from_run_config({"sbc-p": 0.2}))
+    clients = {n: SteadyClient(n) for n in NODES}
+    new, _ = train_round(strategy, clients, 1, tiny_model(), tamper=hostile)
+    t = strategy.traffic[1]
+    assert new is not None and t.accepted == 2 and list(t.rejected) == [3], t.rejected

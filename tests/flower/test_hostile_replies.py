@@ -88,6 +88,31 @@ def test_an_update_over_the_norm_bound_is_rejected() -> None:
     assert all("max-update-norm" in why for why in strategy.traffic[1].rejected.values())
 
 
+@pytest.mark.parametrize("inner", ["fedavg", "fedavgm"])
+def test_max_update_norm_bounds_gradiveqs_update_not_the_model_or_its_coefficients(inner: str) -> None:
+    """GradiVeQ's compressed rounds: with FedAvg the server aggregates coefficients, with FedAvgM
+    it decodes each reply to ``W + delta``; either way the bound is on the update in model space
+    (here about 0.57, the model about 5.7): 1.0 lets every reply through, 0.3 none."""
+    from flwr.serverapp.strategy import FedAvg, FedAvgM
+
+    from fedcomp.flower.settings import CompressionConfig
+    from fedcomp.flower.strategy import CompressionStrategy
+
+    for bound, accepted in ((1.0, 2), (0.3, 0)):
+        every = {"fraction_train": 1.0, "fraction_evaluate": 1.0, "min_train_nodes": 1, "min_available_nodes": 1}
+        strategy = CompressionStrategy(
+            FedAvg(**every) if inner == "fedavg" else FedAvgM(**every),
+            CompressionConfig.from_run_config(
+                {"uplink-codec": "gradiveq", "gradiveq-dense-rounds": 2, "max-update-norm": bound}
+            ),
+        )
+        clients, model = {n: Client(n) for n in (1, 2)}, tiny_model()
+        for rnd in range(1, 5):  # rounds 3 and 4 are compressed
+            new, _ = train_round(strategy, clients, rnd, model)
+            assert strategy.traffic[rnd].accepted == accepted, (bound, rnd, strategy.traffic[rnd].rejected)
+            model = new if new is not None else model
+
+
 class DivergingClient(Client):
     """Training that produces NaN in round 2."""
 
