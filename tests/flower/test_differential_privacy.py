@@ -264,7 +264,7 @@ def test_adaptive_clipping_adapts_and_every_reply_stays_within_its_rounds_norm()
     for rnd in range(1, ROUNDS + 1):
         bound = dp.clipping_norm
         new, log = train_round(strategy, clients, rnd, model)
-        assert new is not None
+        assert new is not None and strategy.traffic[rnd].rejected == {}  # the server checks the round's norm
         codec = strategy.config.uplink_codec_at(rnd)
         for rec in log.uplinks.values():
             payload = protocol.UplinkReport.from_record(rec).payload
