@@ -83,3 +83,14 @@ def test_sparsity_grid(run_example, tmp_path: Path) -> None:
     rows = json.loads((tmp_path / "grid.json").read_text())
     assert len(rows) == 4 and {r["delay"] for r in rows} == {1, 2}
     assert (tmp_path / "sparsity_grid_accuracy.png").stat().st_size > 1000
+
+
+@pytest.mark.slow  # ~40 s: two short real Flower simulations
+def test_dp_table_runs_its_arms_and_reuses_them(run_example, tmp_path: Path) -> None:
+    """Two arms (clipped dense, clipped SBC + lattice) as real simulations, their table, and the
+    second call served from the cache (no run started)."""
+    out = run_example("dp_table", "--partition", "iid", "--out", str(tmp_path))
+    assert "| dense, clients clip to 1 | " in out and "| SBC + lattice, clients clip to 1 | " in out
+    assert out.count("[dp_table]") == 2 and len(list(tmp_path.glob("*/results.json"))) == 2
+    again = run_example("dp_table", "--partition", "iid", "--out", str(tmp_path))
+    assert "[dp_table]" not in again and again.splitlines()[:4] == out.splitlines()[:4]
