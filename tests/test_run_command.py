@@ -487,8 +487,8 @@ def test_central_dp_bounds_the_servers_step_by_the_clipping_norm(compress: str, 
 @pytest.mark.flower
 def test_a_noisy_dp_run_reports_the_privacy_it_spent_round_by_round(tmp_path: Path) -> None:
     """``dp-noise-multiplier`` > 0: results.json holds each round's epsilon at ``dp-delta``, as
-    Flower's RDP accountant counts the same releases (3 of 3 clients, noise 1), and the closing
-    line says what the run spent."""
+    Flower's RDP accountant counts the same releases (3 of 3 clients, noise 1), the closing line
+    says what the run spent, and a resumed run keeps counting (the checkpoint holds the count)."""
     from flwr.serverapp import RdpAccountant
     from flwr.supercore.privacy_accounting import (
         GaussianPrivacyEvent,
@@ -501,14 +501,19 @@ def test_a_noisy_dp_run_reports_the_privacy_it_spent_round_by_round(tmp_path: Pa
     config = "local-iters=2 dp-clipping-norm=0.5 dp-noise-multiplier=1.0 dp-delta=1e-6"
     done, _ = fedcomp_run(["--nodes", "3", "--rounds", "2", "--run-config", config, "--out", str(out_dir)], timeout=400)
     assert done.returncode == 0, done.stdout + done.stderr
-    data = _results(out_dir)
     accountant = RdpAccountant(
         PrivacyConfig(1e-6, 3, NeighboringRelation.ADD_OR_REMOVE_ONE, SamplingMethod.NO_AMPLIFICATION)
     )
     expected = []
-    for _ in range(2):
+    for _ in range(4):
         accountant.compose(GaussianPrivacyEvent(noise_multiplier=1.0, sample_size=3, population_size=3))
         expected.append(accountant.get_epsilon(1e-6))
-    assert [r["dp_epsilon"] for r in data["rounds"][1:]] == pytest.approx(expected, rel=1e-9)
-    assert data["summary"]["dp_epsilon"] == pytest.approx(expected[-1]) and data["summary"]["dp_delta"] == 1e-6
-    assert f"privacy spent: epsilon {expected[-1]:.3g} at delta 1e-06" in done.stdout
+    data = _results(out_dir)
+    assert [r["dp_epsilon"] for r in data["rounds"][1:]] == pytest.approx(expected[:2], rel=1e-9)
+    assert data["summary"]["dp_epsilon"] == pytest.approx(expected[1]) and data["summary"]["dp_delta"] == 1e-6
+    assert f"privacy spent: epsilon {expected[1]:.3g} at delta 1e-06" in done.stdout
+    # Resumed from its checkpoint for two more rounds, the run counts on from its two releases.
+    more = ["--nodes", "3", "--rounds", "4", "--run-config", f"{config} resume=true", "--out", str(out_dir)]
+    resumed, _ = fedcomp_run(more, timeout=400)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert [r["dp_epsilon"] for r in _results(out_dir)["rounds"][1:]] == pytest.approx(expected, rel=1e-9)
