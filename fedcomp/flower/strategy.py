@@ -36,7 +36,7 @@ import math
 import secrets
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -748,20 +748,24 @@ def _overrides(method: UplinkMethod, hook: str) -> bool:
     return getattr(type(method), hook) is not getattr(UplinkMethod, hook)
 
 
-def _through_wrappers(strategy: Strategy | None, name: str) -> Any:
-    """``strategy``'s attribute ``name``, else that of the strategy it wraps (Flower's DP wrappers
-    keep it in ``.strategy``), and so on down; None when none has it. The reply checks read FedAvg's
-    ``weighted_by_key`` through a DP wrapper so: skipped there, one odd reply would end the run."""
+def _wrapped(strategy: Strategy | None) -> Iterator[Strategy]:
+    """``strategy``, the strategy it wraps (Flower's DP wrappers keep it in ``.strategy``), and so
+    on down (at most ``_WRAPPER_DEPTH``)."""
     for _ in range(_WRAPPER_DEPTH):
         if strategy is None:
-            return None
-        if hasattr(strategy, name):
-            return getattr(strategy, name)
+            return
+        yield strategy
         strategy = getattr(strategy, "strategy", None)
-    return None
 
 
 _WRAPPER_DEPTH = 8
+
+
+def _through_wrappers(strategy: Strategy | None, name: str) -> Any:
+    """The attribute ``name`` of the first of :func:`_wrapped` that has one, else None. The reply
+    checks read FedAvg's ``weighted_by_key`` through a DP wrapper so: skipped there, one odd reply
+    would end the run."""
+    return next((getattr(s, name) for s in _wrapped(strategy) if hasattr(s, name)), None)
 
 
 _CLIENT_CLIPPING = (DifferentialPrivacyClientSideFixedClipping, DifferentialPrivacyClientSideAdaptiveClipping)
@@ -770,13 +774,7 @@ _CLIENT_CLIPPING = (DifferentialPrivacyClientSideFixedClipping, DifferentialPriv
 def _client_clipping_norm(strategy: Strategy | None) -> float | None:
     """The clipping norm that Flower's client-side DP wrapper (fixed or adaptive clipping), as or
     inside ``strategy``, asks this round's clients to keep what they send to, else None."""
-    for _ in range(_WRAPPER_DEPTH):
-        if isinstance(strategy, _CLIENT_CLIPPING):
-            return float(strategy.clipping_norm)
-        strategy = getattr(strategy, "strategy", None)
-        if strategy is None:
-            return None
-    return None
+    return next((float(s.clipping_norm) for s in _wrapped(strategy) if isinstance(s, _CLIENT_CLIPPING)), None)
 
 
 def streams_weighted_mean(strategy: Strategy) -> bool:

@@ -158,11 +158,13 @@ class GradiVeQUplink(UplinkMethod):
                 if enc.codec_id != GradiVeQ.codec_id:
                     raise PayloadError(spec.name, f"codec {enc.codec_id!r} where 'gradiveq' was expected")
                 coeffs = coefficients_of(enc, spec, self.compressor)
+                if compressed_domain:
+                    out[spec.name] = coeffs
                 if model_delta is not None:
-                    model_delta[spec.name] = decompress(self.compressor, spec.name, coeffs, spec.numel).reshape(
-                        spec.shape
-                    )
-                out[spec.name] = coeffs if compressed_domain else model[spec.name] + model_delta[spec.name]  # type: ignore[index]
+                    d = decompress(self.compressor, spec.name, coeffs, spec.numel).reshape(spec.shape)
+                    model_delta[spec.name] = d
+                    if not compressed_domain:
+                        out[spec.name] = model[spec.name] + d
             else:
                 dense_delta = dense.decode(enc, spec)
                 if model_delta is not None:
