@@ -83,7 +83,7 @@ def encode_update(
     plan = _plan(layout.numels, layout.offsets, codec.p, codec.sample_size, codec.mode, str(flat.device))
     hits = _fast_hits(flat, plan, codec, layout) if plan.fast else None
     exact = _exact_select(flat, layout, plan.ks, plan.exact) if plan.exact else None
-    got = _to_host(hits, exact, torch.isfinite(flat).all(), layout.total, rider)
+    got = _to_host(hits, exact, torch.aminmax(flat), layout.total, rider)
     if got is None:
         return None
     with host_side():
@@ -113,14 +113,20 @@ class _OnHost:
 
 
 def _to_host(
-    hits: _Hits | None, exact: _Exact | None, finite: torch.Tensor | None, total: int, rider: Rider | None = None
+    hits: _Hits | None,
+    exact: _Exact | None,
+    limits: tuple[torch.Tensor, torch.Tensor] | None,
+    total: int,
+    rider: Rider | None = None,
 ) -> _OnHost | None:
-    """The fast hits, the exact candidates, the high side's count and the finiteness flag in one
-    copy to the host, four bytes each where positions fit in int32 (on an H100, copying int64
-    positions and the values separately took about 5.3 of an encode's 8.3 ms of GPU time; this
-    took it to 3.3 ms), laid out so that the host reads them where they land (no conversion, no
-    concatenation); the ``rider``'s values after the candidates' (``rider.host`` set). None where a
-    value is not finite."""
+    """The fast hits, the exact candidates, the high side's count and the update's least and
+    largest value (``limits``: not finite where a value is not) in one copy to the host, four bytes
+    each where positions fit in int32 (on an H100, copying int64 positions and the values
+    separately took about 5.3 of an encode's 8.3 ms of GPU time; this took it to 3.3 ms), laid out
+    so that the host reads them where they land (no conversion, no concatenation); the ``rider``'s
+    values after the candidates' (``rider.host`` set). None where a value is not finite. Three
+    launches whatever the parts (a cast and a concatenation each, on a GPU host tens of
+    microseconds apiece)."""
     parts_i: list[torch.Tensor] = []
     parts_f: list[torch.Tensor] = []
     if hits is not None:
@@ -129,22 +135,28 @@ def _to_host(
     if exact is not None:
         parts_i.append(exact.positions)
         parts_f.append(exact.values)
-    tail = ([hits.n_hi.reshape(1)] if hits is not None else []) + ([finite.reshape(1)] if finite is not None else [])
+    if hits is not None:
+        parts_i.append(hits.n_hi.reshape(1))
     m = 0 if hits is None else int(hits.positions.shape[0])
     n = m + (0 if exact is None else int(exact.positions.shape[0]))
+    n_ints = n + (1 if hits is not None else 0)
+    if limits is not None:
+        parts_f += [lim.reshape(1) for lim in limits]
     if rider is not None:
         parts_f.append(rider.device)
+    ints_dev = parts_i[0] if len(parts_i) == 1 else torch.cat(parts_i)  # (all int64 here)
     if position_dtype(total) is np.int32:
-        both = to_host(torch.cat([t.to(torch.int32) for t in parts_i + tail] + [t.view(torch.int32) for t in parts_f]))
-        ints, floats = both[: n + len(tail)], both[n + len(tail) :].view(np.float32)
+        both = to_host(torch.cat([ints_dev.to(torch.int32), *(t.view(torch.int32) for t in parts_f)]))
+        ints, floats = both[:n_ints], both[n_ints:].view(np.float32)
     else:
-        ints = to_host(torch.cat([t.to(torch.int64) for t in parts_i + tail]))
+        ints = to_host(ints_dev)
         floats = to_host(torch.cat(parts_f)) if parts_f else np.zeros(0, np.float32)
+    lims, rest = (floats[n : n + 2], floats[n + 2 :]) if limits is not None else (None, floats[n:])
     if rider is not None:
-        floats, rider.host = floats[:n], floats[n:]
-    if finite is not None and not ints[-1]:
+        rider.host = rest
+    if lims is not None and not np.isfinite(lims).all():
         return None
-    return _OnHost(ints[:n], floats, m, int(ints[n]) if hits is not None else 0)
+    return _OnHost(ints[:n], floats[:n], m, int(ints[n]) if hits is not None else 0)
 
 
 @dataclass(frozen=True)
@@ -245,6 +257,9 @@ class _Plan:
     where: torch.Tensor | None  # (len(fast), s) sample positions into the flat buffer
     fast_rows: torch.Tensor | None  # the fast tensors' indices, on the device
     over_4k: torch.Tensor | None  # (len(fast),) bool, on the device: the tensor has more than 4 k values
+    ranks: torch.Tensor | None  # the two order statistics' columns in a sorted sample row: (s - r, r - 1)
+    signs: torch.Tensor | None  # (2, 1) float32: 1, -1 (the high side's values, the low side's negated)
+    unbounded: torch.Tensor | None  # (tensors, 2) float32 infinities: no value on either side
     offsets: np.ndarray  # the layout's, int64
     numels: np.ndarray
 
@@ -256,13 +271,17 @@ def _plan(numels: tuple[int, ...], offsets: tuple[int, ...], p: float, s: int, m
     fast_set = set(fast)
     exact = tuple(i for i in range(len(numels)) if i not in fast_set)
     dev = torch.device(device)
-    where = fast_rows = over_4k = None
+    where = fast_rows = over_4k = ranks = signs = unbounded = None
     if fast:
         where = to_device(np.stack([_sample_positions_np(numels[i], s) + offsets[i] for i in fast]), dev)
         fast_rows = to_device(np.array(fast, dtype=np.int64), dev)
         over_4k = to_device(np.array([numels[i] > 4 * ks[i] for i in fast]), dev)
+        r = max(1, round(p * s))
+        ranks = to_device(np.array([s - r, r - 1], dtype=np.int64), dev)
+        signs = to_device(np.array([[1.0], [-1.0]], dtype=np.float32), dev)
+        unbounded = to_device(np.full((len(numels), 2), np.inf, dtype=np.float32), dev)
     offs, ns = np.array(offsets, dtype=np.int64), np.array(numels, dtype=np.int64)
-    return _Plan(ks, fast, exact, where, fast_rows, over_4k, offs, ns)
+    return _Plan(ks, fast, exact, where, fast_rows, over_4k, ranks, signs, unbounded, offs, ns)
 
 
 @dataclass(frozen=True)
@@ -277,32 +296,30 @@ class _Hits:
 
 def _fast_hits(flat: torch.Tensor, plan: _Plan, codec: SBC, layout: Layout) -> _Hits:
     """On the device, every fast-mode tensor's values ``x >= thr_hi`` and ``x <= thr_lo``, the
-    thresholds read off its sample."""
+    thresholds read off its sample: about fifteen launches whatever the number of tensors (on a
+    GPU host each is tens of microseconds of the host's time)."""
     assert plan.where is not None and plan.fast_rows is not None and plan.over_4k is not None
-    s = codec.sample_size
-    r = max(1, round(codec.p * s))
+    assert plan.ranks is not None and plan.signs is not None and plan.unbounded is not None
     ordered = flat[plan.where].sort(dim=1).values  # a NaN sorts last; the caller drops the result
-    thr_hi, thr_lo = ordered[:, s - r], ordered[:, r - 1]
+    pair = ordered.index_select(1, plan.ranks)  # (fast tensors, 2): thr_hi, thr_lo
     # Where the thresholds meet (a frozen layer's zeros), every value is on a side, so with more
     # than 4 k values one side holds over 2 k: fast mode fails there whatever the scan finds. It
     # then finds nothing (not the whole tensor, copied to the host), and exact mode takes the
     # tensor on the second pass, as the CPU does.
-    doomed = (thr_hi <= thr_lo).logical_and_(plan.over_4k)
-    count = len(layout.numels)
-    thresholds = torch.empty((2, count), dtype=flat.dtype, device=flat.device)
-    thresholds[0].fill_(float("inf"))  # no finite value is selected in an exact-mode tensor
-    thresholds[1].fill_(float("-inf"))
-    thresholds[0].index_copy_(0, plan.fast_rows, thr_hi.masked_fill(doomed, float("inf")))
-    thresholds[1].index_copy_(0, plan.fast_rows, thr_lo.masked_fill(doomed, float("-inf")))
-    ids = segment_ids(layout.numels, flat.device)
+    doomed = (pair[:, 0] <= pair[:, 1]).logical_and_(plan.over_4k)
+    # The low side as the high side of the negated values (exact: negation rounds nothing), so one
+    # comparison takes both: x >= thr_hi and -x >= -thr_lo. Exact-mode tensors and doomed ones
+    # get infinite bounds: no finite value is selected there.
+    signed = (pair * plan.signs.view(1, 2)).masked_fill_(doomed[:, None], float("inf"))
+    bounds = plan.unbounded.index_copy(0, plan.fast_rows, signed)  # (tensors, 2)
+    per_value = bounds.index_select(0, segment_ids(layout.numels, flat.device)).t()  # (2, values)
     mask = torch.empty((2, layout.total), dtype=torch.bool, device=flat.device)
-    torch.ge(flat, thresholds[0][ids], out=mask[0])
-    torch.le(flat, thresholds[1][ids], out=mask[1])
-    del ids
+    torch.ge(flat * plan.signs, per_value, out=mask)
+    del per_value
     found = mask.view(-1).nonzero().squeeze(1)  # side * total + position, ascending
     del mask
     positions = found.remainder(layout.total)
-    return _Hits(positions, flat[positions], (found < layout.total).sum())
+    return _Hits(positions, flat[positions], torch.searchsorted(found, layout.total))
 
 
 @dataclass(frozen=True)
@@ -322,12 +339,9 @@ def _exact_select(flat: torch.Tensor, layout: Layout, ks: Sequence[int], rows: S
     every device), laid out flat on the device with no sync (each side's length is known: ``k``,
     or the whole tensor). Tensors of like size share a padded matrix."""
     chunks, ranges = _exact_layout(layout.offsets, layout.numels, tuple(ks), tuple(rows), str(flat.device))
-    positions, values = [], []
-    for chunk in chunks:
-        pos, val = _exact_chunk(flat, chunk)
-        positions.append(pos)
-        values.append(val)
-    return _Exact(torch.cat(positions), torch.cat(values), ranges)
+    parts = [_exact_chunk(flat, chunk) for chunk in chunks]
+    positions = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return _Exact(positions, flat[positions], ranges)
 
 
 @dataclass(frozen=True)
@@ -336,18 +350,23 @@ class _Chunk:
 
     width: int  # the widest tensor's values
     k_max: int
-    meta: torch.Tensor  # (3, rows): offsets, sizes and k, on the device
-    take: torch.Tensor  # where each row's first min(k, size) entries lie in a (rows, k_max) matrix
+    # On the device, for the matrix of the rows' values (rows, width) over their negations:
+    idx: torch.Tensor  # (rows, width): each row's flat positions, 0 past its tensor's end
+    padding: torch.Tensor  # (2 rows, width) bool: past the row's tensor's end
+    unused: torch.Tensor  # (2 rows, k_max) bool: past the row's k
+    offsets: torch.Tensor  # (2 rows, 1): the row's tensor's offset
+    take: torch.Tensor  # where each row's first min(k, size) entries lie in a (2 rows, k_max) matrix
 
 
-@lru_cache(maxsize=64)
+@lru_cache(maxsize=8)
 def _exact_layout(
     offsets: tuple[int, ...], numels: tuple[int, ...], ks: tuple[int, ...], rows: tuple[int, ...], device: str
 ) -> tuple[list[_Chunk], np.ndarray]:
     """The chunks of ``rows`` (at most about ``_EXACT_BUDGET`` values each; a tensor larger than
     that is a chunk of its own) and where each row's sides lie in their concatenated output: per
     chunk, every row's high side, then every row's low side (kept: an encoder meets the same
-    layout every round)."""
+    layout every round; a chunk's tables on the device are about a byte and a half for each of
+    its matrix's values, a launch saved for each)."""
     dev = torch.device(device)
     by_size = sorted(rows, key=lambda i: -numels[i])
     chunks: list[_Chunk] = []
@@ -364,8 +383,24 @@ def _exact_layout(
         k_max = max(ks[i] for i in chunk)
         firsts = np.concatenate(([0], np.cumsum(kk)[:-1]))
         take = np.concatenate([j * k_max + np.arange(n) for j, n in enumerate(kk)])
-        meta = np.array([[offsets[i] for i in chunk], [numels[i] for i in chunk], [ks[i] for i in chunk]])
-        chunks.append(_Chunk(width, k_max, to_device(meta.astype(np.int64), dev), to_device(take, dev)))
+        offs = np.array([offsets[i] for i in chunk], dtype=np.int64)
+        sizes = np.array([numels[i] for i in chunk], dtype=np.int64)
+        padding = np.arange(width) >= sizes[:, None]
+        idx = np.where(padding, 0, offs[:, None] + np.arange(width)).astype(
+            position_dtype(max(offsets[i] + numels[i] for i in chunk))
+        )
+        unused = np.arange(k_max) >= np.array([ks[i] for i in chunk])[:, None]
+        chunks.append(
+            _Chunk(
+                width,
+                k_max,
+                to_device(idx, dev),
+                to_device(np.concatenate([padding, padding]), dev),
+                to_device(np.concatenate([unused, unused]), dev),
+                to_device(np.concatenate([offs, offs])[:, None], dev),
+                to_device(np.concatenate([take, take + len(chunk) * k_max]), dev),
+            )
+        )
         side = int(kk.sum())
         for j, i in enumerate(chunk):
             ranges[where[i]] = (
@@ -379,19 +414,13 @@ def _exact_layout(
     return chunks, ranges
 
 
-def _exact_chunk(flat: torch.Tensor, chunk: _Chunk) -> tuple[torch.Tensor, torch.Tensor]:
-    """One chunk's sides on the device: flat positions and values, the rows' high sides, then
-    their low sides."""
-    dev, width, k_max = flat.device, chunk.width, chunk.k_max
-    offsets, numels, k = chunk.meta.unbind(0)
-    cols = torch.arange(width, device=dev)
-    padding = cols >= numels[:, None]
-    values = flat[(offsets[:, None] + cols).masked_fill_(padding, 0)]
-    unused = cols[:k_max] >= k[:, None]
-    positions, vals = [], []
-    for largest, pad in ((True, float("-inf")), (False, float("inf"))):
-        order = values.masked_fill(padding, pad).sort(dim=1, descending=largest, stable=True).indices[:, :k_max]
-        at = order.masked_fill_(unused, width).sort(dim=1).values  # ascending; the unused at the end
-        positions.append((at + offsets[:, None]).reshape(-1)[chunk.take])
-        vals.append(values.gather(1, at.clamp(max=width - 1)).reshape(-1)[chunk.take])
-    return torch.cat(positions), torch.cat(vals)
+def _exact_chunk(flat: torch.Tensor, chunk: _Chunk) -> torch.Tensor:
+    """One chunk's sides on the device: flat positions, the rows' high sides, then their low
+    sides. The low side is the high side of the negated values (ties to the lowest
+    index either way: a stable sort keeps equal keys in place), so both sides are one sort of a
+    matrix of twice the rows: about eight launches a chunk."""
+    values = flat.index_select(0, chunk.idx.view(-1)).view(chunk.idx.shape)
+    both = torch.cat([values, values.neg()]).masked_fill_(chunk.padding, float("-inf"))
+    order = both.sort(dim=1, descending=True, stable=True).indices[:, : chunk.k_max]
+    at = order.masked_fill_(chunk.unused, chunk.width).sort(dim=1).values  # ascending; the unused at the end
+    return (at + chunk.offsets).view(-1)[chunk.take]

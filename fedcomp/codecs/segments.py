@@ -63,8 +63,15 @@ def _tables(numels: tuple[int, ...], device: str) -> _Tables:
 
 def segment_ids(numels: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """For each of the ``sum(numels)`` values laid back to back, the index of its tensor (int32,
-    on ``device``); what ``torch.arange(len(numels)).repeat_interleave(numels)`` gives."""
-    t = _tables(numels, str(device))
+    on ``device``); what ``torch.arange(len(numels)).repeat_interleave(numels)`` gives. Kept for
+    the last two layouts and devices (read only: shared): four bytes a value on the device, against
+    three launches a call (on a GPU host each launch is tens of microseconds of the host's time)."""
+    return _segment_ids(numels, str(device))
+
+
+@lru_cache(maxsize=2)
+def _segment_ids(numels: tuple[int, ...], device: str) -> torch.Tensor:
+    t = _tables(numels, device)
     marks = torch.zeros(sum(numels), dtype=torch.int32, device=device)
     marks.index_put_((t.starts,), t.steps)
     return marks.cumsum(0, dtype=torch.int32)

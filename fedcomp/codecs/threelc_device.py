@@ -38,7 +38,7 @@ import torch
 
 from fedcomp import _native
 from fedcomp.codecs.base import TensorSpec
-from fedcomp.codecs.flat import Layout, Rider, host_side, to_device, to_device_many, to_host
+from fedcomp.codecs.flat import Layout, Rider, host_side, position_dtype, to_device, to_device_many, to_host
 from fedcomp.codecs.sbc import team_threads
 from fedcomp.codecs.segments import segment_ids, segment_max
 from fedcomp.codecs.threelc import _F32_MAX, WEIGHTS, ThreeLC, _zero_run_encode_np, groups
@@ -48,28 +48,36 @@ from fedcomp.wire.payloads import EncodedTensor, Payload, ThreeLCPayload
 _KERNEL = _native.load("threelc")
 
 
-@dataclass(frozen=True)
-class _Groups:
-    """Per packed byte of the whole update, what its five digits need, on the device."""
+@lru_cache(maxsize=2)
+def _packing(numels: tuple[int, ...], offsets: tuple[int, ...], device: str) -> torch.Tensor:
+    """For each packed byte of the whole update, the flat positions of its five digits (``k * G +
+    j`` of its tensor, ``G = ceil(n / 5)``), one row per byte; a padding digit (past its tensor's
+    end) points at ``total``, one past the update, where the quantized values' buffer holds -1
+    (digit 0). Int32 where the positions fit, flat (``(bytes * 5,)``); kept per layout (a sender
+    meets the same layout every round; four bytes a value on the device)."""
+    counted = _group_counts(numels)
+    g = counted.counts
+    total = int(sum(numels))
+    seg = np.repeat(np.arange(len(numels)), g)
+    j = np.arange(int(g.sum()), dtype=np.int64) - np.asarray(counted.starts, dtype=np.int64)[seg]
+    inside = j[:, None] + g[seg][:, None] * np.arange(5, dtype=np.int64)  # k * G + j, per byte
+    at = np.where(
+        inside < np.asarray(numels, dtype=np.int64)[seg][:, None],
+        inside + np.asarray(offsets, dtype=np.int64)[seg][:, None],
+        total,
+    )
+    return to_device(at.reshape(-1).astype(position_dtype(total + 1)), torch.device(device))
 
-    first: torch.Tensor  # flat position of its digit in part 0 (offset + j)
-    step: torch.Tensor  # its tensor's G
-    end: torch.Tensor  # its tensor's end in the flat buffer
+
+#: Each digit's weight in its byte, as a float32 vector (a matrix-vector product packs the bytes).
+_WEIGHTS = torch.tensor(WEIGHTS, dtype=torch.float32)
+#: ``sum(WEIGHTS)``: the byte of five digits 1 (five zeros), what weighted ``q`` (-1, 0, 1) add to.
+_ZERO_BYTE = float(sum(WEIGHTS))
 
 
 @lru_cache(maxsize=8)
-def _groups(numels: tuple[int, ...], offsets: tuple[int, ...], device: str) -> _Groups:
-    """:class:`_Groups` of a layout (kept: a sender meets the same layout every round)."""
-    counted = _group_counts(numels)
-    g = counted.counts
-    starts = np.array(offsets, dtype=np.int64)
-    byte_starts = np.array(counted.starts, dtype=np.int64)
-    seg = np.repeat(np.arange(len(numels)), g)
-    j = np.arange(int(g.sum()), dtype=np.int64) - byte_starts[seg]
-    dev = torch.device(device)
-    table = to_device(np.stack([starts[seg] + j, g[seg], starts[seg] + np.array(numels, dtype=np.int64)[seg]]), dev)
-    first, step, end = table.unbind(0)
-    return _Groups(first, step, end)
+def _weights(device: str) -> torch.Tensor:
+    return _WEIGHTS.to(device)
 
 
 def encode_update(
@@ -80,46 +88,47 @@ def encode_update(
     layout: Layout | None = None,
     rider: Rider | None = None,
 ) -> tuple[list[EncodedTensor], torch.Tensor | None] | None:
-    """Encode float32 ``tensors`` (one device, each of at least one value) as
-    :meth:`ThreeLC.encode` would, one by one; with ``want_recon`` also what the receiver decodes,
+    """Encode float32 ``tensors`` (one device, each of at least one value) as :meth:`ThreeLC.encode`
+    would, one by one; with ``want_recon`` also what the receiver decodes,
     back to back in one float32 buffer. ``flat``: the tensors already laid out back to back (as
     ``layout``, their :meth:`Layout.of`, where the caller has it). ``rider``: values that come to
     the host in the packed bytes' copy. None where a value is not finite."""
     layout = Layout.of(tensors) if layout is None else layout
     if flat is None:
         flat = torch.cat([t.detach().reshape(-1) for _, t in tensors])
-    dev = flat.device
+    dev, total = flat.device, layout.total
+    # Every operator here is a launch and, on a GPU host, tens of microseconds of the host's time
+    # whatever its size: the count is what this engine keeps small (about twenty).
+    top = segment_max(flat.abs(), layout.numels)  # NaN or inf where a value is not finite
     # scale_for on the device: float32(s) * max|T| in float32 arithmetic (exact: s is a float32),
-    # an infinite product clamped to the float32 maximum; a NaN stays (the update is refused below).
-    m = (segment_max(flat.abs(), layout.numels) * float(np.float32(codec.s))).clamp_(max=_F32_MAX)
-    finite = torch.isfinite(flat).all()
+    # an infinite product clamped to the float32 maximum.
+    m = (top * float(np.float32(codec.s))).clamp_(max=_F32_MAX)
     # Division by each value's own scale (never a multiplication by 1 / m: the per-tensor bytes);
     # a tensor whose scale is 0 is all zeros: divided by 1 instead, every q is 0.
-    ids = segment_ids(layout.numels, dev)
-    q = torch.div(flat, torch.where(m > 0, m, torch.ones_like(m))[ids]).round_().add_(0.0)  # -0.0 -> +0.0
-    recon = None
-    if want_recon:
-        recon = q * m[ids]
-    del ids
-    plan = _groups(layout.numels, layout.offsets, str(dev))
-    packed = torch.zeros(plan.first.shape[0], dtype=torch.float32, device=dev)
-    for k, w in enumerate(WEIGHTS):
-        at = plan.first + plan.step * k
-        inside = at < plan.end
-        digit = q[torch.where(inside, at, 0)].add_(1.0).mul_(inside)  # the padding digit is 0
-        packed.add_(digit, alpha=w)
-    # the packed bytes, the scales and the finiteness flag in one copy to the host (after the
-    # rider's values, which stay aligned at its start)
+    by_value = m.masked_fill(m == 0, 1.0)[segment_ids(layout.numels, dev)]
+    qs = torch.empty(total + 1, dtype=torch.float32, device=dev)
+    q = torch.div(flat, by_value, out=qs[:total]).round_().add_(0.0)  # -0.0 -> +0.0
+    qs[total:].fill_(-1.0)  # what a padding digit reads: digit 0
+    recon = q * by_value if want_recon else None  # (q is 0 where the scale is 0: m * q either way)
+    del by_value
+    # The base-3^5 packing: every byte's five q by one gather, weighted and summed by one product.
+    digits = torch.index_select(qs, 0, _packing(layout.numels, layout.offsets, str(dev))).view(-1, 5)
+    packed = torch.mv(digits, _weights(str(dev))).add_(_ZERO_BYTE).to(torch.uint8)
+    del qs, q, digits
+    # the packed bytes, the scales and the maxima (whose finiteness is the update's) in one copy to
+    # the host (after the rider's values, which stay aligned at its start)
     riding = [] if rider is None else [rider.device.view(torch.uint8)]
-    both = to_host(torch.cat([*riding, packed.to(torch.uint8), m.view(torch.uint8), finite.to(torch.uint8).reshape(1)]))
-    del q, packed
+    both = to_host(torch.cat([*riding, packed, m.view(torch.uint8), top.view(torch.uint8)]))
+    n_bytes = packed.shape[0]
+    del packed
     if rider is not None:
         cut = rider.device.numel() * 4
         rider.host, both = both[:cut].view(np.float32), both[cut:]
-    if not both[-1]:
+    tail = both[n_bytes:].view(np.float32)
+    if not np.isfinite(tail[len(layout.numels) :]).all():
         return None
     with host_side():
-        data, scales = both[: plan.first.shape[0]], both[plan.first.shape[0] : -1].view(np.float32)
+        data, scales = both[:n_bytes], tail[: len(layout.numels)]
         bodies = _bodies(data, layout.numels, codec.zero_run)
         zero_run = codec.zero_run
         encoded = codec._float32_envelopes(
@@ -255,41 +264,53 @@ def decode_into(flat: torch.Tensor, literals: Sequence[tuple[np.ndarray, np.ndar
     """Write every tensor's decoded values into ``flat`` (zeros at the tensors' places): the
     groups of ``literals`` (:func:`literals_of`), copied to ``flat``'s device in one copy, then
     :func:`decode_on_device`."""
-    first, step, end, digits, scale = to_device_many(literal_groups(literals, np.int64), flat.device)
-    if first is not None and step is not None and end is not None and digits is not None and scale is not None:
-        decode_on_device(flat, first, step, end, digits, scale)
+    where, digits, scale = to_device_many(literal_groups(literals, np.int64), flat.device)
+    if where is not None and digits is not None and scale is not None:
+        decode_on_device(flat, where, digits, scale)
 
 
 def literal_groups(
     literals: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], where: type[np.int32] | type[np.int64]
 ) -> list[tuple[list[np.ndarray], type]]:
     """:func:`fedcomp.codecs.flat.to_device_many`'s groups of ``literals``: ``where``'s three rows
-    (in ``where``'s dtype), the bytes and the scales, the five arguments of :func:`decode_on_device`."""
+    one after the other in one group (in ``where``'s dtype), the bytes and the scales, the three
+    arguments of :func:`decode_on_device`."""
     return [
-        *[([w[row] for w, _, _ in literals], where) for row in range(3)],
+        ([w[row] for row in range(3) for w, _, _ in literals], where),
         ([b for _, b, _ in literals], np.uint8),
         ([s for _, _, s in literals], np.float32),
     ]
 
 
-def decode_on_device(
-    flat: torch.Tensor,
-    first: torch.Tensor,
-    step: torch.Tensor,
-    end: torch.Tensor,
-    digits: torch.Tensor,
-    scale: torch.Tensor,
-) -> None:
-    """:func:`decode_into` of literals already on ``flat``'s device: ``where``'s three rows
-    (integers) and the bytes and scales of :func:`literals_of`, concatenated. Digit by digit, the
-    last digit first: a group's padding digits (past its tensor's end) are written at its part-0
-    place, which its own part-0 digit, written last, then overwrites: no spare value, so ``flat``
-    can be the receiver's buffer."""
-    first, step, end = first.long(), step.long(), end.long()
-    rest = digits.to(torch.int64)
-    for k in range(4, -1, -1):
-        digit = rest % 3
-        rest = rest.div_(3, rounding_mode="floor")
-        at = first + step * k
-        value = digit.to(torch.float32).sub_(1.0).mul_(scale)  # -1, 0 or 1 times the scale
-        flat.index_put_((torch.where(at < end, at, first),), value)
+@lru_cache(maxsize=8)
+def _digit_values(device: str) -> torch.Tensor:
+    """Row ``b``: byte ``b``'s five digits less one (-1, 0 or 1), part 0 first, as float32; rows
+    243-255 (no literal's) as the digits of ``b`` modulo 3^5 would give, so no byte reads outside."""
+    b = np.arange(256)
+    rows = np.stack([(b // w) % 3 - 1 for w in WEIGHTS], axis=1).astype(np.float32)
+    return torch.from_numpy(rows).to(device)  # (a constant made once per device: not the engine's copy)
+
+
+_PARTS = torch.arange(5)
+
+
+@lru_cache(maxsize=8)
+def _parts(device: str) -> torch.Tensor:
+    return _PARTS.to(device)
+
+
+def decode_on_device(flat: torch.Tensor, where: torch.Tensor, digits: torch.Tensor, scale: torch.Tensor) -> None:
+    """:func:`decode_into` of literals already on ``flat``'s device: ``where``, the three rows of
+    :func:`literals_of` one after the other (integers), and the bytes and scales, concatenated.
+    All five digits of every group in one scatter, in about ten launches whatever the number of
+    tensors: a group's padding digits (past its tensor's end) are written at its part-0 place with
+    its part-0 digit's value, so the scatter's repeated places all get one value and ``flat`` can
+    be the receiver's buffer (no spare value)."""
+    dev = str(flat.device)
+    first, step, end = where.view(3, -1).long().unbind(0)
+    at = (step[:, None] * _parts(dev)).add_(first[:, None])  # each digit's place: first + k * G
+    inside = at < end[:, None]
+    value = _digit_values(dev)[digits.long()].mul_(scale[:, None])  # -1, 0 or 1 times the scale
+    at = torch.where(inside, at, first[:, None])
+    value = torch.where(inside, value, value[:, :1])
+    flat.index_put_((at.view(-1),), value.view(-1))

@@ -107,11 +107,15 @@ def encode_on_device(
         return None
     done: dict[str, EncodedTensor] = {}
     sent: dict[str, torch.Tensor] = {}
-    # The small tensors' values come to the host in the engine's own copy where it makes one.
-    rider = Rider(torch.cat([t.detach().reshape(-1).float() for _, t in small])) if small else None
+    # The small tensors' values come to the host in the engine's own copy where it makes one; the
+    # large ones' and theirs laid out by one concatenation (each launch is tens of microseconds of
+    # a GPU host's time), the large ones first.
+    both = torch.cat([t.detach().reshape(-1).float() for _, t in large + small])
+    n_large = sum(t.numel() for _, t in large)
+    rider = Rider(both[n_large:]) if small else None
     if large:
         layout = Layout.of(large)
-        acc = torch.cat([t.detach().reshape(-1) for _, t in large])
+        acc = both[:n_large]
         residual = feedback.flat_residual(layout, dev) if feedback is not None else None
         if residual is not None:
             acc.add_(residual)
@@ -326,7 +330,7 @@ def _decode_flat(
     # fit in int32 (on a GPU each copy from pageable memory is a wait of its own; the SBC
     # positions were two thirds of an update's bytes to copy, as int64).
     where = position_dtype(layout.total)
-    kept, values, dense, first, step, end, digits, scale = to_device_many(
+    kept, values, dense, where3, digits, scale = to_device_many(
         [
             (found.kept, where),
             (found.values, np.float32),
@@ -340,8 +344,8 @@ def _decode_flat(
     if dense is not None:
         at = _dense_positions(layout.offsets, layout.numels, tuple(found.dense_rows), str(device))
         flat.index_put_((at,), dense)
-    if first is not None and step is not None and end is not None and digits is not None and scale is not None:
-        threelc_device.decode_on_device(flat, first, step, end, digits, scale)
+    if where3 is not None and digits is not None and scale is not None:
+        threelc_device.decode_on_device(flat, where3, digits, scale)
     return layout, flat
 
 
