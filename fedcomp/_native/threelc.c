@@ -40,12 +40,12 @@
  *       bytes) where its tensor's bytes begin in data (a coding is never longer); lengths
  *       (int64): each coding's length. Tensors on up to `threads` threads (team.h). What the
  *       whole-update engine's host part does once for all tensors.
- *   literals_many(tasks, pos, vals, counts) -> int
- *       for each task (data, zero_run, groups), in order, the groups other than 121 of its stream:
- *       indices into pos (int64) and bytes into vals (uint8), tensor after tensor (both at least
- *       the total bytes of the streams long), counts[i] how many; -1, or the index of the first
- *       stream that is not a valid one for its groups (the caller then reruns the NumPy decoder
- *       to raise its PayloadError). Reads only the streams; writes at most one literal per byte.
+ *   check_many(tasks) -> int
+ *       for each task (data, zero_run, groups), in order, whether its stream is a valid one for
+ *       its groups (runs within them, every one of them; without zero runs, one byte each, none
+ *       past 242): -1, or the index of the first that is not (the caller then reruns the NumPy
+ *       decoder to raise its PayloadError). Reads only the streams; the whole-update engine
+ *       sends them to the device as they are (fedcomp/codecs/threelc_device.py).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -794,98 +794,48 @@ done:
     return result;
 }
 
-/* The groups other than 121 of one stream that must expand to g groups: their indices and bytes
- * written from pos / vals on (at most len of them); their count, or -1 where the stream is not
- * one (the NumPy decoder's checks: runs past g or fewer than g groups; without zero runs, a
- * length other than g or a byte past 242). */
-static Py_ssize_t stream_literals(const uint8_t *d, Py_ssize_t len, int zero_run, Py_ssize_t g, int64_t *pos,
-                                  uint8_t *vals) {
-    Py_ssize_t j = 0, c = 0;
+/* Whether a stream is valid: 0, or -1 (the NumPy decoder's checks: runs past g or fewer than g
+ * groups; without zero runs, a length other than g or a byte past 242). */
+static int stream_valid(const uint8_t *d, Py_ssize_t len, int zero_run, Py_ssize_t g) {
+    Py_ssize_t j = 0;
     if (!zero_run) {
         if (len != g) return -1;
-        for (Py_ssize_t i = 0; i < len; i++) {
+        for (Py_ssize_t i = 0; i < len; i++)
             if (d[i] >= RUN_BASE) return -1;
-            if (d[i] != ZERO_GROUP) {
-                pos[c] = i;
-                vals[c++] = d[i];
-            }
-        }
-        return c;
+        return 0;
     }
     for (Py_ssize_t i = 0; i < len; i++) {
         uint8_t v = d[i];
-        if (v >= RUN_BASE) {
-            Py_ssize_t run = (Py_ssize_t)v - (RUN_BASE - 2);
-            if (run > g - j) return -1;
-            j += run;
-        } else {
-            if (j >= g) return -1;
-            if (v != ZERO_GROUP) {
-                pos[c] = j;
-                vals[c++] = v;
-            }
-            j++;
-        }
+        Py_ssize_t run = v >= RUN_BASE ? (Py_ssize_t)v - (RUN_BASE - 2) : 1;
+        if (run > g - j) return -1;
+        j += run;
     }
-    return j == g ? c : -1;
+    return j == g ? 0 : -1;
 }
 
-static PyObject *literals_many(PyObject *self, PyObject *args) {
-    PyObject *list, *result = NULL;
-    Py_buffer pb, vb, cb;
+/* check_many([(data, zero_run, groups), ...]): -1, or the index of the first invalid stream. */
+static PyObject *check_many(PyObject *self, PyObject *args) {
+    PyObject *list;
     (void)self;
-    if (!PyArg_ParseTuple(args, "O!w*w*w*", &PyList_Type, &list, &pb, &vb, &cb)) return NULL;
-    Py_ssize_t ntasks = PyList_GET_SIZE(list), held = 0, room = 0;
-    Py_buffer *views = PyMem_Calloc(ntasks ? (size_t)ntasks : 1, sizeof(Py_buffer));
-    int *zero_runs = PyMem_Calloc(ntasks ? (size_t)ntasks : 1, sizeof(int));
-    Py_ssize_t *gs = PyMem_Calloc(ntasks ? (size_t)ntasks : 1, sizeof(Py_ssize_t));
-    if (views == NULL || zero_runs == NULL || gs == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    if (check_len(&cb, ntasks, 8, "literals_many counts")) goto done;
+    if (!PyArg_ParseTuple(args, "O!", &PyList_Type, &list)) return NULL;
+    Py_ssize_t ntasks = PyList_GET_SIZE(list);
     for (Py_ssize_t i = 0; i < ntasks; i++) {
         PyObject *task = PyList_GET_ITEM(list, i);
         PyObject *buf;
         int zr;
         Py_ssize_t g;
-        if (!PyArg_ParseTuple(task, "Opn;literals_many: a task is (data, zero_run, groups)", &buf, &zr, &g)) goto done;
+        Py_buffer view;
+        if (!PyArg_ParseTuple(task, "Opn;check_many: a task is (data, zero_run, groups)", &buf, &zr, &g)) return NULL;
         if (g < 0) {
-            PyErr_SetString(PyExc_ValueError, "literals_many: groups must be >= 0");
-            goto done;
+            PyErr_SetString(PyExc_ValueError, "check_many: groups must be >= 0");
+            return NULL;
         }
-        if (PyObject_GetBuffer(buf, &views[i], PyBUF_SIMPLE) < 0) goto done;
-        held++;
-        zero_runs[i] = zr;
-        gs[i] = g;
-        room += views[i].len; /* a stream has at most one literal per byte */
+        if (PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE) < 0) return NULL;
+        int bad = stream_valid((const uint8_t *)view.buf, view.len, zr, g);
+        PyBuffer_Release(&view);
+        if (bad) return PyLong_FromSsize_t(i);
     }
-    if (check_len(&pb, room, 8, "literals_many pos") || check_len(&vb, room, 1, "literals_many vals")) goto done;
-    Py_ssize_t bad = -1;
-    Py_BEGIN_ALLOW_THREADS
-    int64_t *pos = (int64_t *)pb.buf, *counts = (int64_t *)cb.buf;
-    uint8_t *vals = (uint8_t *)vb.buf;
-    for (Py_ssize_t i = 0; i < ntasks; i++) {
-        Py_ssize_t c = stream_literals((const uint8_t *)views[i].buf, views[i].len, zero_runs[i], gs[i], pos, vals);
-        if (c < 0) {
-            bad = i;
-            break;
-        }
-        counts[i] = c;
-        pos += c;
-        vals += c;
-    }
-    Py_END_ALLOW_THREADS
-    result = PyLong_FromSsize_t(bad);
-done:
-    for (Py_ssize_t i = 0; i < held; i++) PyBuffer_Release(&views[i]);
-    PyMem_Free(views);
-    PyMem_Free(zero_runs);
-    PyMem_Free(gs);
-    PyBuffer_Release(&pb);
-    PyBuffer_Release(&vb);
-    PyBuffer_Release(&cb);
-    return result;
+    return PyLong_FromSsize_t(-1);
 }
 
 static PyMethodDef methods[] = {
@@ -898,7 +848,7 @@ static PyMethodDef methods[] = {
     {"expanded_length", expanded_length, METH_VARARGS, "Groups a zero-run stream expands to."},
     {"decode", decode, METH_VARARGS, "Zero-run decode + unpack + scale; False on an invalid stream."},
     {"zero_runs_many", zero_runs_many, METH_VARARGS, "Zero-run code many tensors' packed bytes: lengths filled."},
-    {"literals_many", literals_many, METH_VARARGS, "Groups other than 121 of many streams; -1 or the first bad."},
+    {"check_many", check_many, METH_VARARGS, "Whether many streams are valid: -1 or the first bad."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_threelc", "C kernels for 3LC's CPU paths.", -1, methods};

@@ -904,7 +904,8 @@ class ThreeLC(Codec):
 
     def _checked(self, payload: Payload, spec: TensorSpec) -> tuple[bytes | bytearray, float]:
         """``(data, scale)`` of a 3LC payload after the checks that need no decoding (types,
-        ``numel``, a finite scale >= 0, the length of ``data``); raise :class:`PayloadError`."""
+        ``numel``, a finite scale >= 0 and not -0.0, the length of ``data``); raise
+        :class:`PayloadError`."""
         name = spec.name
         expect_payload(payload, ThreeLCPayload, name)
         assert isinstance(payload, ThreeLCPayload)
@@ -918,6 +919,8 @@ class ThreeLC(Codec):
             or scale < 0
         ):  # (a float first: numbers.Real's isinstance is slow)
             raise PayloadError(name, f"scale {scale!r} is not a finite number >= 0")
+        if scale == 0 and math.copysign(1.0, scale) < 0:  # (no encoder sends it; FORMAT.md)
+            raise PayloadError(name, "scale -0.0 is not +0.0, the zero scale")
         data = payload.data
         if not isinstance(data, (bytes, bytearray)) or not isinstance(payload.zero_run, bool):
             raise PayloadError(name, "malformed 3LC payload (data must be bytes, zero_run a bool)")
@@ -931,7 +934,7 @@ class ThreeLC(Codec):
     def checked_stream(self, payload: Payload, spec: TensorSpec) -> tuple[bytes | bytearray, float]:
         """``(data, scale)`` of a 3LC payload after every check of :meth:`literals` that needs no
         decoding (the envelope's aside): what a caller hands a kernel that reads the stream itself
-        (:class:`fedcomp.codecs.threelc_device.LiteralBatch`). ``len(data)`` is at most the
+        (:class:`fedcomp.codecs.threelc_device.StreamBatch`). ``len(data)`` is at most the
         tensor's groups."""
         return self._checked(payload, spec)
 

@@ -9,18 +9,21 @@ The update is one flat buffer (:class:`fedcomp.codecs.flat.Layout`):
   (:func:`fedcomp.codecs.threelc.scale_for`'s float32 arithmetic, as every path, with no sync);
   ``q = round(T / m)`` for all values in one true division by each value's own scale (gathered by
   the values' tensor indices, :func:`fedcomp.codecs.segments.segment_ids`, no sync), so the bytes
-  are those of the per-tensor division; the base-3^5 packing of every tensor's five parts by five
-  gathers over the packed bytes of the whole update (a byte's five digits sit at ``k * G + j`` of
-  its tensor, ``G = ceil(n / 5)``); the packed bytes, the scales and the finiteness flag to the
-  host in one copy (the only sync), where every tensor's zero runs
-  are coded by one call of the C kernel (``zero_runs_many``; tensor by tensor in NumPy without
-  it). The reconstruction ``m * q``, when asked for (error feedback), is one multiply.
-- **Decode** (:func:`decode_into`): the payloads are checked on the host and reduced to their
-  groups other than 121 (:class:`LiteralBatch`: every stream read by one call of the C kernel,
-  ``literals_many``; :meth:`ThreeLC.literals` tensor by tensor without it); those bytes, with
-  where each lands, go to the device in one copy (:func:`fedcomp.codecs.flat.to_device_many`,
-  with the update's other tensors where :mod:`fedcomp.methods.flat_update` decodes it), and five
-  scatters write their digits times the scale into zeros (:func:`decode_on_device`).
+  are those of the per-tensor division; the base-3^5 packing of every byte's five digits (``k * G
+  + j`` of its tensor, ``G = ceil(n / 5)``) by one gather of a per-layout table of their places and
+  one matrix-vector product with the digits' weights; the packed bytes, the scales and the
+  per-tensor maxima (whose finiteness is the update's) to the host in one copy (the only sync),
+  where every tensor's zero runs are coded by one call of the C kernel (``zero_runs_many``; tensor
+  by tensor in NumPy without it). The reconstruction ``m * q``, when asked for (error feedback), is
+  one multiply. About twenty launches in all: on a GPU host each costs tens of microseconds of
+  the host's time whatever its size, so their count, not the values, sets an encode's time.
+- **Decode** (:func:`decode_into`): the payloads are checked on the host (:class:`StreamBatch`:
+  every stream by one call of the C kernel, ``check_many``; :meth:`ThreeLC.literals` tensor by
+  tensor without it) and their streams go to the device as received, with a few numbers per
+  tensor, in one copy (:func:`fedcomp.codecs.flat.to_device_many`, with the update's other tensors
+  where :mod:`fedcomp.methods.flat_update` decodes it); there each byte's group comes from a
+  running sum of the groups the bytes stand for (a zero run, several), and one scatter writes
+  every byte's five digits times the scale into zeros (:func:`decode_on_device`).
 
 Bytes, reconstructions and decoded values are the per-tensor path's (tested on CPU, where the
 same torch operators run). A value that is not finite makes :func:`encode_update` return None
@@ -41,7 +44,7 @@ from fedcomp.codecs.base import TensorSpec
 from fedcomp.codecs.flat import Layout, Rider, host_side, position_dtype, to_device, to_device_many, to_host
 from fedcomp.codecs.sbc import team_threads
 from fedcomp.codecs.segments import segment_ids, segment_max
-from fedcomp.codecs.threelc import _F32_MAX, WEIGHTS, ThreeLC, _zero_run_encode_np, groups
+from fedcomp.codecs.threelc import _F32_MAX, RUN_BASE, WEIGHTS, ThreeLC, _zero_run_encode_np, groups
 from fedcomp.errors import PayloadError
 from fedcomp.wire.payloads import EncodedTensor, Payload, ThreeLCPayload
 
@@ -174,31 +177,28 @@ def _group_counts(numels: tuple[int, ...]) -> _GroupCounts:
     return _GroupCounts(counts, (ends - counts).tolist(), ends.tolist())
 
 
-@lru_cache(maxsize=8)
-def literals_of(
-    codec: ThreeLC, payload: Payload, spec: TensorSpec, offset: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """One tensor's part of :func:`decode_into`, on the host: ``(where, bytes, scale)`` of its
-    groups other than 121 (``where``: the flat positions of each group's part-0 digit, its
-    ``G``, and its tensor's end, as three rows), after every check of :meth:`ThreeLC.decode`
-    but the envelope's. None where the scale is beyond float32 (the dense path handles it)."""
-    pos, vals, scale = codec.literals(payload, spec)
-    with np.errstate(over="ignore"):
-        s32 = np.float32(scale)
-    if not np.isfinite(s32):
-        return None
-    n = spec.numel
-    where = np.empty((3, pos.shape[0]), dtype=np.int64)
-    where[0] = pos + offset
-    where[1] = groups(n)
-    where[2] = offset + n
-    return where, vals, np.full(pos.shape[0], s32, dtype=np.float32)
+@dataclass(frozen=True)
+class Streams:
+    """Some tensors' checked 3LC streams, for :func:`decode_on_device` (:meth:`StreamBatch.streams`).
+
+    The streams go to the device as received (a zero-run coded update is a few bytes a thousand
+    values: 0.6 MB for a ResNet-50 update where its groups other than 121 with their places were
+    14.5 MB), with a table of a few numbers per tensor; the device expands the runs itself."""
+
+    #: Each tensor's stream, as received (``uint8``; views of the payloads' bytes).
+    data: list[np.ndarray]
+    #: ``(4, tensors)`` int64, a column per tensor: where its groups end counted over the streams'
+    #: groups back to back; its offset in the flat buffer less where its groups start; its groups
+    #: ``G``; its end in the flat buffer.
+    table: np.ndarray
+    #: Each tensor's scale, float32.
+    scales: np.ndarray
 
 
-class LiteralBatch:
-    """:func:`literals_of` for many tensors: each :meth:`add` ed after the checks that need no
-    decoding, then every stream read by one call of the C kernel (:meth:`literals`). Without the
-    kernel (:func:`available`), callers use :func:`literals_of` tensor by tensor."""
+class StreamBatch:
+    """3LC payloads of an update, each :meth:`add` ed after the checks that need no decoding, then
+    every stream checked at once (:meth:`streams`: by one call of the C kernel, ``check_many``,
+    or tensor by tensor by :meth:`ThreeLC.literals` without it) and handed over as received."""
 
     def __init__(self) -> None:
         self._tasks: list[tuple[bytes | bytearray, bool, int]] = []
@@ -211,8 +211,9 @@ class LiteralBatch:
 
     def add(self, codec: ThreeLC, payload: Payload, spec: TensorSpec, offset: int) -> bool:
         """Check ``payload`` as :meth:`ThreeLC.checked_stream` does (raising its
-        :class:`PayloadError`) and keep it for :meth:`literals`; False (and nothing kept) where
-        its scale is beyond float32 (:func:`literals_of`'s None: the dense path handles it)."""
+        :class:`PayloadError`) and keep it for :meth:`streams`, its tensor at ``offset`` in the flat
+        buffer; False (and nothing kept) where its scale is beyond float32 (the dense path, which
+        decodes it as :meth:`ThreeLC.decode` does, takes it)."""
         data, scale = codec.checked_stream(payload, spec)  # (scale: finite, >= 0)
         if scale >= _F32_OVERFLOW:  # float32(scale) would be infinite (a NumPy cast, without errstate)
             return False
@@ -220,33 +221,30 @@ class LiteralBatch:
         self._tasks.append((data, payload.zero_run, groups(spec.numel)))
         self._meta.append((codec, payload, spec))
         self._offsets.append(offset)
-        self._scales.append(scale)  # (rounded to float32 with the others, by :meth:`literals`)
+        self._scales.append(scale)  # (rounded to float32 with the others, by :meth:`streams`)
         return True
 
-    def literals(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Every tensor's ``(where, bytes, scale)`` of :func:`literals_of`, concatenated in the
-        order added; raise the :class:`PayloadError` of the first stream that is not valid, in the
-        words of :meth:`ThreeLC.literals`. Allocates at most the streams' total length (each
-        at most its tensor's groups: :meth:`ThreeLC.checked_stream`)."""
-        assert _KERNEL is not None, "check available() first"
-        room = sum(len(t[0]) for t in self._tasks)
-        pos = np.empty(room, dtype=np.int64)
-        vals = np.empty(room, dtype=np.uint8)
-        counts = np.empty(len(self._tasks), dtype=np.int64)
-        bad = _KERNEL.literals_many(self._tasks, pos, vals, counts)
+    def streams(self) -> Streams:
+        """The streams added, once every one is valid; else raise the :class:`PayloadError` of the
+        first that is not, in the words of :meth:`ThreeLC.literals`. Allocates a few numbers per
+        tensor (the streams are views of the payloads)."""
+        if _KERNEL is not None:
+            bad = _KERNEL.check_many(self._tasks)
+        else:
+            bad = -1
+            for codec, payload, spec in self._meta:
+                codec.literals(payload, spec)  # (raises, naming what is wrong)
         if bad >= 0:
             codec, payload, spec = self._meta[bad]
             codec.literals(payload, spec)  # raises, naming what is wrong
             raise PayloadError(spec.name, "invalid 3LC stream")
-        total = int(counts.sum())
         g = np.array([t[2] for t in self._tasks], dtype=np.int64)
         offsets = np.array(self._offsets, dtype=np.int64)
         numels = np.array([spec.numel for _, _, spec in self._meta], dtype=np.int64)
-        where = np.empty((3, total), dtype=np.int64)
-        np.add(pos[:total], np.repeat(offsets, counts), out=where[0])
-        where[1] = np.repeat(g, counts)
-        where[2] = np.repeat(offsets + numels, counts)
-        return where, vals[:total], np.repeat(np.array(self._scales, dtype=np.float32), counts)
+        ends = np.cumsum(g)
+        table = np.stack([ends, offsets - (ends - g), g, offsets + numels])
+        data = [np.frombuffer(t[0], dtype=np.uint8) for t in self._tasks]
+        return Streams(data, table, np.array(self._scales, dtype=np.float32))
 
 
 #: The least float64 that rounds to an infinite float32 (half an ulp past its maximum, the tie
@@ -255,40 +253,38 @@ _F32_OVERFLOW = 2.0**128 - 2.0**103
 
 
 def available() -> bool:
-    """Whether :class:`LiteralBatch` and the kernel's zero-run coding can run (the C kernel is
-    built and enabled)."""
+    """Whether the C kernel behind the zero-run coding of :func:`encode_update` and the checks of
+    :meth:`StreamBatch.streams` is built and enabled (without it both run in NumPy and Python)."""
     return _KERNEL is not None
 
 
-def decode_into(flat: torch.Tensor, literals: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
-    """Write every tensor's decoded values into ``flat`` (zeros at the tensors' places): the
-    groups of ``literals`` (:func:`literals_of`), copied to ``flat``'s device in one copy, then
-    :func:`decode_on_device`."""
-    where, digits, scale = to_device_many(literal_groups(literals, np.int64), flat.device)
-    if where is not None and digits is not None and scale is not None:
-        decode_on_device(flat, where, digits, scale)
+def decode_into(flat: torch.Tensor, streams: Streams) -> None:
+    """Write the tensors' decoded values into ``flat`` (zeros at the tensors' places): the
+    groups of ``streams``, copied to ``flat``'s device in one copy, then :func:`decode_on_device`."""
+    data, table, scales = to_device_many(stream_groups(streams), flat.device)
+    if data is not None and table is not None and scales is not None:
+        decode_on_device(flat, data, table, scales)
 
 
-def literal_groups(
-    literals: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], where: type[np.int32] | type[np.int64]
-) -> list[tuple[list[np.ndarray], type]]:
-    """:func:`fedcomp.codecs.flat.to_device_many`'s groups of ``literals``: ``where``'s three rows
-    one after the other in one group (in ``where``'s dtype), the bytes and the scales, the three
-    arguments of :func:`decode_on_device`."""
-    return [
-        ([w[row] for row in range(3) for w, _, _ in literals], where),
-        ([b for _, b, _ in literals], np.uint8),
-        ([s for _, _, s in literals], np.float32),
-    ]
+def stream_groups(streams: Streams | None) -> list[tuple[list[np.ndarray], type]]:
+    """:func:`fedcomp.codecs.flat.to_device_many`'s groups of ``streams`` (none: three empty
+    groups), the three arguments of :func:`decode_on_device`."""
+    if streams is None:
+        return [([], np.uint8), ([], np.int64), ([], np.float32)]
+    return [(streams.data, np.uint8), ([streams.table.reshape(-1)], np.int64), ([streams.scales], np.float32)]
 
 
 @lru_cache(maxsize=8)
-def _digit_values(device: str) -> torch.Tensor:
-    """Row ``b``: byte ``b``'s five digits less one (-1, 0 or 1), part 0 first, as float32; rows
-    243-255 (no literal's) as the digits of ``b`` modulo 3^5 would give, so no byte reads outside."""
+def _byte_tables(device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per stream byte ``b``: its five digits less one (-1, 0 or 1), part 0 first, as float32
+    (zeros for a run, 243-255, whose groups are 121s), and the groups it stands for (1, or a
+    run's 2-14)."""
     b = np.arange(256)
-    rows = np.stack([(b // w) % 3 - 1 for w in WEIGHTS], axis=1).astype(np.float32)
-    return torch.from_numpy(rows).to(device)  # (a constant made once per device: not the engine's copy)
+    digits = np.stack([(b // w) % 3 - 1 for w in WEIGHTS], axis=1).astype(np.float32)
+    digits[RUN_BASE:] = 0.0
+    counts = np.where(b >= RUN_BASE, b - (RUN_BASE - 2), 1).astype(np.int64)
+    # (constants made once per device: not the engine's copies)
+    return torch.from_numpy(digits).to(device), torch.from_numpy(counts).to(device)
 
 
 _PARTS = torch.arange(5)
@@ -299,18 +295,27 @@ def _parts(device: str) -> torch.Tensor:
     return _PARTS.to(device)
 
 
-def decode_on_device(flat: torch.Tensor, where: torch.Tensor, digits: torch.Tensor, scale: torch.Tensor) -> None:
-    """:func:`decode_into` of literals already on ``flat``'s device: ``where``, the three rows of
-    :func:`literals_of` one after the other (integers), and the bytes and scales, concatenated.
-    All five digits of every group in one scatter, in about ten launches whatever the number of
-    tensors: a group's padding digits (past its tensor's end) are written at its part-0 place with
-    its part-0 digit's value, so the scatter's repeated places all get one value and ``flat`` can
-    be the receiver's buffer (no spare value)."""
+def decode_on_device(flat: torch.Tensor, data: torch.Tensor, table: torch.Tensor, scales: torch.Tensor) -> None:
+    """:func:`decode_into` of streams already on ``flat``'s device (checked: :meth:`StreamBatch.streams`):
+    their bytes back to back, the table (flat) and the scales of :class:`Streams`. Each byte's
+    group by a running sum of the groups the bytes stand for, its tensor by a search of the
+    groups' ends, and all five digits of every byte in one scatter: about fifteen launches whatever
+    the number of tensors (seventeen). A run writes five zeros at its first group's places (its groups are
+    121s: zeros); a group's padding digits (past its tensor's end) are written at its part-0 place
+    with its part-0 digit's value, so the scatter's repeated places all get one value and ``flat``
+    can be the receiver's buffer (no spare value)."""
     dev = str(flat.device)
-    first, step, end = where.view(3, -1).long().unbind(0)
-    at = (step[:, None] * _parts(dev)).add_(first[:, None])  # each digit's place: first + k * G
+    digit_values, group_counts = _byte_tables(dev)
+    byte = data.long()
+    count = group_counts[byte]
+    group = count.cumsum(0).sub_(count)  # each byte's first group, over the streams back to back
+    columns = table.view(4, -1)
+    tensor = torch.searchsorted(columns[0], group, right=True)
+    shift, step, end = columns[1:].index_select(1, tensor)  # each byte's tensor's
+    first = group.add_(shift)  # the place of the group's part-0 digit
+    at = (step[:, None] * _parts(dev)).add_(first[:, None])  # first + k * G
     inside = at < end[:, None]
-    value = _digit_values(dev)[digits.long()].mul_(scale[:, None])  # -1, 0 or 1 times the scale
+    value = digit_values[byte].mul_(scales[tensor][:, None])  # -1, 0 or 1 times the scale
     at = torch.where(inside, at, first[:, None])
     value = torch.where(inside, value, value[:, :1])
     flat.index_put_((at.view(-1),), value.view(-1))

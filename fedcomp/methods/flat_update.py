@@ -330,12 +330,12 @@ def _decode_flat(
     # fit in int32 (on a GPU each copy from pageable memory is a wait of its own; the SBC
     # positions were two thirds of an update's bytes to copy, as int64).
     where = position_dtype(layout.total)
-    kept, values, dense, where3, digits, scale = to_device_many(
+    kept, values, dense, streams, table, scales = to_device_many(
         [
             (found.kept, where),
             (found.values, np.float32),
             (found.dense, np.float32),
-            *threelc_device.literal_groups(found.literals, where),
+            *threelc_device.stream_groups(found.streams),
         ],
         device,
     )
@@ -344,8 +344,8 @@ def _decode_flat(
     if dense is not None:
         at = _dense_positions(layout.offsets, layout.numels, tuple(found.dense_rows), str(device))
         flat.index_put_((at,), dense)
-    if where3 is not None and digits is not None and scale is not None:
-        threelc_device.decode_on_device(flat, where3, digits, scale)
+    if streams is not None and table is not None and scales is not None:
+        threelc_device.decode_on_device(flat, streams, table, scales)
     return layout, flat
 
 
@@ -355,7 +355,7 @@ class _Decoded:
 
     kept: list[np.ndarray] = field(default_factory=list)  # SBC: flat positions
     values: list[np.ndarray] = field(default_factory=list)  # SBC: the value at each
-    literals: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=list)  # 3LC
+    streams: threelc_device.Streams | None = None  # 3LC
     dense: list[np.ndarray] = field(default_factory=list)  # any other codec: the values
     dense_rows: list[int] = field(default_factory=list)  # ... of these tensors
 
@@ -369,14 +369,14 @@ def _decode_on_host(
     found: _Decoded,
 ) -> None:
     """Check and decode every tensor on the host, in order (the first error is raised): an SBC
-    tensor to its positions and value, a 3LC tensor to its groups other than 121, any other to
-    its values. With the C kernels, the SBC tensors' position streams are decoded by one call for
-    all of them (:class:`ScatterSum`), the 3LC streams read by one more
-    (:class:`threelc_device.LiteralBatch`), and a plain dense tensor's values read straight from
+    tensor to its positions and value, a 3LC tensor's stream checked (the device expands it), any
+    other to its values. With the C kernels, the SBC tensors' position streams are decoded by one
+    call for all of them (:class:`ScatterSum`), the 3LC streams checked by one more
+    (:class:`threelc_device.StreamBatch`), and a plain dense tensor's values read straight from
     the received bytes: per tensor, only the checks that need no decoding run in Python."""
     batches = _Batches(
         ScatterSum() if scatter_sum_available() else None,
-        threelc_device.LiteralBatch() if threelc_device.available() else None,
+        threelc_device.StreamBatch(),
         position_dtype(layout.total),
     )
     kinds: dict[int, type] = {}  # each codec's kind by its id (an ABC's isinstance costs ~0.4 us)
@@ -407,15 +407,9 @@ def _decode_on_host(
             if kind is ThreeLC:
                 codec = cast(ThreeLC, codec)
                 codec.check_envelope(enc, spec)
-                if batches.threelc is not None:
-                    if batches.threelc.add(codec, enc.payload, spec, layout.offsets[row]):
-                        batches.rows[spec.name] = row
-                        continue
-                else:
-                    lit = threelc_device.literals_of(codec, enc.payload, spec, layout.offsets[row])
-                    if lit is not None:
-                        found.literals.append(lit)
-                        continue
+                if batches.threelc.add(codec, enc.payload, spec, layout.offsets[row]):
+                    batches.rows[spec.name] = row
+                    continue
             found.dense_rows.append(row)
             values = _dense_values(cast(_DenseCodec, codec), enc, spec) if kind is _DenseCodec else None
             if values is None:
@@ -432,7 +426,7 @@ class _Batches:
     """The tensors :func:`_decode_on_host` decodes together once every tensor is checked."""
 
     sbc: ScatterSum | None
-    threelc: threelc_device.LiteralBatch | None
+    threelc: threelc_device.StreamBatch
     where: type[np.int32] | type[np.int64]  # the flat positions' dtype
     sbc_bases: list[int] = field(default_factory=list)  # where each SBC tensor starts
     rows: dict[str, int] = field(default_factory=dict)  # the row of each tensor in a batch
@@ -452,9 +446,9 @@ class _Batches:
                 assert flat.kept is not None and flat.values is not None
                 found.kept.append(flat.kept)
                 found.values.append(flat.values)
-        if self.threelc is not None and len(self.threelc):
+        if len(self.threelc):
             try:
-                found.literals.append(self.threelc.literals())
+                found.streams = self.threelc.streams()
             except PayloadError as exc:
                 errors.append((self.rows[exc.tensor], exc))
         if errors:

@@ -423,6 +423,15 @@ def test_bad_scale(scale):
     _rejects(codec, _with(enc, scale=scale), spec, f"scale {scale!r} is not a finite number >= 0")
 
 
+def test_a_scale_of_minus_zero_is_refused():
+    """No encoder sends -0.0 (``s * max|T|`` is +0.0 for an all-zero tensor), and decoders gave its
+    zeros different signs (the per-tensor decoder skips a zero-run stream's groups of 121, the
+    whole-update one writes them), so it is refused everywhere (FORMAT.md)."""
+    codec, enc, spec = _valid()
+    _rejects(codec, _with(enc, scale=-0.0), spec, "scale -0.0 is not +0.0, the zero scale")
+    codec.decode(_with(enc, scale=0.0), spec)  # (+0.0 is the zero scale)
+
+
 def test_wrong_payload_type_and_codes():
     codec, enc, spec = _valid()
     _rejects(

@@ -1,8 +1,8 @@
-"""3LC's kernels for whole updates (``zero_runs_many``, ``literals_many`` in
+"""3LC's kernels for whole updates (``zero_runs_many``, ``check_many`` in
 fedcomp/_native/threelc.c) and their callers in ``fedcomp.codecs.threelc_device`` (the zero-run
-coding of every tensor's packed bytes, :class:`LiteralBatch`): against the NumPy path they
-replace, tensor by tensor: the same bytes, literals and errors, on runs around the 14-group cap,
-empty tensors, streams without a 121 and hostile streams; and their argument checks."""
+coding of every tensor's packed bytes, :class:`StreamBatch`): against the NumPy path they
+replace, tensor by tensor: the same bytes, decoded values and errors, on runs around the 14-group
+cap, empty tensors, streams without a 121 and hostile streams; and their argument checks."""
 
 from __future__ import annotations
 
@@ -109,18 +109,9 @@ def test_zero_runs_many_check_their_buffers() -> None:
     assert lengths.tolist() == [1, 2]  # 10 = a run of 10; 20 = 14 + 6
 
 
-def _literals_many(tasks: list[tuple[bytes, bool, int]]) -> tuple[int, list[tuple[list[int], bytes]]]:
-    assert KERNEL is not None
-    room = sum(len(d) for d, _, _ in tasks)
-    pos = np.full(room, -1, dtype=np.int64)
-    vals = np.zeros(room, dtype=np.uint8)
-    counts = np.full(len(tasks), -1, dtype=np.int64)
-    bad = KERNEL.literals_many(tasks, pos, vals, counts)
-    out, at = [], 0
-    for c in counts[: bad if bad >= 0 else len(tasks)]:
-        out.append((pos[at : at + c].tolist(), vals[at : at + c].tobytes()))
-        at += int(c)
-    return bad, out
+def _tensor(seed: int, n: int) -> torch.Tensor:
+    g = np.random.default_rng(seed)
+    return torch.from_numpy(np.where(g.random(n) < 0.05, g.standard_t(3, n), 0.0).astype(np.float32))
 
 
 def _numpy_literals(data: bytes, zero_run: bool, numel: int) -> tuple[list[int], bytes] | str:
@@ -137,7 +128,7 @@ def _numpy_literals(data: bytes, zero_run: bool, numel: int) -> tuple[list[int],
     streams=st.lists(st.tuples(packed_streams(), st.integers(0, 4), st.booleans()), max_size=6),
     edits=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), max_size=2),
 )
-def test_literals_many_give_each_tensors_numpy_literals_or_the_first_bad_stream(streams, edits) -> None:
+def test_check_many_finds_the_first_stream_numpy_refuses(streams, edits) -> None:
     tasks, want = [], []
     for packed, pad, zero_run in streams:
         numel = max(0, 5 * len(packed) - pad)  # (its groups: len(packed))
@@ -147,85 +138,76 @@ def test_literals_many_give_each_tensors_numpy_literals_or_the_first_bad_stream(
                 data[at % len(data)] = value
         tasks.append((bytes(data), zero_run, groups(numel)))
         want.append(_numpy_literals(bytes(data), zero_run, numel))
-    bad, got = _literals_many(tasks)
-    first_bad = next((i for i, w in enumerate(want) if isinstance(w, str)), -1)
-    assert bad == first_bad
-    assert got == want[: len(got)] and len(got) == (first_bad if first_bad >= 0 else len(want))
+    assert KERNEL is not None
+    assert KERNEL.check_many(tasks) == next((i for i, w in enumerate(want) if isinstance(w, str)), -1)
 
 
 @pytest.mark.parametrize("numel", [11, 100, 1001])
-def test_literals_many_refuse_every_hostile_stream(numel: int) -> None:
+def test_check_many_refuses_every_hostile_stream(numel: int) -> None:
+    assert KERNEL is not None
     good = ref.zero_run_encode(bytes([121] * (groups(numel) - 2) + [0, 7]))
     for zero_run, data in hostile_payloads(numel):
-        bad, got = _literals_many([(good, True, groups(numel)), (data, zero_run, groups(numel))])
-        assert bad == 1 and got == [([groups(numel) - 2, groups(numel) - 1], b"\x00\x07")], (zero_run, data[:20])
+        assert KERNEL.check_many([(good, True, groups(numel)), (data, zero_run, groups(numel))]) == 1, data[:20]
 
 
-def test_literals_many_check_their_arguments() -> None:
+def test_check_many_checks_its_arguments() -> None:
     assert KERNEL is not None
-    task = (bytes([121, 0, 3]), False, 3)
-    pos, vals, counts = np.empty(3, np.int64), np.empty(3, np.uint8), np.empty(1, np.int64)
-    for args in [
-        ([task], pos[:2], vals, counts),  # room for fewer literals than the stream's bytes
-        ([task], pos, vals[:2], counts),
-        ([task], pos, vals, counts[:0]),
-        ([(bytes(3), False, -1)], pos, vals, counts),
-        ([(bytes(3), False)], pos, vals, counts),
-        ([(3, False, 3)], pos, vals, counts),
-    ]:
+    for tasks in ([(bytes(3), False, -1)], [(bytes(3), False)], [(3, False, 3)], (bytes(3), False, 3)):
         with pytest.raises((ValueError, TypeError)):
-            KERNEL.literals_many(*args)
-    assert KERNEL.literals_many([task], pos, vals, counts) == -1
-    assert counts.tolist() == [2] and pos[:2].tolist() == [1, 2] and vals[:2].tolist() == [0, 3]
+            KERNEL.check_many(tasks)
+    assert KERNEL.check_many([(bytes([121, 0, 3]), False, 3), (bytes([243, 2]), True, 3)]) == -1
+    assert KERNEL.check_many([]) == -1
 
 
-def _tensor(seed: int, n: int) -> torch.Tensor:
-    g = np.random.default_rng(seed)
-    return torch.from_numpy(np.where(g.random(n) < 0.05, g.standard_t(3, n), 0.0).astype(np.float32))
+def _decoded(batch: threelc_device.StreamBatch, total: int) -> torch.Tensor:
+    flat = torch.zeros(total)
+    threelc_device.decode_into(flat, batch.streams())
+    return flat
 
 
 @pytest.mark.parametrize("zero_run", [True, False])
-def test_literal_batch_equals_literals_of_tensor_by_tensor(zero_run: bool) -> None:
+def test_the_stream_batch_decodes_each_tensor_as_its_decoder(zero_run: bool) -> None:
     codec = ThreeLC(1.5, zero_run=zero_run)
-    sizes = [1, 5, 6, 999, 4096, 70_001]
-    batch, want, offset = threelc_device.LiteralBatch(), [], 0
+    sizes = [1, 5, 6, 999, 4096, 70_001, 2]
+    batch, want, offset = threelc_device.StreamBatch(), [], 0
     for i, n in enumerate(sizes):
         enc = codec.encode(_tensor(i, n), f"t{i}")
         spec = TensorSpec(f"t{i}", (n,))
         assert batch.add(codec, enc.payload, spec, offset)
-        want.append(threelc_device.literals_of(codec, enc.payload, spec, offset))
+        want.append(codec.decode(enc, spec).reshape(-1))
         offset += n
-    where, vals, scale = batch.literals()
-    assert np.array_equal(where, np.concatenate([w for w, _, _ in want], axis=1))
-    assert np.array_equal(vals, np.concatenate([v for _, v, _ in want]))
-    assert scale.dtype == np.float32 and np.array_equal(scale, np.concatenate([s for _, _, s in want]))
+    assert _decoded(batch, offset).view(torch.int32).equal(torch.cat(want).view(torch.int32))
 
 
-def test_literal_batch_raises_the_per_tensor_words_and_leaves_scales_past_float32() -> None:
+def test_the_stream_batch_raises_the_per_tensor_words_and_leaves_scales_past_float32(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     codec = ThreeLC()
     good = codec.encode(_tensor(1, 1000), "a")
     spec = TensorSpec("a", (1000,))
-    batch = threelc_device.LiteralBatch()
+    batch = threelc_device.StreamBatch()
     assert not batch.add(codec, dataclasses.replace(good.payload, scale=1e300), spec, 0)  # (the dense path's)
     assert len(batch) == 0
     with pytest.raises(PayloadError, match="scale"):
         batch.add(codec, dataclasses.replace(good.payload, scale=-1.0), spec, 0)
     assert isinstance(good.payload, ThreeLCPayload)
-    for zero_run, data in hostile_payloads(1000):
-        bad = dataclasses.replace(good.payload, zero_run=zero_run, data=data)
-        batch = threelc_device.LiteralBatch()
-        for name in ("a", "b"):
-            payload = good.payload if name == "a" else bad
-            try:
-                batch.add(codec, payload, TensorSpec(name, (1000,)), 0)
-            except PayloadError:  # (a length the checks refuse before any decoding)
-                break
-        else:
-            with pytest.raises(PayloadError) as whole:
-                batch.literals()
-            with pytest.raises(PayloadError) as per_tensor:
-                codec.literals(bad, TensorSpec("b", (1000,)))
-            assert str(whole.value) == str(per_tensor.value)
+    for kernel in (KERNEL, None):  # (without the kernel, each stream by ThreeLC.literals)
+        monkeypatch.setattr(threelc_device, "_KERNEL", kernel)
+        for zero_run, data in hostile_payloads(1000):
+            bad = dataclasses.replace(good.payload, zero_run=zero_run, data=data)
+            batch = threelc_device.StreamBatch()
+            for name in ("a", "b"):
+                payload = good.payload if name == "a" else bad
+                try:
+                    batch.add(codec, payload, TensorSpec(name, (1000,)), 0)
+                except PayloadError:  # (a length the checks refuse before any decoding)
+                    break
+            else:
+                with pytest.raises(PayloadError) as whole:
+                    batch.streams()
+                with pytest.raises(PayloadError) as per_tensor:
+                    codec.literals(bad, TensorSpec("b", (1000,)))
+                assert str(whole.value) == str(per_tensor.value)
 
 
 def test_the_engines_zero_runs_equal_numpys_without_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
