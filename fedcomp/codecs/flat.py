@@ -191,21 +191,42 @@ def concrete_device(device: torch.device | str) -> torch.device:
     return torch.empty(0, device=device).device  # (allocates nothing, launches nothing)
 
 
+#: Copies between a CUDA device and the host of up to this size go through page-locked memory
+#: (torch's caching host allocator keeps it for the next one); larger ones (a whole dense model)
+#: through ordinary memory, so that they do not pin as much host memory for good.
+PINNED_MAX_BYTES = 16 << 20
+
+
+def _pinned(nbytes: int, device: torch.device | str) -> bool:
+    return torch.device(device).type == "cuda" and nbytes <= PINNED_MAX_BYTES
+
+
 def to_host(t: torch.Tensor) -> np.ndarray:
-    """``t`` as a NumPy array on the host (a copy from the device, and the host waits for it)."""
+    """``t`` as a NumPy array on the host (a copy from the device, and the host waits for it). From
+    a CUDA device into page-locked memory (:data:`PINNED_MAX_BYTES`): into pageable memory the
+    driver stages the copy through a buffer of its own, piece by piece."""
     work = _counted()
     if work is not None and not getattr(_COUNTING, "host", False):
         work.to_host += 1
         work.syncs += 1
-    return t.detach().cpu().numpy()
+    t = t.detach()
+    if _pinned(t.numel() * t.element_size(), t.device):
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t)
+        return host.numpy()
+    return t.cpu().numpy()
+
+
+def _count_to_device() -> None:
+    work = _counted()
+    if work is not None and not getattr(_COUNTING, "host", False):
+        work.to_device += 1
 
 
 def to_device(a: np.ndarray, device: torch.device, into: torch.Tensor | None = None) -> torch.Tensor:
     """NumPy ``a`` as a tensor on ``device`` (a copy unless ``device`` is the CPU); with ``into``
     (on ``device``, of ``a``'s size), copied there instead of into a new tensor."""
-    work = _counted()
-    if work is not None and not getattr(_COUNTING, "host", False):
-        work.to_device += 1
+    _count_to_device()
     host = torch.from_numpy(np.ascontiguousarray(a))
     return host.to(device) if into is None else into.copy_(host.view(into.shape))
 
@@ -247,11 +268,18 @@ def to_device_many(
         at += (size + 7) // 8 * 8
     if not at:
         return [None] * len(groups)
-    host = np.empty(at, dtype=np.uint8)
+    # Onto a GPU from page-locked memory (torch's caching host allocator keeps the block until the
+    # copy is done), without the host waiting for it: the device reads the parts in stream order.
+    staging = torch.empty(at, dtype=torch.uint8, pin_memory=True) if _pinned(at, device) else None
+    host = np.empty(at, dtype=np.uint8) if staging is None else staging.numpy()
     for (arrays, dtype), start, size in zip(groups, starts, sizes, strict=True):
         if size:
             np.concatenate(list(arrays), out=host[start : start + size].view(dtype), casting="same_kind")
-    on_device = to_device(host, device)
+    if staging is None:
+        on_device = to_device(host, device)
+    else:
+        _count_to_device()
+        on_device = staging.to(device, non_blocking=True)
     return [
         on_device[start : start + size].view(_TORCH_OF[np.dtype(dtype)]) if size else None
         for (_, dtype), start, size in zip(groups, starts, sizes, strict=True)
