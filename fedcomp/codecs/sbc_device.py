@@ -258,8 +258,7 @@ class _Plan:
     fast_rows: torch.Tensor | None  # the fast tensors' indices, on the device
     over_4k: torch.Tensor | None  # (len(fast),) bool, on the device: the tensor has more than 4 k values
     ranks: torch.Tensor | None  # the two order statistics' columns in a sorted sample row: (s - r, r - 1)
-    signs: torch.Tensor | None  # (2, 1) float32: 1, -1 (the high side's values, the low side's negated)
-    unbounded: torch.Tensor | None  # (tensors, 2) float32 infinities: no value on either side
+    unbounded: torch.Tensor | None  # (tensors, 2) float32: inf, -inf (no value on either side)
     offsets: np.ndarray  # the layout's, int64
     numels: np.ndarray
 
@@ -271,17 +270,16 @@ def _plan(numels: tuple[int, ...], offsets: tuple[int, ...], p: float, s: int, m
     fast_set = set(fast)
     exact = tuple(i for i in range(len(numels)) if i not in fast_set)
     dev = torch.device(device)
-    where = fast_rows = over_4k = ranks = signs = unbounded = None
+    where = fast_rows = over_4k = ranks = unbounded = None
     if fast:
         where = to_device(np.stack([_sample_positions_np(numels[i], s) + offsets[i] for i in fast]), dev)
         fast_rows = to_device(np.array(fast, dtype=np.int64), dev)
         over_4k = to_device(np.array([numels[i] > 4 * ks[i] for i in fast]), dev)
         r = max(1, round(p * s))
         ranks = to_device(np.array([s - r, r - 1], dtype=np.int64), dev)
-        signs = to_device(np.array([[1.0], [-1.0]], dtype=np.float32), dev)
-        unbounded = to_device(np.full((len(numels), 2), np.inf, dtype=np.float32), dev)
+        unbounded = to_device(np.tile(np.array([np.inf, -np.inf], dtype=np.float32), (len(numels), 1)), dev)
     offs, ns = np.array(offsets, dtype=np.int64), np.array(numels, dtype=np.int64)
-    return _Plan(ks, fast, exact, where, fast_rows, over_4k, ranks, signs, unbounded, offs, ns)
+    return _Plan(ks, fast, exact, where, fast_rows, over_4k, ranks, unbounded, offs, ns)
 
 
 @dataclass(frozen=True)
@@ -299,22 +297,21 @@ def _fast_hits(flat: torch.Tensor, plan: _Plan, codec: SBC, layout: Layout) -> _
     thresholds read off its sample: about fifteen launches whatever the number of tensors (on a
     GPU host each is tens of microseconds of the host's time)."""
     assert plan.where is not None and plan.fast_rows is not None and plan.over_4k is not None
-    assert plan.ranks is not None and plan.signs is not None and plan.unbounded is not None
+    assert plan.ranks is not None and plan.unbounded is not None
     ordered = flat[plan.where].sort(dim=1).values  # a NaN sorts last; the caller drops the result
     pair = ordered.index_select(1, plan.ranks)  # (fast tensors, 2): thr_hi, thr_lo
     # Where the thresholds meet (a frozen layer's zeros), every value is on a side, so with more
     # than 4 k values one side holds over 2 k: fast mode fails there whatever the scan finds. It
     # then finds nothing (not the whole tensor, copied to the host), and exact mode takes the
-    # tensor on the second pass, as the CPU does.
+    # tensor on the second pass, as the CPU does. Exact-mode tensors and doomed ones get infinite
+    # bounds: no finite value is selected there.
     doomed = (pair[:, 0] <= pair[:, 1]).logical_and_(plan.over_4k)
-    # The low side as the high side of the negated values (exact: negation rounds nothing), so one
-    # comparison takes both: x >= thr_hi and -x >= -thr_lo. Exact-mode tensors and doomed ones
-    # get infinite bounds: no finite value is selected there.
-    signed = (pair * plan.signs.view(1, 2)).masked_fill_(doomed[:, None], float("inf"))
-    bounds = plan.unbounded.index_copy(0, plan.fast_rows, signed)  # (tensors, 2)
-    per_value = bounds.index_select(0, segment_ids(layout.numels, flat.device)).t()  # (2, values)
+    pair = torch.where(doomed[:, None], plan.unbounded[:1], pair)
+    bounds = plan.unbounded.index_copy(0, plan.fast_rows, pair)  # (tensors, 2)
+    per_value = bounds.index_select(0, segment_ids(layout.numels, flat.device))  # (values, 2)
     mask = torch.empty((2, layout.total), dtype=torch.bool, device=flat.device)
-    torch.ge(flat * plan.signs, per_value, out=mask)
+    torch.ge(flat, per_value[:, 0], out=mask[0])
+    torch.le(flat, per_value[:, 1], out=mask[1])
     del per_value
     found = mask.view(-1).nonzero().squeeze(1)  # side * total + position, ascending
     del mask

@@ -54,10 +54,11 @@ _KERNEL = _native.load("threelc")
 @lru_cache(maxsize=2)
 def _packing(numels: tuple[int, ...], offsets: tuple[int, ...], device: str) -> torch.Tensor:
     """For each packed byte of the whole update, the flat positions of its five digits (``k * G +
-    j`` of its tensor, ``G = ceil(n / 5)``), one row per byte; a padding digit (past its tensor's
-    end) points at ``total``, one past the update, where the quantized values' buffer holds -1
-    (digit 0). Int32 where the positions fit, flat (``(bytes * 5,)``); kept per layout (a sender
-    meets the same layout every round; four bytes a value on the device)."""
+    j`` of its tensor, ``G = ceil(n / 5)``), part by part (``(5, bytes)``: the product that packs
+    them then reads the five parts of consecutive bytes side by side); a padding digit (past its
+    tensor's end) points at ``total``, one past the update, where the quantized values' buffer
+    holds -1 (digit 0). Int32 where the positions fit, flat; kept per layout (a sender meets the
+    same layout every round; four bytes a value on the device)."""
     counted = _group_counts(numels)
     g = counted.counts
     total = int(sum(numels))
@@ -69,7 +70,7 @@ def _packing(numels: tuple[int, ...], offsets: tuple[int, ...], device: str) -> 
         inside + np.asarray(offsets, dtype=np.int64)[seg][:, None],
         total,
     )
-    return to_device(at.reshape(-1).astype(position_dtype(total + 1)), torch.device(device))
+    return to_device(np.ascontiguousarray(at.T).reshape(-1).astype(position_dtype(total + 1)), torch.device(device))
 
 
 #: Each digit's weight in its byte, as a float32 vector (a matrix-vector product packs the bytes).
@@ -115,8 +116,8 @@ def encode_update(
     recon = q * by_value if want_recon else None  # (q is 0 where the scale is 0: m * q either way)
     del by_value
     # The base-3^5 packing: every byte's five q by one gather, weighted and summed by one product.
-    digits = torch.index_select(qs, 0, _packing(layout.numels, layout.offsets, str(dev))).view(-1, 5)
-    packed = torch.mv(digits, _weights(str(dev))).add_(_ZERO_BYTE).to(torch.uint8)
+    digits = torch.index_select(qs, 0, _packing(layout.numels, layout.offsets, str(dev))).view(5, -1)
+    packed = torch.mv(digits.t(), _weights(str(dev))).add_(_ZERO_BYTE).to(torch.uint8)
     del qs, q, digits
     # the packed bytes, the scales and the maxima (whose finiteness is the update's) in one copy to
     # the host (after the rider's values, which stay aligned at its start)
