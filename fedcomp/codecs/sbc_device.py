@@ -81,9 +81,13 @@ def encode_update(
     if flat is None:
         flat = torch.cat([t.detach().reshape(-1) for _, t in tensors])
     plan = _plan(layout.numels, layout.offsets, codec.p, codec.sample_size, codec.mode, str(flat.device))
-    hits = _fast_hits(flat, plan, codec, layout) if plan.fast else None
     exact = _exact_select(flat, layout, plan.ks, plan.exact) if plan.exact else None
-    got = _to_host(hits, exact, torch.aminmax(flat), layout.total, rider)
+    limits = torch.aminmax(flat)
+    hits = _fast_hits(flat, plan, layout, plan.capacity) if plan.fast else None
+    got = _to_host(hits, exact, limits, layout.total, rider)
+    if got is not None and hits is not None and got.hits == plan.capacity:  # (perhaps more: rare)
+        hits = _fast_hits(flat, plan, layout, None)
+        got = _to_host(hits, exact, limits, layout.total, rider)
     if got is None:
         return None
     with host_side():
@@ -102,14 +106,16 @@ def encode_update(
 @dataclass(frozen=True)
 class _OnHost:
     """What one copy brought to the host, views of it: fast mode's hits (flat positions, the high
-    side's ascending, then the low side's; ``n_hi`` of the high side) followed by exact mode's
-    candidates (flat positions, as :func:`_exact_select` laid them out), ``hits`` of the former;
-    their values. Positions are int32 where the update's fit (:func:`position_dtype`), else int64."""
+    side's ascending, then the low side's; ``n_hi`` of the high side, ``hits`` in all), in a block
+    of ``block`` entries (those past the hits unused), followed by exact mode's candidates (flat
+    positions, as :func:`_exact_select` laid them out); their values. Positions are int32 where
+    the update's fit (:func:`position_dtype`), else int64."""
 
     positions: np.ndarray
     values: np.ndarray
     hits: int
     n_hi: int
+    block: int
 
 
 def _to_host(
@@ -136,10 +142,10 @@ def _to_host(
         parts_i.append(exact.positions)
         parts_f.append(exact.values)
     if hits is not None:
-        parts_i.append(hits.n_hi.reshape(1))
+        parts_i.append(hits.counts)
     m = 0 if hits is None else int(hits.positions.shape[0])
     n = m + (0 if exact is None else int(exact.positions.shape[0]))
-    n_ints = n + (1 if hits is not None else 0)
+    n_ints = n + (2 if hits is not None else 0)
     if limits is not None:
         parts_f += [lim.reshape(1) for lim in limits]
     if rider is not None:
@@ -156,7 +162,8 @@ def _to_host(
         rider.host = rest
     if lims is not None and not np.isfinite(lims).all():
         return None
-    return _OnHost(ints[:n], floats[:n], m, int(ints[n]) if hits is not None else 0)
+    n_hi, n_hits = (int(ints[n]), int(ints[n + 1])) if hits is not None else (0, 0)
+    return _OnHost(ints[:n], floats[:n], n_hits, n_hi, m)
 
 
 @dataclass(frozen=True)
@@ -193,7 +200,7 @@ class _Candidates:
 def _candidates(got: _OnHost, plan: _Plan, layout: Layout, exact: _Exact | None) -> _Candidates:
     """The flat candidates of what :func:`_to_host` brought (fast hits first, then the exact rows'),
     read where they landed: only each tensor's ranges are worked out here."""
-    positions, m, n_hi = got.positions, got.hits, got.n_hi
+    positions, m, n_hi, block = got.positions, got.hits, got.n_hi, got.block
     ranges = np.zeros((len(layout.numels), 4), dtype=np.int64)
     if plan.fast:
         offsets = plan.offsets.astype(positions.dtype)  # (a search in int32 converts nothing)
@@ -205,7 +212,7 @@ def _candidates(got: _OnHost, plan: _Plan, layout: Layout, exact: _Exact | None)
         ranges[fast, 2] = lo[fast]
         ranges[fast, 3] = np.append(lo[1:], m)[fast]
     if exact is not None:
-        ranges[list(plan.exact)] = exact.ranges + m
+        ranges[list(plan.exact)] = exact.ranges + block
     return _Candidates(positions, got.values, ranges)
 
 
@@ -259,6 +266,8 @@ class _Plan:
     over_4k: torch.Tensor | None  # (len(fast),) bool, on the device: the tensor has more than 4 k values
     ranks: torch.Tensor | None  # the two order statistics' columns in a sorted sample row: (s - r, r - 1)
     unbounded: torch.Tensor | None  # (tensors, 2) float32: inf, -inf (no value on either side)
+    capacity: int  # fast mode's hits found without a wait: their expected count (2 k a tensor) and a margin
+    edges: torch.Tensor | None  # (total, 2 total), int64: a hit's side is where it falls between them
     offsets: np.ndarray  # the layout's, int64
     numels: np.ndarray
 
@@ -270,7 +279,8 @@ def _plan(numels: tuple[int, ...], offsets: tuple[int, ...], p: float, s: int, m
     fast_set = set(fast)
     exact = tuple(i for i in range(len(numels)) if i not in fast_set)
     dev = torch.device(device)
-    where = fast_rows = over_4k = ranks = unbounded = None
+    where = fast_rows = over_4k = ranks = unbounded = edges = None
+    capacity = 0
     if fast:
         where = to_device(np.stack([_sample_positions_np(numels[i], s) + offsets[i] for i in fast]), dev)
         fast_rows = to_device(np.array(fast, dtype=np.int64), dev)
@@ -278,26 +288,33 @@ def _plan(numels: tuple[int, ...], offsets: tuple[int, ...], p: float, s: int, m
         r = max(1, round(p * s))
         ranks = to_device(np.array([s - r, r - 1], dtype=np.int64), dev)
         unbounded = to_device(np.tile(np.array([np.inf, -np.inf], dtype=np.float32), (len(numels), 1)), dev)
+        total = sum(numels)
+        capacity = min(2 * total, (5 * sum(ks[i] for i in fast)) // 2 + 4096)
+        edges = to_device(np.array([total, 2 * total], dtype=np.int64), dev)
     offs, ns = np.array(offsets, dtype=np.int64), np.array(numels, dtype=np.int64)
-    return _Plan(ks, fast, exact, where, fast_rows, over_4k, ranks, unbounded, offs, ns)
+    return _Plan(ks, fast, exact, where, fast_rows, over_4k, ranks, unbounded, capacity, edges, offs, ns)
 
 
 @dataclass(frozen=True)
 class _Hits:
     """Fast mode's hits on the device: flat positions (the high side's, ascending, then the low
-    side's), their values, and how many are the high side's (a one-value tensor: no sync)."""
+    side's, then, in a block of fixed size, unused entries), their values, and how many are the
+    high side's and how many hits there are (a two-value tensor: no sync)."""
 
     positions: torch.Tensor
     values: torch.Tensor
-    n_hi: torch.Tensor
+    counts: torch.Tensor
 
 
-def _fast_hits(flat: torch.Tensor, plan: _Plan, codec: SBC, layout: Layout) -> _Hits:
+def _fast_hits(flat: torch.Tensor, plan: _Plan, layout: Layout, capacity: int | None) -> _Hits:
     """On the device, every fast-mode tensor's values ``x >= thr_hi`` and ``x <= thr_lo``, the
     thresholds read off its sample: about fifteen launches whatever the number of tensors (on a
-    GPU host each is tens of microseconds of the host's time)."""
+    GPU host each is tens of microseconds of the host's time). With ``capacity``, the first that
+    many hits in a block of that size, found without a wait for the device (``nonzero_static``;
+    the caller sees from the count whether the block filled up, then asks again without it: a
+    ``nonzero``, whose size the host waits for)."""
     assert plan.where is not None and plan.fast_rows is not None and plan.over_4k is not None
-    assert plan.ranks is not None and plan.unbounded is not None
+    assert plan.ranks is not None and plan.unbounded is not None and plan.edges is not None
     ordered = flat[plan.where].sort(dim=1).values  # a NaN sorts last; the caller drops the result
     pair = ordered.index_select(1, plan.ranks)  # (fast tensors, 2): thr_hi, thr_lo
     # Where the thresholds meet (a frozen layer's zeros), every value is on a side, so with more
@@ -313,10 +330,13 @@ def _fast_hits(flat: torch.Tensor, plan: _Plan, codec: SBC, layout: Layout) -> _
     torch.ge(flat, per_value[:, 0], out=mask[0])
     torch.le(flat, per_value[:, 1], out=mask[1])
     del per_value
-    found = mask.view(-1).nonzero().squeeze(1)  # side * total + position, ascending
+    if capacity is None:
+        found = mask.view(-1).nonzero().squeeze(1)  # side * total + position, ascending
+    else:  # (the unused entries: 2 total, past both sides; position 0)
+        found = torch.nonzero_static(mask.view(-1), size=capacity, fill_value=2 * layout.total).squeeze(1)
     del mask
     positions = found.remainder(layout.total)
-    return _Hits(positions, flat[positions], torch.searchsorted(found, layout.total))
+    return _Hits(positions, flat[positions], torch.searchsorted(found, plan.edges))
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,8 @@ on a CUDA machine the last test compares the two devices."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -225,6 +227,27 @@ def test_work_does_not_grow_with_the_number_of_tensors() -> None:
     assert ops <= 30 and syncs <= 2 and to_host <= 1 and to_device <= 1, counts[0]
 
 
+@pytest.mark.parametrize("capacity", [0, 1, 7, None])
+def test_hits_past_the_block_are_found_again_with_a_wait(capacity: int | None, monkeypatch) -> None:
+    """Fast mode's hits come in a block of fixed size, with no wait for the device; where the
+    block fills up (perhaps more hits than it holds) they are found again by ``nonzero``: the
+    same bytes either way."""
+    codec = SBC(0.01, "fast", sample_size=SAMPLE)
+    items = _kinds(3)
+    real = sbc_device._plan
+    want = [codec.encode(t, n) for n, t in items]
+    encode_update(codec, items)  # (the plan, kept)
+    with count_device_work() as own:
+        encode_update(codec, items)
+    if capacity is not None:  # (None: the plan's own, which holds them)
+        monkeypatch.setattr(sbc_device, "_plan", lambda *a: dataclasses.replace(real(*a), capacity=capacity))
+    with count_device_work() as work:
+        found = encode_update(codec, items)
+    assert found is not None and found.encoded == want
+    more = (0, 0) if capacity is None else (1, 2)  # a copy of the block, and nonzero's wait
+    assert (work.to_host, work.syncs) == (own.to_host + more[0], own.syncs + more[1]), work
+
+
 @pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
 @pytest.mark.parametrize("codec", [SBC(0.01, "fast", sample_size=SAMPLE), SBC(0.1, "exact")], ids=repr)
 def test_a_value_that_is_not_finite_anywhere_leaves_the_update_to_encode(codec: SBC, value: float) -> None:
@@ -286,7 +309,7 @@ def test_a_frozen_layer_is_not_copied_to_the_host_as_candidates(codec: SBC, monk
     real = sbc_device._to_host
 
     def spy(hits, exact, *args, **kwargs):  # type: ignore[no-untyped-def]
-        copied.append(0 if hits is None else int(hits.positions.shape[0]))
+        copied.append(0 if hits is None else int(hits.counts[1]))  # (the hits in the block copied)
         return real(hits, exact, *args, **kwargs)
 
     monkeypatch.setattr(sbc_device, "_to_host", spy)

@@ -122,7 +122,7 @@ def test_keep_sent_gives_what_the_receiver_decodes_as_the_per_tensor_path(codec,
 @pytest.mark.parametrize(
     ("codec", "copies", "waits"),
     [
-        (SBC(0.02, "fast", sample_size=SAMPLE), 1, 1),
+        (SBC(0.02, "fast", sample_size=SAMPLE), 1, 0),
         (SBC(0.1, "exact"), 1, 0),
         (ThreeLC(1.0), 1, 0),
         (DenseFP16(), 2, 0),
@@ -133,7 +133,8 @@ def test_the_small_tensors_ride_in_the_engines_one_copy(
     codec, copies: int, waits: int, wide: bool, monkeypatch
 ) -> None:
     """The small tensors' values come to the host in the SBC or 3LC engine's copy (fast mode's
-    ``nonzero`` is the one other wait; SBC's int64 positions and their values come in two copies),
+    hits are found without a wait, in a block of fixed size; SBC's int64 positions and their
+    values come in two copies),
     int32 or int64 positions alike; a dense codec copies its wire values apart. The bytes and
     residuals are the per-tensor path's either way."""
     if wide:
