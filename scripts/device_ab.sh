@@ -14,6 +14,8 @@
 set -u
 OUT=${OUT:-/tmp/device-ab}
 BASES=${BASES:-.ab/base}
+TESTED=${TESTED:-}  # baselines whose CUDA tests run too (this tree's always do)
+FULL=${FULL:-0}     # 1: also this tree's whole codecs table (every codec, both scopes)
 ROUNDS=${ROUNDS:-2}
 REPEAT=${REPEAT:-15}
 PY=${PYTHON:-python3}
@@ -45,7 +47,8 @@ label() { [ "$1" = "$HERE" ] && echo new || basename "$1"; }
 } >"$OUT/env.txt" 2>&1
 export PYTHONPATH=/tmp/site:$HERE
 
-step pytest-cuda 150 $PY -m pytest -p no:cacheprovider -n 0 -q -rs -m cuda tests/codecs tests/methods tests/native tests/flower/test_cuda_client.py
+CUDA_TESTS=(tests/codecs tests/methods tests/native tests/flower/test_cuda_client.py)
+step pytest-cuda 150 $PY -m pytest -p no:cacheprovider -n 0 -q -rs -m cuda "${CUDA_TESTS[@]}"
 CASES=(--case sbc:p=0.01,mode=fast --case 3lc:s=1.0)
 for i in $(seq "$ROUNDS"); do
     for t in "${TREES[@]}"; do
@@ -57,7 +60,13 @@ done
 PROFILE=()
 [ "$DEVICE" = cuda ] && PROFILE=(--profile)
 step device-work 120 $PY -m fedcomp.bench device-work --device "$DEVICE" "${PROFILE[@]}" --copies 1 --json "$LOGS/device-work.json"
-tail -n 3 "$LOGS/pytest-cuda.log"
+# (after the A/B: what matters most first, should the call run out of time)
+for b in $TESTED; do
+    t=$(cd "$b" && pwd)
+    (cd "$t" && export PYTHONPATH=/tmp/site:$t && step "pytest-cuda-$(label "$t")" 150 $PY -m pytest -p no:cacheprovider -n 0 -q -rs -m cuda "${CUDA_TESTS[@]}")
+done
+[ "$FULL" = 1 ] && step codecs-full 150 $PY -m fedcomp.bench codecs --device "$DEVICE" --repeat 7 --json "$LOGS/codecs-full.json"
+for f in "$LOGS"/pytest-cuda*.log; do echo "$(basename "$f"): $(tail -n 1 "$f")"; done
 $PY - "$LOGS" "$ROUNDS" $(for t in "${TREES[@]}"; do label "$t"; done) <<'PYEOF' | tee "$OUT/ab.txt"
 import json, sys
 from pathlib import Path
@@ -77,4 +86,5 @@ for (codec, op), by in rows.items():
         print(f"{codec if j == 0 else '':5} {op if j == 0 else '':10} {name:5} {' | '.join(by.get(name, []))}")
 PYEOF
 grep -E "^(sbc|3lc) .*whole-update" "$LOGS/device-work.log"
+[ "$FULL" = 1 ] && grep -E " (update|per-tensor) " "$LOGS/codecs-full.log" | cut -c1-150
 tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"
