@@ -21,6 +21,7 @@ REPEAT=${REPEAT:-15}
 PY=${PYTHON:-python3}
 DEVICE=${DEVICE:-cuda}  # (DEVICE=cpu here: the plumbing only)
 LOGS=$OUT/logs
+LOGDIR=$LOGS
 mkdir -p "$LOGS"
 export PYTHONUNBUFFERED=1 FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_UPDATE_CHECK=1
 HERE=$PWD
@@ -28,13 +29,7 @@ TREES=()
 for b in $BASES; do TREES+=("$(cd "$b" && pwd)"); done
 TREES+=("$HERE")
 
-step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $LOGS/NAME.log, report rc
-    local name=$1 limit=$2
-    shift 2
-    local t0=$SECONDS
-    timeout "$limit" "$@" >"$LOGS/$name.log" 2>&1
-    echo "$name: rc $? in $((SECONDS - t0)) s" | tee -a "$OUT/env.txt"
-}
+. "$(dirname "$0")/device_step.sh"
 label() { [ "$1" = "$HERE" ] && echo new || basename "$1"; }
 
 {

@@ -20,13 +20,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_UPDATE_CHECK=1
 PY=${PYTHON:-python3}
 
-step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAME.log, report rc
-    local name=$1 limit=$2
-    shift 2
-    local t0=$SECONDS
-    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
-    echo "$name: rc $? in $((SECONDS - t0)) s" | tee -a "$OUT/env.txt"
-}
+. "$(dirname "$0")/device_step.sh"
 
 {
     date -u
