@@ -137,7 +137,8 @@ def test_the_batch_takes_a_scale_as_the_decoder_does(scale: float) -> None:
     payload = dataclasses.replace(codec.encode(_f32(np.linspace(-1, 1, 12)), "t").payload, scale=scale)
     batch = StreamBatch()
     taken = batch.add(codec, payload, spec, 3)
-    assert taken is bool(np.isfinite(np.float32(scale)))
+    with np.errstate(over="ignore"):
+        assert taken is bool(np.isfinite(np.float32(scale)))
     if taken:
         flat = torch.full((15,), 7.0)
         flat[3:].zero_()
