@@ -11,14 +11,18 @@ buffer (:class:`fedcomp.codecs.flat.Layout`) and every step runs once for all of
    sort of the rows, the two order statistics read off by column, each value compared with its
    tensor's thresholds (gathered by the values' tensor indices,
    :func:`fedcomp.codecs.segments.segment_ids`: no sync), both comparisons into one ``2 x N``
-   mask and one ``nonzero``: the candidates of every tensor, both sides.
+   mask and one ``nonzero_static`` into a block of fixed size (2.5 times the hits expected, and a
+   margin; no sync: a block that fills up is found again by ``nonzero``): the candidates of every
+   tensor, both sides.
 2. **Exact mode** (the small tensors; all of them in ``mode="exact"``): the tensors as the rows
-   of a padded matrix (chunks of about ``_EXACT_BUDGET`` values), one stable sort per side per
-   chunk: the first ``k`` of a row are its ``k`` most extreme values, ties to the lowest index, as
-   on CPU; each side's length is known (``k``), so they are laid out flat with no sync.
-3. Both modes' candidates (flat positions; the high side's count of fast mode's), and the
-   finiteness flag come to the host in one copy (four bytes a value where positions fit in
-   int32), laid out so that the host reads them where they land; there every tensor's side, exact
+   of a padded matrix (chunks of about ``_EXACT_BUDGET`` values) over their negations, one stable
+   sort per chunk: the first ``k`` of a row are its ``k`` most extreme values, ties to the lowest
+   index, as on CPU; each side's length is known (``k``), so they are laid out flat with no sync.
+3. Both modes' candidates (flat positions; fast mode's counts), and the update's least and
+   largest value (its finiteness) come to the host in one copy (four bytes a value where
+   positions fit in int32), the only wait for the device in the encode (on an H200 each torch
+   operator also costs the host tens of microseconds: about thirty here in all), laid out so
+   that the host reads them where they land; there every tensor's side, exact
    mean and Golomb code, and the kept positions (in the same width) and values the error feedback
    needs, come from one call of the C kernel (:func:`fedcomp.codecs.sbc.choose_sides_flat`: no
    Python object per tensor but its result, no conversion of the positions), as on CPU. A
