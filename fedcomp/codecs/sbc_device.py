@@ -87,9 +87,10 @@ def encode_update(
     plan = _plan(layout.numels, layout.offsets, codec.p, codec.sample_size, codec.mode, str(flat.device))
     exact = _exact_select(flat, layout, plan.ks, plan.exact) if plan.exact else None
     limits = torch.aminmax(flat)
-    hits = _fast_hits(flat, plan, layout, plan.capacity) if plan.fast else None
+    capacity = plan.capacity if _has_nonzero_static(flat.device.type) else None
+    hits = _fast_hits(flat, plan, layout, capacity) if plan.fast else None
     got = _to_host(hits, exact, limits, layout.total, rider)
-    if got is not None and hits is not None and got.hits == plan.capacity:  # (perhaps more: rare)
+    if got is not None and hits is not None and capacity is not None and got.hits == capacity:  # (perhaps more: rare)
         hits = _fast_hits(flat, plan, layout, None)
         got = _to_host(hits, exact, limits, layout.total, rider)
     if got is None:
@@ -105,6 +106,18 @@ def encode_update(
             cands = cands.with_exact(redo, more_got, more)
     with host_side():
         return _finish(codec, layout, plan, cands)
+
+
+@lru_cache(maxsize=8)
+def _has_nonzero_static(device_type: str) -> bool:
+    """Whether this torch has ``nonzero_static`` on this kind of device (torch 2.4, which the
+    project allows, has it on the CPU only); without it fast mode's hits are found by ``nonzero``,
+    with one more wait for the device."""
+    try:
+        torch.nonzero_static(torch.ones(1, dtype=torch.bool, device=device_type), size=1)
+    except (NotImplementedError, RuntimeError, AttributeError):
+        return False
+    return True
 
 
 @dataclass(frozen=True)

@@ -248,6 +248,23 @@ def test_hits_past_the_block_are_found_again_with_a_wait(capacity: int | None, m
     assert (work.to_host, work.syncs) == (own.to_host + more[0], own.syncs + more[1]), work
 
 
+def test_without_nonzero_static_the_hits_are_found_by_nonzero(monkeypatch) -> None:
+    """A torch without ``nonzero_static`` on the device (2.4 on CUDA) finds fast mode's hits by
+    ``nonzero``: the same bytes, one wait more."""
+    assert sbc_device._has_nonzero_static("cpu")  # (torch >= 2.4: on the CPU)
+    codec = SBC(0.01, "fast", sample_size=SAMPLE)
+    items = _kinds(4)
+    encode_update(codec, items)  # (the plan, kept)
+    with count_device_work() as own:
+        found = encode_update(codec, items)
+    monkeypatch.setattr(sbc_device, "_has_nonzero_static", lambda device_type: False)
+    with count_device_work() as work:
+        again = encode_update(codec, items)
+    assert found is not None and again is not None and again.encoded == found.encoded
+    assert again.encoded == [codec.encode(t, n) for n, t in items]
+    assert (work.to_host, work.syncs, work.by_op.get("aten.nonzero")) == (own.to_host, own.syncs + 1, 1), work
+
+
 @pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
 @pytest.mark.parametrize("codec", [SBC(0.01, "fast", sample_size=SAMPLE), SBC(0.1, "exact")], ids=repr)
 def test_a_value_that_is_not_finite_anywhere_leaves_the_update_to_encode(codec: SBC, value: float) -> None:
