@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import random
 import re
 from collections.abc import Callable, Iterable
@@ -51,7 +50,7 @@ from fedcomp.app.results import RESULTS_FILE, RunRecorder, record_failure
 from fedcomp.errors import ConfigError
 from fedcomp.flower import protocol
 from fedcomp.flower.clipping import clipping_norm_of
-from fedcomp.flower.records import digest, tensors_from_record
+from fedcomp.flower.records import digest, not_finite_and_norm, tensors_from_record
 from fedcomp.flower.sampling import SeededSampling
 from fedcomp.flower.strategy import CompressionStrategy
 
@@ -531,7 +530,7 @@ def clip_update(
     most ``bound`` (unchanged when it has already). Floating-point tensors only: an integer buffer
     (a batch-norm counter) is not a parameter and is left as trained."""
     delta = {k: t.float() - received[k].float() for k, t in trained.items() if t.is_floating_point()}
-    norm = math.sqrt(math.fsum(float(d.double().pow(2).sum()) for d in delta.values()))
+    norm = not_finite_and_norm(delta)[1]
     if norm <= bound:
         return trained
     scale = bound / norm

@@ -34,7 +34,7 @@ from fedcomp.flower.downlink_policy import chain_decoders
 from fedcomp.flower.pending import PendingUpdate
 from fedcomp.flower.persist import ClientStore, store_for
 from fedcomp.flower.protocol import DownlinkHeader, DownlinkMode, ErrorCode, ReplicaMeta, UplinkReport
-from fedcomp.flower.records import digest, record_from_tensors, tensors_from_record
+from fedcomp.flower.records import digest, not_finite_and_norm, record_from_tensors, tensors_from_record
 from fedcomp.flower.replica import apply_delta, apply_lattice
 from fedcomp.methods.bandwidth import DENSE_CODEC, BandwidthBudget, Choice, ClientSituation, get_policy
 from fedcomp.methods.base import ClientRound, UplinkMethod
@@ -415,7 +415,7 @@ def _handle(
             raise ConfigError(f"the ClientApp's train reply has no ArrayRecord {dl.arrays_key!r}")
         trained = tensors_from_record(trained_rec, device)
         delta = {k: trained[k] - st.replica[k] for k in st.replica}
-        bad, update_norm = _not_finite_and_norm(delta)
+        bad, update_norm = not_finite_and_norm(delta)
         if bad:
             # Local training diverged: send nothing, keep the stored residual and replica as they
             # were (the server keeps counting this client at its last reported version).
@@ -457,8 +457,8 @@ def _handle(
         seconds = time.perf_counter() - t0
         if plan is not None and plan.choice is not None:
             _time_codecs(context, base_codec, seconds, delta, dl.min_compress_numel, st.version)
-        bad, residual_norm = _not_finite_and_norm(encoder.state_dict())
-        bad = bad or _not_finite_and_norm(encoder.sent or {})[0]
+        bad, residual_norm = not_finite_and_norm(encoder.state_dict())
+        bad = bad or not_finite_and_norm(encoder.sent or {})[0]
         if bad:
             # The codec could not represent it (a dense-fp16 value beyond 65504): the same as a
             # diverged update, rather than a residual poisoned with inf for every later round.
@@ -516,7 +516,7 @@ def _encode_clipped(
             encoder, data = encode(
                 {k: v * scale for k, v in residual.items()}, {k: v * scale for k, v in update.items()}
             )
-        sent = _not_finite_and_norm(encoder.sent or {})[1]
+        sent = not_finite_and_norm(encoder.sent or {})[1]
         if sent <= bound or not math.isfinite(sent):  # (not finite: the caller's check says so)
             return encoder, data
         tried.append((scale, sent))
@@ -542,28 +542,6 @@ def _next_scale(tried: list[tuple[float, float]], bound: float) -> float:
         if 0.0 < secant < s1:
             return secant
     return s1 * target / n1
-
-
-def _not_finite_and_norm(tensors: Mapping[str, torch.Tensor]) -> tuple[list[str], float]:
-    """The first few tensors holding NaN or inf (empty: all finite), and the L2 norm of all of
-    them together (float64; the uplink report's). From each tensor's L2 norm in float64: no
-    float32 value squared overflows it, so it is finite exactly when every value is; one fused
-    operator and one wait for the device for all of them (a check and a wait per tensor cost a
-    GPU client hundreds per round)."""
-    names, ts = list(tensors), [t.detach() for t in tensors.values()]
-    if not ts:
-        return [], 0.0
-    if len({t.device for t in ts}) == 1 and all(t.dtype in _NORM_DTYPES for t in ts):
-        norms = torch.stack(torch._foreach_norm(ts, 2, dtype=torch.float64)).tolist()
-        bad = [k for k, v in zip(names, norms, strict=True) if not math.isfinite(v)]
-    else:
-        bad = [k for k, t in zip(names, ts, strict=True) if not bool(torch.isfinite(t).all())]
-        norms = [float(t.double().norm()) for t in ts]
-    return bad[:3], math.sqrt(math.fsum(v * v for v in norms))
-
-
-#: Dtypes whose squares cannot overflow a float64 sum (:func:`_not_finite_and_norm`).
-_NORM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _local_update_rejected(msg: Message, why: str) -> Message:

@@ -69,3 +69,26 @@ def digest(tensors: Mapping[str, torch.Tensor]) -> str:
 def fp32_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
     """What the tensors would cost dense in float32: the baseline for compression factors."""
     return 4 * sum(t.numel() for t in tensors.values())
+
+
+def not_finite_and_norm(tensors: Mapping[str, torch.Tensor]) -> tuple[list[str], float]:
+    """The first few tensors holding NaN or inf (empty: all finite), and the L2 norm of all of
+    them together, in float64: the uplink report's, the client's DP clipping, the server's norm
+    checks (one computation, so the client's and the server's agree). From each tensor's L2 norm
+    in float64: no float32 value squared overflows it, so it is finite exactly when every value
+    is; one fused operator and one wait for the device for all of them (a check and a wait per
+    tensor cost a GPU client hundreds per round)."""
+    names, ts = list(tensors), [t.detach() for t in tensors.values()]
+    if not ts:
+        return [], 0.0
+    if len({t.device for t in ts}) == 1 and all(t.dtype in _NORM_DTYPES for t in ts):
+        norms = torch.stack(torch._foreach_norm(ts, 2, dtype=torch.float64)).tolist()
+        bad = [k for k, v in zip(names, norms, strict=True) if not math.isfinite(v)]
+    else:
+        bad = [k for k, t in zip(names, ts, strict=True) if not bool(torch.isfinite(t).all())]
+        norms = [float(t.double().norm()) for t in ts]
+    return bad[:3], math.sqrt(math.fsum(v * v for v in norms))
+
+
+#: Dtypes whose squares cannot overflow a float64 sum (:func:`not_finite_and_norm`).
+_NORM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -58,7 +58,13 @@ from fedcomp.errors import ConfigError, PayloadError
 from fedcomp.flower import protocol
 from fedcomp.flower.downlink_policy import advance_by_policy, advance_passes, candidates_of, distance
 from fedcomp.flower.protocol import DownlinkHeader, UpdateOutcome, UpdateStatus, UplinkReport
-from fedcomp.flower.records import check_integer_arrays, fp32_bytes, record_from_tensors, tensors_from_record
+from fedcomp.flower.records import (
+    check_integer_arrays,
+    fp32_bytes,
+    not_finite_and_norm,
+    record_from_tensors,
+    tensors_from_record,
+)
 from fedcomp.flower.replica import ServerReplica
 from fedcomp.flower.settings import CompressionConfig
 from fedcomp.flower.traffic import RoundTraffic, metric_record
@@ -337,7 +343,7 @@ class CompressionStrategy(Strategy):
             # The base method's decode (W + delta, the round's codec): kept sparse, never W + delta.
             accepted = {c.codec_id: c for c in (get_codec(self.uplink.round_codec_config(server_round)), DenseFP32())}
             delta = sparse_delta(update, self.replica.specs, accepted)
-            self._check_norm(delta.norm)
+            self._check_norm(delta.norm, _client_clipping_norm(self.strategy))
             contribution = Contribution(delta=delta)
         else:  # the method's own decode (DEFT's checks, GradiVeQ's coefficients): one dense reply
             decoded = self.uplink.decode(update, self.replica.specs, self._target, server_round, node)
@@ -354,17 +360,19 @@ class CompressionStrategy(Strategy):
     def _check_values(self, tensors: dict[str, torch.Tensor]) -> None:
         """Every decoded value finite, and the update within ``max-update-norm`` and within the
         clipping norm of Flower's client-side DP wrapper, where the inner strategy is one."""
-        for name, t in tensors.items():
-            if not bool(torch.isfinite(t).all()):
-                raise PayloadError(name, "decoded values are not all finite")
-        if self.config.max_update_norm > 0 or _client_clipping_norm(self.strategy) is not None:
-            self._check_norm(math.sqrt(math.fsum(float(t.double().pow(2).sum()) for t in tensors.values())))
+        bad, norm = not_finite_and_norm(tensors)  # (as the client measures what it sends)
+        if bad:
+            raise PayloadError(bad[0], "decoded values are not all finite")
+        clip = _client_clipping_norm(self.strategy)
+        if self.config.max_update_norm > 0 or clip is not None:
+            self._check_norm(norm, clip)
 
-    def _check_norm(self, norm: float) -> None:
+    def _check_norm(self, norm: float, clip: float | None) -> None:
+        """``norm`` within ``max-update-norm`` and within ``clip``, the client-side DP wrapper's
+        clipping norm (:func:`_client_clipping_norm`, None without one)."""
         bound = self.config.max_update_norm
         if bound > 0 and norm > bound:
             raise PayloadError("", f"update norm {norm:.4g} exceeds max-update-norm {bound:g}")
-        clip = _client_clipping_norm(self.strategy)
         # The client measured what it sent in float64 as this does (fedcomp.flower.clipping); the
         # slack covers only a different order of summation.
         if clip is not None and norm > clip * (1 + 1e-9):

@@ -31,6 +31,8 @@ from fedcomp.wire.serde import update_from_bytes
 ARRAYS = "arrays"
 METRICS = "metrics"
 MIN_NUMEL = 1000  # the default ``min-compress-numel``
+#: An inner strategy's arguments that sample every node, for training and evaluation alike.
+SAMPLE_ALL = {"fraction_train": 1.0, "fraction_evaluate": 1.0, "min_train_nodes": 1, "min_available_nodes": 1}
 
 
 @pytest.fixture(autouse=True)

@@ -37,6 +37,7 @@ from fedcomp.flower.strategy import CompressionStrategy
 from tests.flower.helpers import (
     ARRAYS,
     METRICS,
+    SAMPLE_ALL,
     Client,
     FixedGrid,
     decode_payload,
@@ -52,7 +53,6 @@ __all__ = ["server_identity"]  # the autouse fixture, imported so it applies her
 NODES = (1, 2, 3)
 ROUNDS = 5
 CLIP = 0.05
-SAMPLE_ALL = {"fraction_train": 1.0, "fraction_evaluate": 1.0, "min_train_nodes": 1, "min_available_nodes": 1}
 LOSSLESS = {"uplink-codec": "identity", "downlink-codec": "identity"}
 
 

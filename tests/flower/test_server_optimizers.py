@@ -21,6 +21,7 @@ from fedcomp.flower.strategy import CompressionStrategy
 from tests.flower.helpers import (
     ARRAYS,
     METRICS,
+    SAMPLE_ALL,
     Client,
     FixedGrid,
     local_delta,
@@ -35,7 +36,6 @@ __all__ = ["server_identity"]  # the autouse fixture, imported so it applies her
 
 NODES = (1, 2, 3)
 ROUNDS = 4
-SAMPLE_ALL = {"fraction_train": 1.0, "fraction_evaluate": 1.0, "min_train_nodes": 1, "min_available_nodes": 1}
 
 INNER: dict[str, Callable[[], Strategy]] = {
     "fedavgm": lambda: FedAvgM(server_momentum=0.9, server_learning_rate=1.0, **SAMPLE_ALL),

@@ -37,13 +37,21 @@ from fedcomp.flower.settings import CompressionConfig
 from fedcomp.flower.strategy import CompressionStrategy, streams_weighted_mean
 from fedcomp.wire import serde
 from fedcomp.wire.payloads import SBCPayload
-from tests.flower.helpers import METRICS, Client, FixedGrid, max_abs_diff, num_examples, server_identity, tiny_model
+from tests.flower.helpers import (
+    METRICS,
+    SAMPLE_ALL,
+    Client,
+    FixedGrid,
+    max_abs_diff,
+    num_examples,
+    server_identity,
+    tiny_model,
+)
 
 __all__ = ["server_identity"]  # the autouse fixture, imported so it applies here
 
 NODES = (1, 2, 3, 4, 5)
 ROUNDS = 3
-SAMPLE_ALL = {"fraction_train": 1.0, "fraction_evaluate": 1.0, "min_train_nodes": 1, "min_available_nodes": 1}
 
 INNER: dict[str, Callable[[], Strategy]] = {
     "fedavg": lambda: FedAvg(**SAMPLE_ALL),
