@@ -39,7 +39,7 @@ export PYTHONPATH=${PYTHONPATH:-$PWD}
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site:$PWD
 
 CUDA_TESTS=(tests/codecs/test_flat.py tests/codecs/test_sbc.py tests/codecs/test_stc.py tests/codecs/test_sbc_device.py
-    tests/codecs/test_threelc_device.py tests/codecs/test_segments.py tests/methods/test_flat_update.py tests/methods/test_dense_device.py tests/flower/test_cuda_client.py
+    tests/codecs/test_threelc_device.py tests/codecs/test_graphs.py tests/codecs/test_segments.py tests/methods/test_flat_update.py tests/methods/test_dense_device.py tests/flower/test_cuda_client.py
     tests/test_bench_cli.py)
 step pytest-cuda 150 $PY -m pytest -p no:cacheprovider -n 0 -q -rs -m cuda "${CUDA_TESTS[@]}"
 PROFILE=()

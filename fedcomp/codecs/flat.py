@@ -231,16 +231,38 @@ def to_device(a: np.ndarray, device: torch.device, into: torch.Tensor | None = N
     return host.to(device) if into is None else into.copy_(host.view(into.shape))
 
 
-@dataclass
-class Rider:
-    """Float32 values on the device that travel to the host in an engine's one copy there (an
-    update's small tensors, which go dense): ``device`` given by the caller, ``host`` (a NumPy
-    array of the same values) set by the engine's copy. A copy to the host is a wait for the
-    device; this saves one, and the device's last work of the encode (the residual's update) then
-    overlaps the host's serialisation instead of preceding a copy."""
+class Pending:
+    """A copy to the host under way (:func:`to_host_later`): the host does other work, then
+    :meth:`wait` s for the values."""
 
-    device: torch.Tensor
-    host: np.ndarray | None = None
+    def __init__(self, host: np.ndarray, event: Any = None) -> None:
+        self._host, self._event = host, event
+
+    def wait(self) -> np.ndarray:
+        """The values (the host waits for the copy, if it is not done)."""
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        return self._host
+
+
+def to_host_later(t: torch.Tensor) -> Pending:
+    """:func:`to_host` without waiting for it: from a CUDA device into page-locked memory
+    (:data:`PINNED_MAX_BYTES`) behind the work the device has queued, the host free until
+    :meth:`Pending.wait` (an encode's own host work then overlaps the device's). A copy past the
+    page-locked size, or from the CPU, is made at once."""
+    t = t.detach()
+    if not _pinned(t.numel() * t.element_size(), t.device):
+        return Pending(to_host(t))
+    work = _counted()
+    if work is not None and not getattr(_COUNTING, "host", False):
+        work.to_host += 1
+        work.syncs += 1
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(t.device))
+    return Pending(host.numpy(), event)
 
 
 #: Positions into a flat buffer of at most this many values cross between host and device as

@@ -38,15 +38,16 @@ the tensor to it too).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
 import torch
 
-from fedcomp.codecs.flat import Layout, Rider, host_side, position_dtype, to_device, to_host
+from fedcomp.codecs.flat import Layout, host_side, position_dtype, to_device, to_host_later
 from fedcomp.codecs.golomb import encode_positions, golomb_b
+from fedcomp.codecs.graphs import GraphCache, Outputs
 from fedcomp.codecs.sbc import SBC, _sample_positions_np, choose_side, choose_sides_flat, side_payload
 from fedcomp.codecs.segments import segment_ids
 from fedcomp.wire.payloads import EncodedTensor, SBCPayload
@@ -74,38 +75,81 @@ def encode_update(
     tensors: Sequence[tuple[str, torch.Tensor]],
     flat: torch.Tensor | None = None,
     layout: Layout | None = None,
-    rider: Rider | None = None,
+    meanwhile: Callable[[], None] | None = None,
 ) -> FlatEncoding | None:
     """Encode float32 ``tensors`` (one device, each of at least one value) as :meth:`SBC.encode`
     would, one by one. ``flat``: the tensors already laid out back to back (e.g. an error
     feedback accumulator; ``layout``, their :meth:`Layout.of`, where the caller has it), else they
-    are concatenated here. ``rider``: values that come to the host in the candidates' copy. None
-    where a value is not finite."""
+    are concatenated here. ``meanwhile``: host work to do while the device works (called once,
+    before the host first waits for it). None where a value is not finite."""
     layout = Layout.of(tensors) if layout is None else layout
     if flat is None:
         flat = torch.cat([t.detach().reshape(-1) for _, t in tensors])
     plan = _plan(layout.numels, layout.offsets, codec.p, codec.sample_size, codec.mode, str(flat.device))
-    exact = _exact_select(flat, layout, plan.ks, plan.exact) if plan.exact else None
-    limits = torch.aminmax(flat)
     capacity = plan.capacity if _has_nonzero_static(flat.device.type) else None
-    hits = _fast_hits(flat, plan, layout, capacity) if plan.fast else None
-    got = _to_host(hits, exact, limits, layout.total, rider)
-    if got is not None and hits is not None and capacity is not None and got.hits == capacity:  # (perhaps more: rare)
-        hits = _fast_hits(flat, plan, layout, None)
-        got = _to_host(hits, exact, limits, layout.total, rider)
+    got = _device_part_to_host(flat, layout, plan, capacity, meanwhile, (codec.p, codec.sample_size, codec.mode))
+    if got is not None and plan.fast and capacity is not None and got.hits == capacity:  # (perhaps more: rare)
+        got = _read(*_device_part(flat, plan, layout, None))
     if got is None:
         return None
     with host_side():
-        cands = _candidates(got, plan, layout, exact)
+        exact_ranges = (
+            _exact_layout(layout.offsets, layout.numels, plan.ks, plan.exact, str(flat.device))[1]
+            if plan.exact
+            else None
+        )
+        cands = _candidates(got, plan, layout, exact_ranges)
         redo = cands.redo(plan)
     if redo:  # fast-mode tensors whose side came back empty or over 2 k: exact mode
         more = _exact_select(flat, layout, plan.ks, redo)
-        more_got = _to_host(None, more, None, layout.total)
+        more_got = _read(*_for_host(None, more, None, layout.total))
         assert more_got is not None
         with host_side():
-            cands = cands.with_exact(redo, more_got, more)
+            cands = cands.with_exact(redo, more_got, more.ranges)
     with host_side():
         return _finish(codec, layout, plan, cands)
+
+
+#: The device part of the encodes, as CUDA graphs (:mod:`fedcomp.codecs.graphs`).
+GRAPHS = GraphCache("SBC whole-update encode")
+
+
+def _device_part_to_host(
+    flat: torch.Tensor,
+    layout: Layout,
+    plan: _Plan,
+    capacity: int | None,
+    meanwhile: Callable[[], None] | None,
+    settings: tuple[float, int, str],
+) -> _OnHost | None:
+    """:func:`_device_part` and its one copy to the host, ``meanwhile`` run while the device
+    works: on a CUDA device, from the layout's second encode on, by a replay of its graph (possible
+    where fast mode's hits come in a block of fixed size: ``capacity``). ``settings``: the
+    codec's, which with the layout make the plan."""
+    if capacity is None:
+        return _read(*_device_part(flat, plan, layout, capacity), meanwhile)
+
+    def fn(f: torch.Tensor) -> Outputs:
+        return _device_part(f, plan, layout, capacity)
+
+    def keep() -> tuple[object, ...]:
+        tables = (
+            _exact_layout(layout.offsets, layout.numels, plan.ks, plan.exact, str(flat.device)) if plan.exact else None
+        )
+        return plan, tables, segment_ids(layout.numels, flat.device)
+
+    with GRAPHS.run((layout, settings, capacity, flat.device), fn, (flat,), keep) as replayed:
+        return _read(*(replayed if replayed is not None else fn(flat)), meanwhile)
+
+
+def _device_part(flat: torch.Tensor, plan: _Plan, layout: Layout, capacity: int | None) -> Outputs:
+    """Everything the encode does on the device before its copy to the host: exact mode's
+    candidates, the update's least and largest value, fast mode's hits (in a block of ``capacity``
+    where given), laid out for the copy by :func:`_for_host`."""
+    exact = _exact_select(flat, layout, plan.ks, plan.exact) if plan.exact else None
+    limits = torch.aminmax(flat)
+    hits = _fast_hits(flat, plan, layout, capacity) if plan.fast else None
+    return _for_host(hits, exact, limits, layout.total)
 
 
 @lru_cache(maxsize=8)
@@ -135,21 +179,30 @@ class _OnHost:
     block: int
 
 
-def _to_host(
+@dataclass(frozen=True)
+class _Sizes:
+    """How :func:`_for_host` laid out what it copies: ``m`` fast hits (the block), ``n`` candidates
+    in all, then the two counts where there are hits, the least and largest value where asked for."""
+
+    m: int
+    n: int
+    counts: bool
+    limits: bool
+
+
+def _for_host(
     hits: _Hits | None,
     exact: _Exact | None,
     limits: tuple[torch.Tensor, torch.Tensor] | None,
     total: int,
-    rider: Rider | None = None,
-) -> _OnHost | None:
+) -> Outputs:
     """The fast hits, the exact candidates, the high side's count and the update's least and
-    largest value (``limits``: not finite where a value is not) in one copy to the host, four bytes
-    each where positions fit in int32 (on an H100, copying int64 positions and the values
-    separately took about 5.3 of an encode's 8.3 ms of GPU time; this took it to 3.3 ms), laid out
-    so that the host reads them where they land (no conversion, no concatenation); the ``rider``'s
-    values after the candidates' (``rider.host`` set). None where a value is not finite. Three
-    launches whatever the parts (a cast and a concatenation each, on a GPU host tens of
-    microseconds apiece)."""
+    largest value (``limits``: not finite where a value is not) laid out on the device for one
+    copy to the host (:func:`_read`): four bytes each where positions fit in int32 (on an H100,
+    copying int64 positions and the values separately took about 5.3 of an encode's 8.3 ms of GPU
+    time; this took it to 3.3 ms), so that the host reads them where they land (no conversion, no
+    concatenation). Three launches whatever the parts (a cast and a concatenation each, on a GPU
+    host tens of microseconds apiece)."""
     parts_i: list[torch.Tensor] = []
     parts_f: list[torch.Tensor] = []
     if hits is not None:
@@ -162,25 +215,32 @@ def _to_host(
         parts_i.append(hits.counts)
     m = 0 if hits is None else int(hits.positions.shape[0])
     n = m + (0 if exact is None else int(exact.positions.shape[0]))
-    n_ints = n + (2 if hits is not None else 0)
     if limits is not None:
         parts_f += [lim.reshape(1) for lim in limits]
-    if rider is not None:
-        parts_f.append(rider.device)
+    sizes = _Sizes(m, n, hits is not None, limits is not None)
     ints_dev = parts_i[0] if len(parts_i) == 1 else torch.cat(parts_i)  # (all int64 here)
     if position_dtype(total) is np.int32:
-        both = to_host(torch.cat([ints_dev.to(torch.int32), *(t.view(torch.int32) for t in parts_f)]))
+        return (torch.cat([ints_dev.to(torch.int32), *(t.view(torch.int32) for t in parts_f)]),), sizes
+    return (ints_dev, torch.cat(parts_f)), sizes
+
+
+def _read(made: tuple[torch.Tensor, ...], sizes: _Sizes, meanwhile: Callable[[], None] | None = None) -> _OnHost | None:
+    """What :func:`_for_host` laid out, copied to the host (the encode's wait for the device;
+    ``meanwhile`` run before it) and read where it landed. None where a value is not finite."""
+    copies = [to_host_later(t) for t in made]
+    if meanwhile is not None:
+        meanwhile()
+    n, n_ints = sizes.n, sizes.n + (2 if sizes.counts else 0)
+    if len(copies) == 1:
+        both = copies[0].wait()
         ints, floats = both[:n_ints], both[n_ints:].view(np.float32)
     else:
-        ints = to_host(ints_dev)
-        floats = to_host(torch.cat(parts_f)) if parts_f else np.zeros(0, np.float32)
-    lims, rest = (floats[n : n + 2], floats[n + 2 :]) if limits is not None else (None, floats[n:])
-    if rider is not None:
-        rider.host = rest
+        ints, floats = copies[0].wait(), copies[1].wait()
+    lims = floats[n : n + 2] if sizes.limits else None
     if lims is not None and not np.isfinite(lims).all():
         return None
-    n_hi, n_hits = (int(ints[n]), int(ints[n + 1])) if hits is not None else (0, 0)
-    return _OnHost(ints[:n], floats[:n], n_hits, n_hi, m)
+    n_hi, n_hits = (int(ints[n]), int(ints[n + 1])) if sizes.counts else (0, 0)
+    return _OnHost(ints[:n], floats[:n], n_hits, n_hi, sizes.m)
 
 
 @dataclass(frozen=True)
@@ -205,17 +265,18 @@ class _Candidates:
         bad = (nh == 0) | (nh > two_k) | (nl == 0) | (nl > two_k)
         return tuple(int(i) for i in fast[bad])
 
-    def with_exact(self, rows: Sequence[int], got: _OnHost, exact: _Exact) -> _Candidates:
-        """These candidates with ``rows``' replaced by exact mode's ``got``."""
+    def with_exact(self, rows: Sequence[int], got: _OnHost, exact_ranges: np.ndarray) -> _Candidates:
+        """These candidates with ``rows``' replaced by exact mode's ``got`` (laid out as
+        ``exact_ranges`` say, :class:`_Exact`)."""
         ranges = self.ranges.copy()
-        ranges[list(rows)] = exact.ranges + self.positions.shape[0]
+        ranges[list(rows)] = exact_ranges + self.positions.shape[0]
         return _Candidates(
             np.concatenate([self.positions, got.positions]), np.concatenate([self.values, got.values]), ranges
         )
 
 
-def _candidates(got: _OnHost, plan: _Plan, layout: Layout, exact: _Exact | None) -> _Candidates:
-    """The flat candidates of what :func:`_to_host` brought (fast hits first, then the exact rows'),
+def _candidates(got: _OnHost, plan: _Plan, layout: Layout, exact_ranges: np.ndarray | None) -> _Candidates:
+    """The flat candidates of what :func:`_read` brought (fast hits first, then the exact rows'),
     read where they landed: only each tensor's ranges are worked out here."""
     positions, m, n_hi, block = got.positions, got.hits, got.n_hi, got.block
     ranges = np.zeros((len(layout.numels), 4), dtype=np.int64)
@@ -228,8 +289,8 @@ def _candidates(got: _OnHost, plan: _Plan, layout: Layout, exact: _Exact | None)
         ranges[fast, 1] = np.append(hi[1:], n_hi)[fast]
         ranges[fast, 2] = lo[fast]
         ranges[fast, 3] = np.append(lo[1:], m)[fast]
-    if exact is not None:
-        ranges[list(plan.exact)] = exact.ranges + block
+    if exact_ranges is not None:
+        ranges[list(plan.exact)] = exact_ranges + block
     return _Candidates(positions, got.values, ranges)
 
 

@@ -61,6 +61,12 @@ def _tables(numels: tuple[int, ...], device: str) -> _Tables:
     )
 
 
+def segment_tables(numels: tuple[int, ...], device: torch.device) -> object:
+    """The per-layout tables :func:`segment_max` reads on ``device`` (kept for the last sixteen
+    layouts; what a CUDA graph of its reductions holds on to)."""
+    return _tables(numels, str(device))
+
+
 def segment_ids(numels: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """For each of the ``sum(numels)`` values laid back to back, the index of its tensor (int32,
     on ``device``); what ``torch.arange(len(numels)).repeat_interleave(numels)`` gives. Kept for

@@ -32,7 +32,7 @@ same torch operators run). A value that is not finite makes :func:`encode_update
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -41,10 +41,10 @@ import torch
 
 from fedcomp import _native
 from fedcomp.codecs.base import TensorSpec
-from fedcomp.codecs.flat import Layout, Rider, host_side, position_dtype, to_device, to_device_many, to_host
-from fedcomp.codecs.sbc import team_threads
-from fedcomp.codecs.segments import segment_ids, segment_max
-from fedcomp.codecs.threelc import _F32_MAX, RUN_BASE, WEIGHTS, ThreeLC, _zero_run_encode_np, groups
+from fedcomp.codecs.flat import Layout, host_side, position_dtype, to_device, to_device_many, to_host_later
+from fedcomp.codecs.graphs import GraphCache, Outputs
+from fedcomp.codecs.segments import segment_ids, segment_max, segment_tables
+from fedcomp.codecs.threelc import _F32_MAX, MAX_RUN, RUN_BASE, WEIGHTS, ZERO_GROUP, ThreeLC, groups
 from fedcomp.errors import PayloadError
 from fedcomp.wire.payloads import EncodedTensor, Payload, ThreeLCPayload
 
@@ -90,50 +90,43 @@ def encode_update(
     flat: torch.Tensor | None = None,
     want_recon: bool = False,
     layout: Layout | None = None,
-    rider: Rider | None = None,
+    meanwhile: Callable[[], None] | None = None,
 ) -> tuple[list[EncodedTensor], torch.Tensor | None] | None:
     """Encode float32 ``tensors`` (one device, each of at least one value) as :meth:`ThreeLC.encode`
     would, one by one; with ``want_recon`` also what the receiver decodes,
     back to back in one float32 buffer. ``flat``: the tensors already laid out back to back (as
-    ``layout``, their :meth:`Layout.of`, where the caller has it). ``rider``: values that come to
-    the host in the packed bytes' copy. None where a value is not finite."""
+    ``layout``, their :meth:`Layout.of`, where the caller has it). ``meanwhile``: host work to do
+    while the device works (called once, before the host waits for it). None where a value is not
+    finite."""
     layout = Layout.of(tensors) if layout is None else layout
     if flat is None:
         flat = torch.cat([t.detach().reshape(-1) for _, t in tensors])
-    dev, total = flat.device, layout.total
-    # Every operator here is a launch and, on a GPU host, tens of microseconds of the host's time
-    # whatever its size: the count is what this engine keeps small (about twenty).
-    top = segment_max(flat.abs(), layout.numels)  # NaN or inf where a value is not finite
-    # scale_for on the device: float32(s) * max|T| in float32 arithmetic (exact: s is a float32),
-    # an infinite product clamped to the float32 maximum.
-    m = (top * float(np.float32(codec.s))).clamp_(max=_F32_MAX)
-    # Division by each value's own scale (never a multiplication by 1 / m: the per-tensor bytes);
-    # a tensor whose scale is 0 is all zeros: divided by 1 instead, every q is 0.
-    by_value = m.masked_fill(m == 0, 1.0)[segment_ids(layout.numels, dev)]
-    qs = torch.empty(total + 1, dtype=torch.float32, device=dev)
-    q = torch.div(flat, by_value, out=qs[:total]).round_().add_(0.0)  # -0.0 -> +0.0
-    qs[total:].fill_(-1.0)  # what a padding digit reads: digit 0
-    recon = q * by_value if want_recon else None  # (q is 0 where the scale is 0: m * q either way)
-    del by_value
-    # The base-3^5 packing: every byte's five q by one gather, weighted and summed by one product.
-    digits = torch.index_select(qs, 0, _packing(layout.numels, layout.offsets, str(dev))).view(5, -1)
-    packed = torch.mv(digits.t(), _weights(str(dev))).add_(_ZERO_BYTE).to(torch.uint8)
-    del qs, q, digits
-    # the packed bytes, the scales and the maxima (whose finiteness is the update's) in one copy to
-    # the host (after the rider's values, which stay aligned at its start)
-    riding = [] if rider is None else [rider.device.view(torch.uint8)]
-    both = to_host(torch.cat([*riding, packed, m.view(torch.uint8), top.view(torch.uint8)]))
-    n_bytes = packed.shape[0]
-    del packed
-    if rider is not None:
-        cut = rider.device.numel() * 4
-        rider.host, both = both[:cut].view(np.float32), both[cut:]
-    tail = both[n_bytes:].view(np.float32)
-    if not np.isfinite(tail[len(layout.numels) :]).all():
+    s = float(np.float32(codec.s))
+
+    def fn(f: torch.Tensor) -> Outputs:
+        return _device_part(s, codec.zero_run, layout, want_recon, f)
+
+    key = (layout, s, codec.zero_run, want_recon, flat.device)
+    with GRAPHS.run(key, fn, (flat,), lambda: _tables(layout, flat.device)) as replayed:
+        made, _ = replayed if replayed is not None else fn(flat)
+        copy = to_host_later(made[0])
+        recon = made[1] if want_recon else None
+        if replayed is not None and recon is not None:  # (the graph's buffer: the next encode writes it)
+            recon = recon.clone()
+        if meanwhile is not None:
+            meanwhile()
+        both = copy.wait()
+    n_t = len(layout.numels)
+    head = both[: 12 * n_t].view(np.float32)
+    if not np.isfinite(head[n_t : 2 * n_t]).all():
         return None
     with host_side():
-        data, scales = both[:n_bytes], tail[: len(layout.numels)]
-        bodies = _bodies(data, layout.numels, codec.zero_run)
+        scales, lengths = head[:n_t], head[2 * n_t :].view(np.int32)
+        streams = both[12 * n_t :]
+        bodies = [
+            streams[a : a + n].tobytes()
+            for a, n in zip(_group_counts(layout.numels).starts, lengths.tolist(), strict=True)
+        ]
         zero_run = codec.zero_run
         encoded = codec._float32_envelopes(
             layout.names,
@@ -146,21 +139,127 @@ def encode_update(
     return encoded, recon
 
 
-def _bodies(data: np.ndarray, numels: tuple[int, ...], zero_run: bool) -> list[bytes]:
-    """Each tensor's payload bytes from the packed bytes of all of them (``data``, back to back):
-    with ``zero_run`` their zero-run codings, by one call of the C kernel for all tensors where
-    it is built (the tensors spread over the CPU threads: 2.7-2.9 -> 1.1-1.2 ms on two for a
-    ResNet-50 update after rounds of error feedback), else tensor by tensor in NumPy (the same
-    bytes)."""
+#: The device part of the encodes, as CUDA graphs (:mod:`fedcomp.codecs.graphs`).
+GRAPHS = GraphCache("3LC whole-update encode")
+
+
+def _tables(layout: Layout, dev: torch.device) -> tuple[object, ...]:
+    """The per-layout tables :func:`_device_part` reads (kept with its graph)."""
+    return (
+        segment_tables(layout.numels, dev),
+        segment_ids(layout.numels, dev),
+        _packing(layout.numels, layout.offsets, str(dev)),
+        _weights(str(dev)),
+        _run_tables(layout.numels, str(dev)),
+    )
+
+
+def _device_part(s: float, zero_run: bool, layout: Layout, want_recon: bool, flat: torch.Tensor) -> Outputs:
+    """Everything the encode does on the device before its copy to the host: the scales, the
+    maxima, each tensor's stream length and the streams (zero-run coded where ``zero_run``) laid
+    out for one copy; the reconstruction where asked for (else None). Every operator here is a
+    launch and, on a GPU host, tens of microseconds of the host's time whatever its size: on CUDA
+    they are replayed as one graph (:data:`GRAPHS`)."""
+    dev, total = flat.device, layout.total
+    top = segment_max(flat.abs(), layout.numels)  # NaN or inf where a value is not finite
+    # scale_for on the device: float32(s) * max|T| in float32 arithmetic (exact: s is a float32),
+    # an infinite product clamped to the float32 maximum.
+    m = (top * s).clamp_(max=_F32_MAX)
+    # Division by each value's own scale (never a multiplication by 1 / m: the per-tensor bytes);
+    # a tensor whose scale is 0 is all zeros: divided by 1 instead, every q is 0.
+    by_value = m.masked_fill(m == 0, 1.0)[segment_ids(layout.numels, dev)]
+    qs = torch.empty(total + 1, dtype=torch.float32, device=dev)
+    q = torch.div(flat, by_value, out=qs[:total]).round_().add_(0.0)  # -0.0 -> +0.0
+    qs[total:].fill_(-1.0)  # what a padding digit reads: digit 0
+    recon = q * by_value if want_recon else None  # (q is 0 where the scale is 0: m * q either way)
+    del by_value
+    # The base-3^5 packing: every byte's five q by one gather, weighted and summed by one product.
+    digits = torch.index_select(qs, 0, _packing(layout.numels, layout.offsets, str(dev))).view(5, -1)
+    packed = torch.mv(digits.t(), _weights(str(dev))).add_(_ZERO_BYTE).to(torch.uint8)
+    del qs, q, digits
+    # the scales, the maxima (whose finiteness is the update's), each tensor's stream length and the
+    # streams in one copy to the host
+    if zero_run:
+        streams, lengths = _zero_runs(packed, _run_tables(layout.numels, str(dev)))
+    else:
+        streams, lengths = packed, _run_tables(layout.numels, str(dev)).counts
+    both = torch.cat([m.view(torch.uint8), top.view(torch.uint8), lengths.view(torch.uint8), streams])
+    return ((both,) if recon is None else (both, recon)), None
+
+
+@dataclass(frozen=True)
+class _RunTables:
+    """Per layout, on the device, what :func:`_zero_runs` reads beside its packed bytes (``G`` in
+    all, the tensors' back to back); int32 (four bytes a byte, a fifth of the values: about 0.8
+    bytes a value in all)."""
+
+    at: torch.Tensor  # (G,): each byte's index
+    before_start: torch.Tensor  # (G,): where the byte's tensor starts, less 1
+    end: torch.Tensor  # (G,): where the byte's tensor ends
+    byte_tensor: torch.Tensor  # (G,): the byte's tensor
+    lasts: torch.Tensor  # (tensors,) int64: each tensor's last byte
+    starts_less_1: torch.Tensor  # (tensors,): where each tensor's bytes start, less 1
+    counts: torch.Tensor  # (tensors,): each tensor's bytes (its stream's length without zero-run coding)
+    piece: torch.Tensor  # (15,) uint8: the byte of a piece of 1-14 bytes 121
+
+
+@lru_cache(maxsize=2)
+def _run_tables(numels: tuple[int, ...], device: str) -> _RunTables:
     g = _group_counts(numels)
-    if not zero_run:
-        return [data[a:b].tobytes() for a, b in zip(g.starts, g.ends, strict=True)]
-    if _KERNEL is None:
-        return [_zero_run_encode_np(data[a:b]).tobytes() for a, b in zip(g.starts, g.ends, strict=True)]
-    out = np.empty(data.shape[0], dtype=np.uint8)
-    lengths = np.empty(len(numels), dtype=np.int64)
-    _KERNEL.zero_runs_many(data, g.counts, out, lengths, *team_threads())
-    return [out[a : a + n].tobytes() for a, n in zip(g.starts, lengths.tolist(), strict=True)]
+    dev = torch.device(device)
+    counts = g.counts
+    starts, ends = np.asarray(g.starts, dtype=np.int64), np.asarray(g.ends, dtype=np.int64)
+    tensor = np.repeat(np.arange(len(numels), dtype=np.int32), counts)
+    piece = np.array([0, ZERO_GROUP] + [RUN_BASE + r - 2 for r in range(2, MAX_RUN + 1)], dtype=np.uint8)
+    parts = to_device_many(
+        [
+            ([np.arange(int(counts.sum()), dtype=np.int32)], np.int32),
+            ([(starts - 1)[tensor]], np.int32),
+            ([ends[tensor]], np.int32),
+            ([tensor], np.int32),
+            ([ends - 1], np.int64),
+            ([starts - 1], np.int32),
+            ([counts], np.int32),
+            ([piece], np.uint8),
+        ],
+        dev,
+    )
+    assert all(p is not None for p in parts[4:])
+    empty = torch.zeros(0, dtype=torch.int32, device=dev)
+    return _RunTables(*(empty if p is None else p for p in parts))
+
+
+def _zero_runs(packed: torch.Tensor, t: _RunTables) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every tensor's zero-run coding (:func:`fedcomp.codecs.threelc.zero_run_encode`) of its
+    packed bytes, on the device, with no wait: each tensor's stream from where its packed bytes
+    start (compacted in place; the bytes past it unused), and the streams' lengths (int32).
+
+    A run of ``L`` bytes 121 (five zeros; a run ends with its tensor) is coded as pieces of 14
+    from its start, the last of 1-14 bytes: a piece of 1 is the byte 121 itself, of ``r`` >= 2
+    the byte ``241 + r`` (255 for 14). So a byte of a run is sent where its place in the run is a
+    multiple of 14, as the piece that starts there (``min(14, bytes left in the run)``); any
+    other byte as it is. Its place comes from a running maximum of the bytes not in a run (a
+    tensor's start counts as one), the bytes left from a running minimum from the end, where each
+    sent byte goes from a running count of them. Twenty-odd operators over the bytes (a fifth of
+    the values; on CUDA inside the encode's graph), which on a GPU host replace the C kernel's pass
+    over them on the CPU (``zero_runs_many``: 0.7 ms of an H200 host's time for a ResNet-50
+    update, 3.9 ms after rounds of error feedback)."""
+    n = packed.shape[0]
+    zero = packed == ZERO_GROUP
+    # a byte's distance from the last byte not in a run (a run begins in its tensor): 0 for one
+    # not in a run, its place in the run plus 1 for one in a run; sent where that place is a multiple of 14
+    d = t.at - torch.cummax(torch.where(zero, t.before_start, t.at), 0).values
+    sent = torch.where(zero, d.remainder_(MAX_RUN) == 1, True)
+    # the bytes of its run from a byte on (a run ends with its tensor), at most 14
+    left = torch.cummin(torch.where(zero, t.end, t.at).flip(0), 0).values.flip(0).sub_(t.at).clamp_(max=MAX_RUN)
+    value = torch.where(zero, t.piece[left], packed)
+    count = sent.cumsum(0, dtype=torch.int32)  # sent bytes up to and including each
+    ends = count[t.lasts]
+    before = torch.nn.functional.pad(ends[:-1], (1, 0))  # sent before each tensor's bytes
+    where = torch.where(sent, count + (t.starts_less_1 - before)[t.byte_tensor], n)
+    out = torch.empty(n + 1, dtype=torch.uint8, device=packed.device)
+    out.index_put_((where,), value)
+    return out[:n], ends - before
 
 
 @dataclass(frozen=True)

@@ -323,13 +323,13 @@ def test_a_frozen_layer_is_not_copied_to_the_host_as_candidates(codec: SBC, monk
         ("tiny", _f32(g.standard_normal(50))),  # exact mode
     ]
     copied: list[int] = []
-    real = sbc_device._to_host
+    real = sbc_device._for_host
 
     def spy(hits, exact, *args, **kwargs):  # type: ignore[no-untyped-def]
         copied.append(0 if hits is None else int(hits.counts[1]))  # (the hits in the block copied)
         return real(hits, exact, *args, **kwargs)
 
-    monkeypatch.setattr(sbc_device, "_to_host", spy)
+    monkeypatch.setattr(sbc_device, "_for_host", spy)
     found = encode_update(codec, items)
     assert found is not None
     assert found.encoded == [codec.encode(t, n) for n, t in items]

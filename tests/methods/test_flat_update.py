@@ -122,21 +122,20 @@ def test_keep_sent_gives_what_the_receiver_decodes_as_the_per_tensor_path(codec,
 @pytest.mark.parametrize(
     ("codec", "copies", "waits"),
     [
-        (SBC(0.02, "fast", sample_size=SAMPLE), 1, 0),
-        (SBC(0.1, "exact"), 1, 0),
-        (ThreeLC(1.0), 1, 0),
+        (SBC(0.02, "fast", sample_size=SAMPLE), 2, 0),
+        (SBC(0.1, "exact"), 2, 0),
+        (ThreeLC(1.0), 2, 0),
         (DenseFP16(), 2, 0),
     ],
     ids=repr,
 )
-def test_the_small_tensors_ride_in_the_engines_one_copy(
+def test_the_small_tensors_come_in_one_copy_beside_the_engines(
     codec, copies: int, waits: int, wide: bool, monkeypatch
 ) -> None:
-    """The small tensors' values come to the host in the SBC or 3LC engine's copy (fast mode's
-    hits are found without a wait, in a block of fixed size; SBC's int64 positions and their
-    values come in two copies),
-    int32 or int64 positions alike; a dense codec copies its wire values apart. The bytes and
-    residuals are the per-tensor path's either way."""
+    """The small tensors' values come to the host in one copy of their own, the large ones' work
+    in one more (fast mode's hits are found without a wait, in a block of fixed size; SBC's int64
+    positions and their values come in two copies), int32 or int64 positions alike; a dense codec
+    copies its wire values apart. The bytes and residuals are the per-tensor path's either way."""
     if wide:
         monkeypatch.setattr(flat_layout, "_INT32_POSITIONS", 0)  # as an update of over 2**31 values
         copies += isinstance(codec, SBC)

@@ -210,14 +210,13 @@ def test_the_stream_batch_raises_the_per_tensor_words_and_leaves_scales_past_flo
                 assert str(whole.value) == str(per_tensor.value)
 
 
-def test_the_engines_zero_runs_equal_numpys_without_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_engines_zero_runs_on_the_device_equal_numpys() -> None:
     numels = (1, 5, 999, 4096, 70_001, 3)
     payloads = [ThreeLC(zero_run=False).encode(_tensor(i, n), "t").payload for i, n in enumerate(numels)]
     assert all(isinstance(p, ThreeLCPayload) for p in payloads)
     data = np.concatenate([np.frombuffer(p.data, dtype=np.uint8) for p in payloads])  # type: ignore[union-attr]
-    for zero_run in (True, False):
-        with_kernel = threelc_device._bodies(data, numels, zero_run)
-        monkeypatch.setattr(threelc_device, "_KERNEL", None)
-        assert threelc_device._bodies(data, numels, zero_run) == with_kernel
-        monkeypatch.undo()
-        assert all(isinstance(b, bytes) for b in with_kernel)
+    streams, lengths = threelc_device._zero_runs(torch.from_numpy(data), threelc_device._run_tables(numels, "cpu"))
+    at = 0
+    for p, n in zip(payloads, lengths.tolist(), strict=True):
+        assert streams[at : at + n].numpy().tobytes() == _zero_run_encode_np(np.frombuffer(p.data, np.uint8)).tobytes()  # type: ignore[union-attr]
+        at += len(p.data)  # type: ignore[union-attr]
