@@ -16,6 +16,7 @@ for seeing every operator, from a private module path).
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import math
 import threading
@@ -179,6 +180,18 @@ def time_host_work() -> Iterator[HostTime]:
 
 def _counted() -> DeviceWork | None:
     return getattr(_COUNTING, "work", None)
+
+
+@functools.lru_cache(maxsize=8)
+def has_nonzero_static(device_type: str) -> bool:
+    """Whether this torch has ``nonzero_static`` on this kind of device (torch 2.4, which the
+    project allows, has it on the CPU only): the engines' way to positions in a block of fixed size
+    without a wait for the device (else ``nonzero``, and a wait)."""
+    try:
+        torch.nonzero_static(torch.ones(1, dtype=torch.bool, device=device_type), size=1)
+    except (NotImplementedError, RuntimeError, AttributeError):
+        return False
+    return True
 
 
 def concrete_device(device: torch.device | str) -> torch.device:

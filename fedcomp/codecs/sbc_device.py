@@ -45,7 +45,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from fedcomp.codecs.flat import Layout, host_side, position_dtype, to_device, to_host_later
+from fedcomp.codecs.flat import Layout, has_nonzero_static, host_side, position_dtype, to_device, to_host_later
 from fedcomp.codecs.golomb import encode_positions, golomb_b
 from fedcomp.codecs.graphs import GraphCache, Outputs
 from fedcomp.codecs.sbc import SBC, _sample_positions_np, choose_side, choose_sides_flat, side_payload
@@ -86,7 +86,7 @@ def encode_update(
     if flat is None:
         flat = torch.cat([t.detach().reshape(-1) for _, t in tensors])
     plan = _plan(layout.numels, layout.offsets, codec.p, codec.sample_size, codec.mode, str(flat.device))
-    capacity = plan.capacity if _has_nonzero_static(flat.device.type) else None
+    capacity = plan.capacity if has_nonzero_static(flat.device.type) else None
     got = _device_part_to_host(flat, layout, plan, capacity, meanwhile, (codec.p, codec.sample_size, codec.mode))
     if got is not None and plan.fast and capacity is not None and got.hits == capacity:  # (perhaps more: rare)
         got = _read(*_device_part(flat, plan, layout, None))
@@ -150,18 +150,6 @@ def _device_part(flat: torch.Tensor, plan: _Plan, layout: Layout, capacity: int 
     limits = torch.aminmax(flat)
     hits = _fast_hits(flat, plan, layout, capacity) if plan.fast else None
     return _for_host(hits, exact, limits, layout.total)
-
-
-@lru_cache(maxsize=8)
-def _has_nonzero_static(device_type: str) -> bool:
-    """Whether this torch has ``nonzero_static`` on this kind of device (torch 2.4, which the
-    project allows, has it on the CPU only); without it fast mode's hits are found by ``nonzero``,
-    with one more wait for the device."""
-    try:
-        torch.nonzero_static(torch.ones(1, dtype=torch.bool, device=device_type), size=1)
-    except (NotImplementedError, RuntimeError, AttributeError):
-        return False
-    return True
 
 
 @dataclass(frozen=True)

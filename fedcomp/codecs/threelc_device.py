@@ -41,10 +41,28 @@ import torch
 
 from fedcomp import _native
 from fedcomp.codecs.base import TensorSpec
-from fedcomp.codecs.flat import Layout, host_side, position_dtype, to_device, to_device_many, to_host_later
+from fedcomp.codecs.flat import (
+    Layout,
+    has_nonzero_static,
+    host_side,
+    position_dtype,
+    to_device,
+    to_device_many,
+    to_host_later,
+)
 from fedcomp.codecs.graphs import GraphCache, Outputs
+from fedcomp.codecs.sbc import team_threads
 from fedcomp.codecs.segments import segment_ids, segment_max, segment_tables
-from fedcomp.codecs.threelc import _F32_MAX, MAX_RUN, RUN_BASE, WEIGHTS, ZERO_GROUP, ThreeLC, groups
+from fedcomp.codecs.threelc import (
+    _F32_MAX,
+    MAX_RUN,
+    RUN_BASE,
+    WEIGHTS,
+    ZERO_GROUP,
+    ThreeLC,
+    _zero_run_encode_np,
+    groups,
+)
 from fedcomp.errors import PayloadError
 from fedcomp.wire.payloads import EncodedTensor, Payload, ThreeLCPayload
 
@@ -106,7 +124,8 @@ def encode_update(
     def fn(f: torch.Tensor) -> Outputs:
         return _device_part(s, codec.zero_run, layout, want_recon, f)
 
-    key = (layout, s, codec.zero_run, want_recon, flat.device)
+    on_device = codec.zero_run and ZERO_RUNS_ON_DEVICE
+    key = (layout, s, codec.zero_run, on_device, want_recon, flat.device)
     with GRAPHS.run(key, fn, (flat,), lambda: _tables(layout, flat.device)) as replayed:
         made, _ = replayed if replayed is not None else fn(flat)
         copy = to_host_later(made[0])
@@ -123,10 +142,13 @@ def encode_update(
     with host_side():
         scales, lengths = head[:n_t], head[2 * n_t :].view(np.int32)
         streams = both[12 * n_t :]
-        bodies = [
-            streams[a : a + n].tobytes()
-            for a, n in zip(_group_counts(layout.numels).starts, lengths.tolist(), strict=True)
-        ]
+        if codec.zero_run and not on_device:
+            bodies = _bodies(streams, layout.numels)
+        else:
+            bodies = [
+                streams[a : a + n].tobytes()
+                for a, n in zip(_group_counts(layout.numels).starts, lengths.tolist(), strict=True)
+            ]
         zero_run = codec.zero_run
         encoded = codec._float32_envelopes(
             layout.names,
@@ -154,6 +176,11 @@ def _tables(layout: Layout, dev: torch.device) -> tuple[object, ...]:
     )
 
 
+#: Whether the encode codes the zero runs on the device (:func:`_zero_runs`), else on the host
+#: after its copy (the C kernel's ``zero_runs_many``).
+ZERO_RUNS_ON_DEVICE = True
+
+
 def _device_part(s: float, zero_run: bool, layout: Layout, want_recon: bool, flat: torch.Tensor) -> Outputs:
     """Everything the encode does on the device before its copy to the host: the scales, the
     maxima, each tensor's stream length and the streams (zero-run coded where ``zero_run``) laid
@@ -179,7 +206,7 @@ def _device_part(s: float, zero_run: bool, layout: Layout, want_recon: bool, fla
     del qs, q, digits
     # the scales, the maxima (whose finiteness is the update's), each tensor's stream length and the
     # streams in one copy to the host
-    if zero_run:
+    if zero_run and ZERO_RUNS_ON_DEVICE:
         streams, lengths = _zero_runs(packed, _run_tables(layout.numels, str(dev)))
     else:
         streams, lengths = packed, _run_tables(layout.numels, str(dev)).counts
@@ -190,16 +217,15 @@ def _device_part(s: float, zero_run: bool, layout: Layout, want_recon: bool, fla
 @dataclass(frozen=True)
 class _RunTables:
     """Per layout, on the device, what :func:`_zero_runs` reads beside its packed bytes (``G`` in
-    all, the tensors' back to back); int32 (four bytes a byte, a fifth of the values: about 0.8
-    bytes a value in all)."""
+    all, the tensors' back to back): about 0.9 bytes a value."""
 
-    at: torch.Tensor  # (G,): each byte's index
-    before_start: torch.Tensor  # (G,): where the byte's tensor starts, less 1
-    end: torch.Tensor  # (G,): where the byte's tensor ends
-    byte_tensor: torch.Tensor  # (G,): the byte's tensor
+    at: torch.Tensor  # (G,) int32: each byte's index
+    starts: torch.Tensor  # (G,) bool: the byte starts its tensor
+    inner_starts: torch.Tensor  # (G,) bool: the byte starts a tensor other than the first
+    byte_tensor: torch.Tensor  # (G,) int32: the byte's tensor
     lasts: torch.Tensor  # (tensors,) int64: each tensor's last byte
-    starts_less_1: torch.Tensor  # (tensors,): where each tensor's bytes start, less 1
-    counts: torch.Tensor  # (tensors,): each tensor's bytes (its stream's length without zero-run coding)
+    starts_less_1: torch.Tensor  # (tensors,) int32: where each tensor's bytes start, less 1
+    counts: torch.Tensor  # (tensors,) int32: each tensor's bytes (its stream's length uncoded)
     piece: torch.Tensor  # (15,) uint8: the byte of a piece of 1-14 bytes 121
 
 
@@ -209,14 +235,18 @@ def _run_tables(numels: tuple[int, ...], device: str) -> _RunTables:
     dev = torch.device(device)
     counts = g.counts
     starts, ends = np.asarray(g.starts, dtype=np.int64), np.asarray(g.ends, dtype=np.int64)
-    tensor = np.repeat(np.arange(len(numels), dtype=np.int32), counts)
+    n = int(counts.sum())
+    first = np.zeros(n, dtype=np.uint8)
+    first[starts[counts > 0]] = 1
+    inner = first.copy()
+    inner[0] = 0
     piece = np.array([0, ZERO_GROUP] + [RUN_BASE + r - 2 for r in range(2, MAX_RUN + 1)], dtype=np.uint8)
     parts = to_device_many(
         [
-            ([np.arange(int(counts.sum()), dtype=np.int32)], np.int32),
-            ([(starts - 1)[tensor]], np.int32),
-            ([ends[tensor]], np.int32),
-            ([tensor], np.int32),
+            ([np.arange(n, dtype=np.int32)], np.int32),
+            ([first], np.uint8),
+            ([inner], np.uint8),
+            ([np.repeat(np.arange(len(numels), dtype=np.int32), counts)], np.int32),
             ([ends - 1], np.int64),
             ([starts - 1], np.int32),
             ([counts], np.int32),
@@ -224,9 +254,11 @@ def _run_tables(numels: tuple[int, ...], device: str) -> _RunTables:
         ],
         dev,
     )
-    assert all(p is not None for p in parts[4:])
-    empty = torch.zeros(0, dtype=torch.int32, device=dev)
-    return _RunTables(*(empty if p is None else p for p in parts))
+    empty = torch.zeros(0, dtype=torch.uint8, device=dev)
+    at, first_t, inner_t, tensor, lasts, starts_less_1, counts_t, piece_t = (empty if p is None else p for p in parts)
+    return _RunTables(
+        at, first_t.view(torch.bool), inner_t.view(torch.bool), tensor, lasts, starts_less_1, counts_t, piece_t
+    )
 
 
 def _zero_runs(packed: torch.Tensor, t: _RunTables) -> tuple[torch.Tensor, torch.Tensor]:
@@ -238,28 +270,57 @@ def _zero_runs(packed: torch.Tensor, t: _RunTables) -> tuple[torch.Tensor, torch
     from its start, the last of 1-14 bytes: a piece of 1 is the byte 121 itself, of ``r`` >= 2
     the byte ``241 + r`` (255 for 14). So a byte of a run is sent where its place in the run is a
     multiple of 14, as the piece that starts there (``min(14, bytes left in the run)``); any
-    other byte as it is. Its place comes from a running maximum of the bytes not in a run (a
-    tensor's start counts as one), the bytes left from a running minimum from the end, where each
-    sent byte goes from a running count of them. Twenty-odd operators over the bytes (a fifth of
-    the values; on CUDA inside the encode's graph), which on a GPU host replace the C kernel's pass
-    over them on the CPU (``zero_runs_many``: 0.7 ms of an H200 host's time for a ResNet-50
-    update, 3.9 ms after rounds of error feedback)."""
+    other byte as it is. A byte's place and the bytes left come from where the marks before and
+    after it lie (a byte not in a run, or a tensor's start): a running count of the marks and
+    their positions in a block of fixed size (``nonzero_static``), where each sent byte goes from
+    a running count of them. Scans and gathers only: ``torch.cummax`` and ``cummin``, which would
+    say the same in fewer operators, took an H200 27 ms here."""
     n = packed.shape[0]
     zero = packed == ZERO_GROUP
-    # a byte's distance from the last byte not in a run (a run begins in its tensor): 0 for one
-    # not in a run, its place in the run plus 1 for one in a run; sent where that place is a multiple of 14
-    d = t.at - torch.cummax(torch.where(zero, t.before_start, t.at), 0).values
+    literal = zero.logical_not()
+    # a run begins after a byte not in a run, or at its tensor's start: the byte before it
+    marks = literal | t.starts
+    at_mark = nonzero_static(marks, n, 0)
+    before = at_mark - zero[at_mark].to(torch.int64)  # (a mark that is itself in a run: the byte before)
+    # its distance from that byte: 0 for a byte not in a run, its place in the run plus 1 for one in a run
+    d = t.at - before[marks.cumsum(0, dtype=torch.int32).sub_(1)]
     sent = torch.where(zero, d.remainder_(MAX_RUN) == 1, True)
-    # the bytes of its run from a byte on (a run ends with its tensor), at most 14
-    left = torch.cummin(torch.where(zero, t.end, t.at).flip(0), 0).values.flip(0).sub_(t.at).clamp_(max=MAX_RUN)
+    # a run ends before a byte not in a run, or a tensor's start (the last tensor's: at n)
+    ends_at = literal | t.inner_starts
+    at_end = nonzero_static(ends_at, n + 1, n)
+    left = (at_end[ends_at.cumsum(0, dtype=torch.int32)] - t.at).clamp_(max=MAX_RUN)  # bytes of its run from it on
     value = torch.where(zero, t.piece[left], packed)
     count = sent.cumsum(0, dtype=torch.int32)  # sent bytes up to and including each
     ends = count[t.lasts]
-    before = torch.nn.functional.pad(ends[:-1], (1, 0))  # sent before each tensor's bytes
-    where = torch.where(sent, count + (t.starts_less_1 - before)[t.byte_tensor], n)
+    sent_before = torch.nn.functional.pad(ends[:-1], (1, 0))  # sent before each tensor's bytes
+    where = torch.where(sent, count + (t.starts_less_1 - sent_before)[t.byte_tensor], n)
     out = torch.empty(n + 1, dtype=torch.uint8, device=packed.device)
     out.index_put_((where,), value)
-    return out[:n], ends - before
+    return out[:n], ends - sent_before
+
+
+def nonzero_static(mask: torch.Tensor, size: int, fill: int) -> torch.Tensor:
+    """The positions where ``mask`` holds, ascending, in a block of ``size`` (int64), ``fill``
+    past them: ``torch.nonzero_static`` (no wait for the device), or where this torch lacks it on
+    the device (torch 2.4's CUDA) ``nonzero`` padded (a wait; a CUDA graph then fails to capture
+    and the encode runs eagerly)."""
+    if has_nonzero_static(mask.device.type):
+        return torch.nonzero_static(mask, size=size, fill_value=fill).squeeze(1)
+    found = mask.nonzero().squeeze(1)
+    return torch.nn.functional.pad(found, (0, size - found.shape[0]), value=fill)
+
+
+def _bodies(data: np.ndarray, numels: tuple[int, ...]) -> list[bytes]:
+    """Each tensor's zero-run coding of its packed bytes (``data``, back to back), on the host:
+    by one call of the C kernel for all tensors where it is built (the tensors spread over the CPU
+    threads), else tensor by tensor in NumPy (the same bytes)."""
+    g = _group_counts(numels)
+    if _KERNEL is None:
+        return [_zero_run_encode_np(data[a:b]).tobytes() for a, b in zip(g.starts, g.ends, strict=True)]
+    out = np.empty(data.shape[0], dtype=np.uint8)
+    lengths = np.empty(len(numels), dtype=np.int64)
+    _KERNEL.zero_runs_many(data, g.counts, out, lengths, *team_threads())
+    return [out[a : a + n].tobytes() for a, n in zip(g.starts, lengths.tolist(), strict=True)]
 
 
 @dataclass(frozen=True)

@@ -251,13 +251,13 @@ def test_hits_past_the_block_are_found_again_with_a_wait(capacity: int | None, m
 def test_without_nonzero_static_the_hits_are_found_by_nonzero(monkeypatch) -> None:
     """A torch without ``nonzero_static`` on the device (2.4 on CUDA) finds fast mode's hits by
     ``nonzero``: the same bytes, one wait more."""
-    assert sbc_device._has_nonzero_static("cpu")  # (torch >= 2.4: on the CPU)
+    assert sbc_device.has_nonzero_static("cpu")  # (torch >= 2.4: on the CPU)
     codec = SBC(0.01, "fast", sample_size=SAMPLE)
     items = _kinds(4)
     encode_update(codec, items)  # (the plan, kept)
     with count_device_work() as own:
         found = encode_update(codec, items)
-    monkeypatch.setattr(sbc_device, "_has_nonzero_static", lambda device_type: False)
+    monkeypatch.setattr(sbc_device, "has_nonzero_static", lambda device_type: False)
     with count_device_work() as work:
         again = encode_update(codec, items)
     assert found is not None and again is not None and again.encoded == found.encoded
