@@ -5,7 +5,7 @@
 #   DEVICE=cpu bash scripts/device_check.sh # here: the same steps on the CPU (the plumbing only)
 #
 # Everything goes to $OUT (default /tmp/device-check): env.txt, pytest-cuda.log,
-# codecs.log/.json, device-work.log/.json, device-work-shrunk.log/.json, fast-lane.log. Each step
+# codecs.log/.json, device-work.log/.json, device-work-shrunk.log/.json, encode-phases.log, fast-lane.log. Each step
 # has its own time limit and the script goes on after a failure, so one broken step still leaves
 # the others' figures.
 #
@@ -49,6 +49,10 @@ step device-work 120 $PY -m fedcomp.bench device-work --device "$DEVICE" "${PROF
 # The same 161 tensors with a thousandth of their values: what a call costs whatever its values
 # (launches, syncs, the host's per-tensor Python), beside the row above that moves them all.
 step device-work-shrunk 60 $PY -m fedcomp.bench device-work --device "$DEVICE" --copies 1 --repeat 15 --shrink 1000 --json "$OUT/device-work-shrunk.json"
+# Where an encode's time goes, phase by phase (graphs on and off, 3LC's zero runs on the device and the host).
+SHRINK=()
+[ "$DEVICE" = cpu ] && SHRINK=(--shrink 1000 --repeat 3)
+step encode-phases 90 $PY scripts/encode_phases.py --device "$DEVICE" "${SHRINK[@]}"
 # The fast lane with a GPU present (client-device 'auto' picks it): what changes when CUDA is there.
 # (only while the whole script stays inside ${BUDGET_S:-420} s: the device time is short)
 left=$((${BUDGET_S:-420} - SECONDS))
