@@ -29,6 +29,10 @@ buffer (:class:`fedcomp.codecs.flat.Layout`) and every step runs once for all of
    fast-mode tensor whose side came back empty or over ``2 k`` goes through exact mode in a second
    pass (rare: a tensor of many ties).
 
+On CUDA, steps 1 and 2 and the copy's layout are one replay of a graph from a layout's second
+encode on (:mod:`fedcomp.codecs.graphs`; fast mode's block has a fixed size), and the caller's
+``meanwhile`` (the update's small tensors, coded on the host) runs before the host waits.
+
 The bytes are :meth:`SBC.encode`'s (tested against it on CPU, where these same operators run).
 A value that is not finite anywhere in the update makes :func:`encode_update` return None: the
 caller then encodes tensor by tensor, whose errors name the tensor (on CPU, and for a NaN that

@@ -121,11 +121,11 @@ def encode_update(
     if flat is None:
         flat = torch.cat([t.detach().reshape(-1) for _, t in tensors])
     s = float(np.float32(codec.s))
+    on_device = codec.zero_run and ZERO_RUNS_ON_DEVICE
 
     def fn(f: torch.Tensor) -> Outputs:
-        return _device_part(s, codec.zero_run, layout, want_recon, f)
+        return _device_part(s, on_device, layout, want_recon, f)
 
-    on_device = codec.zero_run and ZERO_RUNS_ON_DEVICE
     key = (layout, s, codec.zero_run, on_device, want_recon, flat.device)
     with GRAPHS.run(key, fn, (flat,), lambda: _tables(layout, flat.device)) as replayed:
         made, _ = replayed if replayed is not None else fn(flat)
@@ -185,9 +185,9 @@ def _tables(layout: Layout, dev: torch.device) -> tuple[object, ...]:
 ZERO_RUNS_ON_DEVICE = True
 
 
-def _device_part(s: float, zero_run: bool, layout: Layout, want_recon: bool, flat: torch.Tensor) -> Outputs:
+def _device_part(s: float, code_runs: bool, layout: Layout, want_recon: bool, flat: torch.Tensor) -> Outputs:
     """Everything the encode does on the device before its copy to the host: the scales, the
-    maxima, each tensor's stream length and the streams (zero-run coded where ``zero_run``) laid
+    maxima, each tensor's stream length and the streams (zero-run coded where ``code_runs``) laid
     out for one copy; the reconstruction where asked for (else None). Every operator here is a
     launch and, on a GPU host, tens of microseconds of the host's time whatever its size: on CUDA
     they are replayed as one graph (:data:`GRAPHS`)."""
@@ -210,7 +210,7 @@ def _device_part(s: float, zero_run: bool, layout: Layout, want_recon: bool, fla
     del qs, q, digits
     # the scales, the maxima (whose finiteness is the update's), each tensor's stream length and the
     # streams in one copy to the host
-    if zero_run and ZERO_RUNS_ON_DEVICE:
+    if code_runs:
         streams, lengths = _zero_runs(packed, _run_tables(layout.numels, str(dev)))
     else:
         streams, lengths = packed, _run_tables(layout.numels, str(dev)).counts
