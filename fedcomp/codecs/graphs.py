@@ -113,7 +113,6 @@ class GraphCache:
                 self._entries[key] = _Entry()
                 while len(self._entries) > KEEP:
                     self._entries.popitem(last=False)
-                entry = None
             else:
                 self._entries.move_to_end(key)
         if entry is None or entry.failed:
