@@ -118,7 +118,7 @@ class GraphCache:
         if entry is None or entry.failed:
             yield None
             return
-        with entry.lock:
+        with entry.lock, torch.cuda.device(device):  # (a graph replays on its own device's stream)
             if entry.graph is None and not self._capture(entry, fn, inputs, keep):
                 yield None
                 return
