@@ -220,3 +220,15 @@ def test_the_engines_zero_runs_on_the_device_equal_numpys() -> None:
     for p, n in zip(payloads, lengths.tolist(), strict=True):
         assert streams[at : at + n].numpy().tobytes() == _zero_run_encode_np(np.frombuffer(p.data, np.uint8)).tobytes()  # type: ignore[union-attr]
         at += len(p.data)  # type: ignore[union-attr]
+
+
+def test_the_engines_zero_runs_on_the_host_equal_numpys_without_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's host path (``ZERO_RUNS_ON_DEVICE`` off): the C kernel's codings, and NumPy's
+    where the kernel is not built, are each tensor's own."""
+    numels = (1, 5, 999, 4096, 70_001, 3)
+    payloads = [ThreeLC(zero_run=False).encode(_tensor(i, n), "t").payload for i, n in enumerate(numels)]
+    data = np.concatenate([np.frombuffer(p.data, dtype=np.uint8) for p in payloads])  # type: ignore[union-attr]
+    want = [_zero_run_encode_np(np.frombuffer(p.data, np.uint8)).tobytes() for p in payloads]  # type: ignore[union-attr]
+    assert threelc_device._bodies(data, numels) == want
+    monkeypatch.setattr(threelc_device, "_KERNEL", None)
+    assert threelc_device._bodies(data, numels) == want
