@@ -218,16 +218,7 @@ def to_host(t: torch.Tensor) -> np.ndarray:
     """``t`` as a NumPy array on the host (a copy from the device, and the host waits for it). From
     a CUDA device into page-locked memory (:data:`PINNED_MAX_BYTES`): into pageable memory the
     driver stages the copy through a buffer of its own, piece by piece."""
-    work = _counted()
-    if work is not None and not getattr(_COUNTING, "host", False):
-        work.to_host += 1
-        work.syncs += 1
-    t = t.detach()
-    if _pinned(t.numel() * t.element_size(), t.device):
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        host.copy_(t)
-        return host.numpy()
-    return t.cpu().numpy()
+    return to_host_later(t).wait()
 
 
 def _count_to_device() -> None:
@@ -264,13 +255,13 @@ def to_host_later(t: torch.Tensor) -> Pending:
     (:data:`PINNED_MAX_BYTES`) behind the work the device has queued, the host free until
     :meth:`Pending.wait` (an encode's own host work then overlaps the device's). A copy past the
     page-locked size, or from the CPU, is made at once."""
-    t = t.detach()
-    if not _pinned(t.numel() * t.element_size(), t.device):
-        return Pending(to_host(t))
     work = _counted()
     if work is not None and not getattr(_COUNTING, "host", False):
         work.to_host += 1
         work.syncs += 1
+    t = t.detach()
+    if not _pinned(t.numel() * t.element_size(), t.device):
+        return Pending(t.cpu().numpy())
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t, non_blocking=True)
     event = torch.cuda.Event()

@@ -210,10 +210,8 @@ def _device_part(s: float, code_runs: bool, layout: Layout, want_recon: bool, fl
     del qs, q, digits
     # the scales, the maxima (whose finiteness is the update's), each tensor's stream length and the
     # streams in one copy to the host
-    if code_runs:
-        streams, lengths = _zero_runs(packed, _run_tables(layout.numels, str(dev)))
-    else:
-        streams, lengths = packed, _run_tables(layout.numels, str(dev)).counts
+    runs = _run_tables(layout.numels, str(dev))
+    streams, lengths = _zero_runs(packed, runs) if code_runs else (packed, runs.counts)
     both = torch.cat([m.view(torch.uint8), top.view(torch.uint8), lengths.view(torch.uint8), streams])
     return ((both,) if recon is None else (both, recon)), None
 

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from fedcomp.codecs import SBC, TensorSpec, ThreeLC, graphs, sbc_device, threelc_device
+from fedcomp.codecs import SBC, ThreeLC, graphs, sbc_device, threelc_device
 from fedcomp.codecs.flat import Layout
 from fedcomp.codecs.graphs import GraphCache
-from fedcomp.methods.update import UpdateEncoder
+from fedcomp.methods.update import UpdateEncoder, specs_of
 from tests.codecs.test_sbc_device import _kinds
 from tests.codecs.test_sbc_many import SAMPLE, _f32
 from tests.methods.test_flat_update import _model
@@ -97,15 +97,13 @@ def test_cuda_3lc_reconstructions_outlive_the_next_replay(codec: ThreeLC) -> Non
         assert recon is not None
         recons.append(recon)
         wants.append(
-            torch.cat([codec.decode(e, spec).reshape(-1) for e, spec in zip(encoded, _specs(items), strict=True)])
+            torch.cat(
+                [codec.decode(e, spec).reshape(-1) for e, spec in zip(encoded, specs_of(dict(items)), strict=True)]
+            )
         )
     assert threelc_device.GRAPHS.stats.captured == before + 1
     for recon, want in zip(recons, wants, strict=True):  # (each its own, not the graph's buffer)
         assert torch.equal(recon.cpu(), want)
-
-
-def _specs(items: list[tuple[str, torch.Tensor]]) -> list[TensorSpec]:
-    return [TensorSpec.of(n, t) for n, t in items]
 
 
 @pytest.mark.cuda
