@@ -10,7 +10,9 @@ the waits for the device, the SBC sides and Golomb codes (and their C kernel), t
 on the host, the small tensors, the error feedback's copy back, the writer. Variants run in turns
 in one process: SBC with and without CUDA graphs (``FEDCOMP_CUDA_GRAPHS``), 3LC with its zero runs
 coded on the device and on the host (``threelc_device.ZERO_RUNS_ON_DEVICE``). Off a GPU the update
-goes the CPU's per-tensor path and only the writer's phase shows.
+goes the CPU's per-tensor path and only the writer's phase shows; with ``--engine`` it goes the
+whole-update engine on the CPU (what the tests compare with the per-tensor path): the device's
+part then runs on the CPU, slowly, and the host's phases are those a GPU host runs.
 """
 
 from __future__ import annotations
@@ -67,8 +69,11 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--repeat", type=int, default=11)
     parser.add_argument("--shrink", type=int, default=1, help="each tensor's first 1/N of its values")
+    parser.add_argument("--engine", action="store_true", help="the whole-update engine on any device (even the CPU)")
     args = parser.parse_args()
     dev = torch.device(args.device)
+    if args.engine:
+        update_mod.encode_on_device = functools.partial(flat_update.encode_on_device, device=dev)  # type: ignore[assignment]
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     update = make_update("sgd", dev, 2, 0)
     if args.shrink > 1:

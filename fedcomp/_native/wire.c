@@ -759,6 +759,326 @@ done:
     return result;
 }
 
+/* --- frame_tensors: an update's tensors framed in one call ----------------------------------------
+ *
+ * frame_tensors(tensors, heads, prefix, types, keys, encodings, fallback) -> (size, parts)
+ *
+ * fedcomp.wire.serde.update_to_bytes' framing of every tensor at once, the bytes its Python
+ * framing (serde._hand_framed, serde._tensor_parts) makes (serde's tests compare the two): tensor i
+ * is the field key keys[0] and length, its envelope heads[i] (fields 1-5, as serde._head makes
+ * them), then its payload. types = (SBCPayload, ThreeLCPayload, DensePayload,
+ * DeferredDensePayload), each matched exactly (not a subclass). An SBC or 3LC payload is framed
+ * here where the writer writes its scalars by hand (the float exactly a float32, neither zero nor
+ * NaN: a Python float; the integers Python ints in their field's range; zero_run a bool; a
+ * non-empty bytes blob); a dense one where its data is a non-empty C-contiguous buffer, or,
+ * deferred, where its nbytes is not zero; its encoding's field is encodings[encoding]. Any other tensor's parts come
+ * from fallback(tensor) -> (parts, n) (serde._tensor_parts), framed by the key and length here.
+ * keys (bytes, one byte each): the tensors' field, the SBC, 3LC and dense payloads' fields, then
+ * SBC mean, golomb_b, nnz, bits; 3LC scale, numel, zero_run, data; dense data.
+ *
+ * The parts come out as fedcomp.wire.fast_writer.Layout would hold them after adding prefix and
+ * each tensor's parts in order: consecutive small byte parts merged into one bytes object; a
+ * deferred payload, and any other part of at least 4096 bytes, a part of its own (the object
+ * itself); empty parts dropped. size is their total length. */
+
+enum { F_TENSORS, F_SBC, F_TLC, F_DENSE, F_MEAN, F_B, F_NNZ, F_BITS, F_SCALE, F_NUMEL, F_ZERO_RUN, F_DATA,
+       F_DENSE_DATA, F_COUNT };
+
+static PyObject *S_PAYLOAD, *S_MEAN, *S_GOLOMB_B, *S_NNZ, *S_BITS, *S_SCALE, *S_NUMEL, *S_ZERO_RUN, *S_DATA,
+    *S_ENCODING, *S_NBYTES;
+
+/* Small parts gathered before they become one bytes object. */
+typedef struct {
+    uint8_t *buf;
+    Py_ssize_t len, cap;
+} small_t;
+
+static int small_add(small_t *s, const void *p, Py_ssize_t n) {
+    if (s->len + n > s->cap) {
+        Py_ssize_t cap = s->cap ? s->cap : 4096;
+        while (cap < s->len + n) cap *= 2;
+        uint8_t *grown = PyMem_Realloc(s->buf, (size_t)cap);
+        if (grown == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        s->buf = grown;
+        s->cap = cap;
+    }
+    memcpy(s->buf + s->len, p, (size_t)n);
+    s->len += n;
+    return 0;
+}
+
+/* The merged small parts, if any, as one bytes part of `parts`. */
+static int small_flush(small_t *s, PyObject *parts) {
+    if (s->len == 0) return 0;
+    PyObject *b = PyBytes_FromStringAndSize((const char *)s->buf, s->len);
+    if (b == NULL) return -1;
+    int rc = PyList_Append(parts, b);
+    Py_DECREF(b);
+    s->len = 0;
+    return rc;
+}
+
+/* Layout.add of one part: merged when small bytes-like (not deferred), else a part of its own. */
+static int add_part(small_t *s, PyObject *parts, PyObject *part, PyObject *deferred, Py_ssize_t *size) {
+    if (Py_TYPE(part) == (PyTypeObject *)deferred) {
+        PyObject *nb = PyObject_GetAttr(part, S_NBYTES);
+        if (nb == NULL) return -1;
+        Py_ssize_t n = PyLong_AsSsize_t(nb);
+        Py_DECREF(nb);
+        if (n < 0) return PyErr_Occurred() ? -1 : 0;
+        if (n == 0) return 0;
+        *size += n;
+        return small_flush(s, parts) || PyList_Append(parts, part);
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(part, &view, PyBUF_C_CONTIGUOUS) < 0) return -1;
+    Py_ssize_t n = view.len;
+    int rc = 0;
+    if (n > 0 && n < 4096) rc = small_add(s, view.buf, n);
+    else if (n > 0) rc = small_flush(s, parts) || PyList_Append(parts, part);
+    PyBuffer_Release(&view);
+    *size += n;
+    return rc;
+}
+
+static Py_ssize_t put_varint(uint8_t *out, uint64_t v) {
+    Py_ssize_t n = 0;
+    while (v >= 0x80) {
+        out[n++] = (uint8_t)(v & 0x7F) | 0x80;
+        v >>= 7;
+    }
+    out[n++] = (uint8_t)v;
+    return n;
+}
+
+/* A float field's value as the writer writes it by hand: 1 and its four bytes where `o` is a
+ * Python float exactly a float32, neither zero nor NaN (serde._float32_field); else 0. */
+static int take_f32(PyObject *o, uint8_t *out) {
+    if (o == NULL || !PyFloat_CheckExact(o)) return 0;
+    double v = PyFloat_AS_DOUBLE(o);
+    float f = (float)v;
+    if ((double)f != v || v == 0.0) return 0; /* (NaN compares unequal; out of range becomes inf) */
+    memcpy(out, &f, 4);
+    return 1;
+}
+
+/* A Python int in [0, 2**bits): 1 and its value; else 0 (any error cleared). */
+static int take_uint(PyObject *o, int bits, uint64_t *out) {
+    if (o == NULL || !PyLong_CheckExact(o)) return 0;
+    unsigned long long v = PyLong_AsUnsignedLongLong(o);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    if (bits < 64 && v >> bits) return 0;
+    *out = v;
+    return 1;
+}
+
+/* The payload's scalar fields and its blob's key and length into pre (at most 40 bytes) and its
+ * blob: 1 where framed here, 0 where the fallback frames it, -1 on an error. */
+static int frame_payload(PyObject *p, PyObject *types, PyObject *encodings, const uint8_t *k, uint8_t *pre,
+                         Py_ssize_t *plen, uint8_t *payload_key, PyObject **blob, Py_ssize_t *n) {
+    PyTypeObject *type = Py_TYPE(p);
+    PyObject *a = NULL, *b = NULL, *c = NULL, *d = NULL;
+    int ok = 0;
+    Py_ssize_t len = 0;
+    *blob = NULL;
+    if (type == (PyTypeObject *)PyTuple_GET_ITEM(types, 0) || type == (PyTypeObject *)PyTuple_GET_ITEM(types, 1)) {
+        int sbc = type == (PyTypeObject *)PyTuple_GET_ITEM(types, 0);
+        a = PyObject_GetAttr(p, sbc ? S_MEAN : S_SCALE);
+        b = PyObject_GetAttr(p, sbc ? S_GOLOMB_B : S_NUMEL);
+        c = PyObject_GetAttr(p, sbc ? S_NNZ : S_ZERO_RUN);
+        d = PyObject_GetAttr(p, sbc ? S_BITS : S_DATA);
+        if (a == NULL || b == NULL || c == NULL || d == NULL) {
+            ok = -1;
+            goto done;
+        }
+        uint64_t x, y = 0;
+        pre[len++] = sbc ? k[F_MEAN] : k[F_SCALE];
+        if (!take_f32(a, pre + len)) goto done;
+        len += 4;
+        if (!take_uint(b, sbc ? 32 : 64, &x)) goto done;
+        if (sbc ? !take_uint(c, 64, &y) : (c != Py_True && c != Py_False)) goto done;
+        if (!PyBytes_CheckExact(d) || PyBytes_GET_SIZE(d) == 0) goto done;
+        if (x) {
+            pre[len++] = sbc ? k[F_B] : k[F_NUMEL];
+            len += put_varint(pre + len, x);
+        }
+        if (sbc && y) {
+            pre[len++] = k[F_NNZ];
+            len += put_varint(pre + len, y);
+        } else if (!sbc && c == Py_True) {
+            pre[len++] = k[F_ZERO_RUN];
+            pre[len++] = 1;
+        }
+        *n = PyBytes_GET_SIZE(d);
+        pre[len++] = sbc ? k[F_BITS] : k[F_DATA];
+        *payload_key = sbc ? k[F_SBC] : k[F_TLC];
+        *blob = d;
+        d = NULL;
+        ok = 1;
+    } else if (type == (PyTypeObject *)PyTuple_GET_ITEM(types, 2) || type == (PyTypeObject *)PyTuple_GET_ITEM(types, 3)) {
+        int deferred = type == (PyTypeObject *)PyTuple_GET_ITEM(types, 3);
+        a = PyObject_GetAttr(p, S_ENCODING);
+        if (a == NULL) {
+            ok = -1;
+            goto done;
+        }
+        PyObject *field = PyDict_GetItemWithError(encodings, a); /* borrowed */
+        if (field == NULL || !PyBytes_CheckExact(field) || PyBytes_GET_SIZE(field) > 11) {
+            ok = PyErr_Occurred() ? -1 : 0;
+            goto done;
+        }
+        if (deferred) {
+            b = PyObject_GetAttr(p, S_NBYTES);
+            if (b == NULL) {
+                ok = -1;
+                goto done;
+            }
+            *n = PyLong_AsSsize_t(b);
+            if (*n <= 0) {
+                ok = PyErr_Occurred() ? -1 : 0;
+                goto done;
+            }
+            Py_INCREF(p);
+            *blob = p;
+        } else {
+            d = PyObject_GetAttr(p, S_DATA);
+            if (d == NULL) {
+                ok = -1;
+                goto done;
+            }
+            Py_buffer view; /* (bytes-like, as the writer takes it: C-contiguous, else the fallback's error) */
+            if (PyObject_GetBuffer(d, &view, PyBUF_C_CONTIGUOUS) < 0) {
+                PyErr_Clear();
+                goto done;
+            }
+            *n = view.len;
+            PyBuffer_Release(&view);
+            if (*n == 0) goto done;
+            *blob = d;
+            d = NULL;
+        }
+        memcpy(pre, PyBytes_AS_STRING(field), (size_t)PyBytes_GET_SIZE(field));
+        len = PyBytes_GET_SIZE(field);
+        pre[len++] = k[F_DENSE_DATA];
+        *payload_key = k[F_DENSE];
+        ok = 1;
+    }
+    if (ok == 1) len += put_varint(pre + len, (uint64_t)*n);
+done:
+    Py_XDECREF(a);
+    Py_XDECREF(b);
+    Py_XDECREF(c);
+    Py_XDECREF(d);
+    *plen = len;
+    return ok;
+}
+
+/* One tensor by the fallback: its key and length, then its parts. */
+static int frame_fallback(PyObject *t, PyObject *fallback, const uint8_t *k, PyObject *deferred, small_t *s,
+                          PyObject *parts, Py_ssize_t *size) {
+    PyObject *got = PyObject_CallOneArg(fallback, t);
+    if (got == NULL) return -1;
+    PyObject *list, *length;
+    int rc = -1;
+    if (!PyArg_ParseTuple(got, "O!O", &PyList_Type, &list, &length)) goto done;
+    Py_ssize_t n = PyLong_AsSsize_t(length);
+    if (n < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "frame_tensors: a negative length");
+        goto done;
+    }
+    uint8_t head[11];
+    head[0] = k[F_TENSORS];
+    Py_ssize_t hl = 1 + put_varint(head + 1, (uint64_t)n);
+    if (small_add(s, head, hl) < 0) goto done;
+    *size += hl;
+    for (Py_ssize_t j = 0; j < PyList_GET_SIZE(list); j++)
+        if (add_part(s, parts, PyList_GET_ITEM(list, j), deferred, size) < 0) goto done;
+    rc = 0;
+done:
+    Py_DECREF(got);
+    return rc;
+}
+
+static PyObject *frame_tensors(PyObject *self, PyObject *args) {
+    PyObject *tensors, *heads, *types, *encodings, *fallback, *parts = NULL, *result = NULL;
+    Py_buffer prefix = {0}, keys = {0};
+    small_t s = {0};
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OO!y*O!y*O!O", &tensors, &PyList_Type, &heads, &prefix, &PyTuple_Type, &types, &keys,
+                          &PyDict_Type, &encodings, &fallback))
+        return NULL;
+    PyObject *seq = PySequence_Fast(tensors, "frame_tensors: tensors must be a sequence");
+    if (seq == NULL) goto done;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
+    if (keys.len != F_COUNT || PyTuple_GET_SIZE(types) != 4 || PyList_GET_SIZE(heads) != count) {
+        PyErr_SetString(PyExc_ValueError, "frame_tensors: a head per tensor, four types, the keys");
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < 4; i++)
+        if (!PyType_Check(PyTuple_GET_ITEM(types, i))) {
+            PyErr_SetString(PyExc_TypeError, "frame_tensors: types must be classes");
+            goto done;
+        }
+    const uint8_t *k = keys.buf;
+    PyObject *deferred = PyTuple_GET_ITEM(types, 3);
+    parts = PyList_New(0);
+    Py_ssize_t size = prefix.len;
+    if (parts == NULL || small_add(&s, prefix.buf, prefix.len) < 0) goto done;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *t = PySequence_Fast_GET_ITEM(seq, i), *head = PyList_GET_ITEM(heads, i), *blob = NULL;
+        if (!PyBytes_CheckExact(head)) {
+            PyErr_SetString(PyExc_TypeError, "frame_tensors: heads must be bytes");
+            goto done;
+        }
+        PyObject *p = PyObject_GetAttr(t, S_PAYLOAD);
+        if (p == NULL) goto done;
+        uint8_t pre[48], frame[32], payload_key = 0;
+        Py_ssize_t plen = 0, n = 0;
+        int got = frame_payload(p, types, encodings, k, pre, &plen, &payload_key, &blob, &n);
+        Py_DECREF(p);
+        if (got < 0) goto done;
+        if (got == 0) {
+            if (frame_fallback(t, fallback, k, deferred, &s, parts, &size) < 0) goto done;
+            continue;
+        }
+        /* key, len(inner) + n, head, payload key, len(pre) + n, pre, then the blob */
+        Py_ssize_t hlen = PyBytes_GET_SIZE(head);
+        uint8_t sub[11];
+        Py_ssize_t sublen = put_varint(sub, (uint64_t)(plen + n));
+        Py_ssize_t inner = hlen + 1 + sublen + plen;
+        frame[0] = k[F_TENSORS];
+        Py_ssize_t flen = 1 + put_varint(frame + 1, (uint64_t)(inner + n));
+        int rc = small_add(&s, frame, flen) || small_add(&s, PyBytes_AS_STRING(head), hlen) ||
+                 small_add(&s, &payload_key, 1) || small_add(&s, sub, sublen) || small_add(&s, pre, plen);
+        size += flen + inner + n;
+        if (!rc && n < 4096 && Py_TYPE(blob) != (PyTypeObject *)deferred) {
+            Py_buffer view = {0};
+            rc = PyObject_GetBuffer(blob, &view, PyBUF_C_CONTIGUOUS) < 0 || view.len != n;
+            if (!rc) rc = small_add(&s, view.buf, n);
+            else if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "frame_tensors: a payload changed size");
+            if (view.obj != NULL) PyBuffer_Release(&view);
+        } else if (!rc) {
+            rc = small_flush(&s, parts) || PyList_Append(parts, blob);
+        }
+        Py_DECREF(blob);
+        if (rc) goto done;
+    }
+    if (small_flush(&s, parts) == 0) result = Py_BuildValue("nO", size, parts);
+done:
+    Py_XDECREF(seq);
+    Py_XDECREF(parts);
+    PyMem_Free(s.buf);
+    if (prefix.obj != NULL) PyBuffer_Release(&prefix);
+    if (keys.obj != NULL) PyBuffer_Release(&keys);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"crc32", crc32, METH_VARARGS, "zlib.crc32(buffer, crc)."},
     {"crc32_combine", crc32_combine, METH_VARARGS, "The CRC-32 of A + B from crc32(A), crc32(B) and len(B)."},
@@ -767,6 +1087,7 @@ static PyMethodDef methods[] = {
     {"features", features, METH_NOARGS, "The instruction paths in use."},
     {"crc_variant", crc_variant, METH_VARARGS, "The CRC variant in use; switch with a name (tests)."},
     {"scan_tensors", scan_tensors, METH_VARARGS, "An update's canonical SBC, 3LC and dense tensors read without protobuf."},
+    {"frame_tensors", frame_tensors, METH_VARARGS, "An update's tensors framed as the writer's Layout parts."},
     {"scan_update", scan_update, METH_VARARGS, "An update's top-level fields and tensor spans, or None to ask Python why not."},
     {NULL, NULL, 0, NULL}};
 
@@ -779,5 +1100,11 @@ PyMODINIT_FUNC PyInit__wire(void) {
     USE_PCLMUL = crc_supported(2) ? 2 : crc_supported(1) ? 1 : 0;
     USE_F16C = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
 #endif
+    const char *names[] = {"payload", "mean", "golomb_b", "nnz", "bits", "scale", "numel", "zero_run", "data",
+                           "encoding", "nbytes"};
+    PyObject **slots[] = {&S_PAYLOAD, &S_MEAN, &S_GOLOMB_B, &S_NNZ, &S_BITS, &S_SCALE, &S_NUMEL, &S_ZERO_RUN,
+                          &S_DATA, &S_ENCODING, &S_NBYTES};
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
+        if ((*slots[i] = PyUnicode_InternFromString(names[i])) == NULL) return NULL;
     return PyModule_Create(&module);
 }

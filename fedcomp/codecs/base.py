@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import torch
 
 from fedcomp.errors import ConfigError, PayloadError
-from fedcomp.wire.payloads import WIRE_DTYPES, EncodedTensor, Payload
+from fedcomp.wire.payloads import WIRE_DTYPES, EncodedTensor, Payload, filled
 
 
 @dataclass(frozen=True)
@@ -168,10 +168,21 @@ class Codec(ABC):
     ) -> list[EncodedTensor]:
         """:meth:`_envelope` of float32 tensors whose names and shapes (tuples of ints) a layout
         already holds: what the whole-update engines send, without reading each tensor's shape and
-        dtype again (a microsecond a tensor of a host share that a GPU does not overlap)."""
+        dtype again, and made by :func:`~fedcomp.wire.payloads.filled` (a microsecond a tensor of
+        a host share that a GPU does not overlap)."""
         cid, version = self.codec_id, self.version
         return [
-            EncodedTensor(name=name, shape=shape, dtype="float32", codec_id=cid, codec_version=version, payload=p)
+            filled(
+                EncodedTensor,
+                {
+                    "name": name,
+                    "shape": shape,
+                    "dtype": "float32",
+                    "codec_id": cid,
+                    "codec_version": version,
+                    "payload": p,
+                },
+            )
             for name, shape, p in zip(names, shapes, payloads, strict=True)
         ]
 

@@ -588,7 +588,13 @@ def update_to_bytes(u: EncodedUpdate) -> bytes:
     the output (a deferred dense payload cast straight into its slot), the CRC on two threads.
     The same bytes as :func:`update_to_bytes_protobuf` (tested for every payload type)."""
     layout = fast_writer.Layout()
-    layout.add(_varint_field(1, u.format_version) + _varint_field(2, u.base_model_version))
+    header = _varint_field(1, u.format_version) + _varint_field(2, u.base_model_version)
+    if _FRAME is not None:
+        tensors = u.tensors
+        heads = [_head(t.name, tuple(t.shape), t.dtype, t.codec_id, t.codec_version) for t in tensors]
+        layout.size, layout.parts = _FRAME(tensors, heads, header, _FRAME_TYPES, _FRAME_KEYS, _DENSE_ENCODING, _parts)
+        return layout.to_bytes(crc_tag=_CRC_TAG)
+    layout.add(header)
     for t in u.tensors:
         framed = _hand_framed(t)
         if framed is not None:
@@ -638,6 +644,11 @@ def _hand_framed(t: EncodedTensor) -> tuple[bytes, fast_writer.Part, int] | None
 
 
 _TENSORS_KEY = fast_writer.key(3, 2)
+
+
+def _parts(t: EncodedTensor) -> tuple[list[fast_writer.Part], int]:
+    """:func:`_tensor_parts`, looked up when called (the kernel's fallback, :data:`_FRAME`)."""
+    return _tensor_parts(t)
 
 
 @functools.lru_cache(maxsize=4096)  # the same tensors every round, their dense values of one size
@@ -1032,6 +1043,30 @@ _SCAN_KEYS = bytes(
         _DENSE_DATA_KEY[0],
     ]
 )
+#: The wire kernel's ``frame_tensors`` (whatever its CRC), else None: :func:`update_to_bytes`'
+#: framing of every tensor in one call (the same bytes as its Python loop, tested on every payload
+#: type and edge: on a ResNet-50 SBC update about a fifth of the loop's time), and what it reads:
+#: the payload types it frames, and the keys (one byte each).
+_FRAME = getattr(_WIRE_KERNEL, "frame_tensors", None)
+_FRAME_TYPES = (SBCPayload, ThreeLCPayload, DensePayload, fast_writer.DeferredDensePayload)
+_FRAME_KEYS = b"".join(
+    [
+        _TENSORS_KEY,
+        _SBC_KEY,
+        _TLC_KEY,
+        _DENSE_KEY,
+        _SBC_MEAN_KEY,
+        _SBC_B_KEY,
+        _SBC_NNZ_KEY,
+        _SBC_BITS_KEY,
+        _TLC_SCALE_KEY,
+        _TLC_NUMEL_KEY,
+        _TLC_ZERO_RUN_KEY,
+        _TLC_DATA_KEY,
+        _DENSE_DATA_KEY,
+    ]
+)
+assert len(_FRAME_KEYS) == 13  # (each key one byte: the kernel's assumption)
 #: Scanned tensors as ``scan_tensors`` gives them: None, or (codec, dtype, version, float, a, b,
 #: blob start, blob stop).
 _Scanned = tuple[int, int, int, float, int, int, int, int] | None

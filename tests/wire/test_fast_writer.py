@@ -8,14 +8,17 @@ varint boundary (127/128, 16383/16384) at all three nesting levels (payload fiel
 message, tensor message). Also: the parallel/accelerated CRC-32 equals zlib's, and a deferred
 dense payload's bytes do not depend on the path (cast into the wire buffer or read as ``data``).
 
-Every test runs on both writers (the ``writer`` fixture): the fused kernel
-(``fedcomp/_native/wire.c``: casts and copies with the CRC in the same pass, on two threads from
-4 MiB) and torch's casts with the CRC as a second pass (what runs where no kernel is built).
+Every test runs on three writers (the ``writer`` fixture): the fused kernel
+(``fedcomp/_native/wire.c``: every tensor framed in one call, ``frame_tensors``; casts and copies
+with the CRC in the same pass, on two threads from 4 MiB), torch's casts with the CRC as a second
+pass (what runs where the kernel's CRC would be its table: not x86-64), and the kernel's casts
+after the framing's Python loop (what runs where no kernel is built, with torch's casts).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import zlib
 
@@ -41,13 +44,14 @@ from tests.forking import result_in_fork
 from tests.wire.test_serde_bounds import varint as reference_varint
 
 
-@pytest.fixture(autouse=True, params=["kernel", "torch"])
+@pytest.fixture(autouse=True, params=["kernel", "torch", "python-framing"])
 def writer(request, monkeypatch) -> str:
-    if request.param == "kernel":
-        if fast_writer._KERNEL is None:
-            pytest.skip("the wire kernel is not built (pip install -e . compiles it)")
-    else:
+    if request.param != "torch" and (fast_writer._KERNEL is None or serde._FRAME is None):
+        pytest.skip("the wire kernel is not built (pip install -e . compiles it)")
+    if request.param == "torch":
         monkeypatch.setattr(fast_writer, "_KERNEL", None)
+    if request.param == "python-framing":
+        monkeypatch.setattr(serde, "_FRAME", None)
     return str(request.param)
 
 
@@ -193,6 +197,19 @@ def test_a_large_update_is_one_bytes_object_equal_to_protobufs():
         assert bytes(t.payload.data) == x.half().numpy().tobytes()  # type: ignore[union-attr]
 
 
+@pytest.mark.parametrize("n", [16_380, 16_381, 16_400, 300_000])  # the output about 64 KiB and up
+def test_a_mid_sized_update_is_a_new_bytes_object_equal_to_protobufs(n):
+    # From 64 KiB to 4 MiB the output is an uninitialized bytes object filled through a view (no
+    # copy at the end), never reused: each one its own, right, and intact after the next.
+    gen = torch.Generator().manual_seed(n)
+    encs = [get_codec("dense-fp32").encode(torch.randn(n, generator=gen), "w")]
+    first = _same(*encs)
+    snapshot = bytes(first)
+    assert fast_writer._SPARE is not first
+    second = _same(get_codec("dense-fp32").encode(torch.randn(n, generator=gen), "w"))
+    assert first == snapshot != second and hash(first) == hash(snapshot)
+
+
 @given(
     dims=st.lists(st.integers(0, 300), max_size=3),
     name=st.text(max_size=20),
@@ -202,6 +219,36 @@ def test_a_large_update_is_one_bytes_object_equal_to_protobufs():
 def test_property_matches_protobuf(dims, name, codec_id, base):
     x = torch.linspace(-1, 1, 1 + 0 * len(dims)).expand(*dims).contiguous() if dims else torch.tensor(0.5)
     _same(get_codec(codec_id).encode(x, name), base=base)
+
+
+_ODD_FLOATS = [0.0, -0.0, math.nan, math.inf, -math.inf, 0.1, 1e39, 1.401298464324817e-45, -2.5, 3.4028234663852886e38]
+
+
+@st.composite
+def _framed_tensor(draw, i: int) -> EncodedTensor:
+    """An SBC, 3LC or dense tensor with any scalars protobuf takes (zeros, NaN, floats that are not
+    float32, varints of every length), its blob empty, short, or past 4 KiB."""
+    value = draw(st.one_of(st.sampled_from(_ODD_FLOATS), st.floats(width=32), st.floats()))
+    blob = draw(st.sampled_from([b"", b"\x01", b"\x7f" * 127, b"\x80" * 4095, b"\x03" * 4096, b"\x05" * 20_000]))
+    kind = draw(st.sampled_from(["sbc", "3lc", "dense", "deferred"]))
+    if kind == "sbc":
+        b, nnz = draw(st.integers(0, 2**32 - 1)), draw(st.integers(0, 2**64 - 1))
+        return _tensor(SBCPayload(value, b, nnz, blob), name=f"s{i}", codec_id="sbc")
+    if kind == "3lc":
+        numel, zero_run = draw(st.integers(0, 2**64 - 1)), draw(st.booleans())
+        return _tensor(ThreeLCPayload(value, numel, zero_run, blob), name=f"t{i}", codec_id="3lc")
+    n = draw(st.sampled_from([0, 1, 1023, 1024, 5000]))
+    if kind == "dense":
+        return _tensor(DensePayload("float32", bytes(4 * n)), name=f"d{i}", shape=(n,))
+    encoding = draw(st.sampled_from(["float16", "float32"]))
+    return _tensor(DeferredDensePayload(encoding, torch.full((n,), 0.5)), name=f"f{i}", shape=(n,))
+
+
+@given(st.integers(0, 6).flatmap(lambda n: st.tuples(*[_framed_tensor(i) for i in range(n)])))
+def test_mixed_framing_matches_protobuf(tensors):
+    # Every tensor the kernel frames (frame_tensors) or leaves to _tensor_parts, in any order and
+    # next to each other: the update's bytes are protobuf's.
+    _same(*tensors)
 
 
 # --- the kernel's two halves --------------------------------------------------------------------
@@ -235,7 +282,7 @@ def test_the_halves_meet_anywhere_in_the_parts(seed, monkeypatch, writer):
     # From _SPLIT_MIN bytes the kernel writes the two halves on two threads and combines their
     # CRCs: wherever the middle falls (framing, a cast, a copy, a part torch wrote, a boundary),
     # the bytes and the trailer must be protobuf's.
-    if writer != "kernel":
+    if writer == "torch":
         pytest.skip("the two halves are the kernel's")
     monkeypatch.setattr(fast_writer, "_SPLIT_MIN", 0)
     gen = torch.Generator().manual_seed(seed)
@@ -279,8 +326,8 @@ def test_split_ops_cover_the_same_bytes():
 @pytest.mark.parametrize("accelerated", [True, False])
 @pytest.mark.parametrize("n", [0, 1, 5, 8 << 20, (8 << 20) + 1, (9 << 20) + 3])
 def test_crc32_equals_zlib(n, accelerated, monkeypatch, writer):
-    if writer == "kernel" and not accelerated:
-        pytest.skip("the kernel's CRC comes first: the same case as accelerated")
+    if writer == "python-framing" or (writer == "kernel" and not accelerated):
+        pytest.skip("the kernel's CRC comes first: the same case as accelerated (the framing plays no part)")
     if not accelerated:  # zlib on two threads, halves combined
         monkeypatch.setattr(fast_writer, "FAST_CRC32", None)
     elif fast_writer.FAST_CRC32 is None:
@@ -319,7 +366,7 @@ def _large_update(seed: int, sizes: tuple[int, ...] = (1_500_000, 1000, 2_200_00
 def test_trailing_crc_of_a_large_update_equals_protobufs(accelerated, monkeypatch, writer):
     # The CRC runs on a worker thread a piece behind the writer: the trailer must be zlib's CRC of
     # the whole body all the same, whichever CRC function runs and however the pieces fall.
-    if writer == "kernel":
+    if writer != "torch":
         pytest.skip("the trailing CRC is the torch writer's (the kernel takes the CRC as it writes)")
     if not accelerated:
         monkeypatch.setattr(fast_writer, "FAST_CRC32", None)
@@ -519,7 +566,7 @@ def test_a_forked_child_writes_a_large_update(writer):
     # the same bytes.
     if not hasattr(os, "fork"):
         pytest.skip("no fork here")
-    if writer != "kernel":
+    if writer == "torch":
         pytest.skip("torch's own casts hang in such a child (its OpenMP team is gone): not ours to test")
     want = serde.update_to_bytes(_large_update(2))
     assert len(want) > fast_writer._SPLIT_MIN
@@ -574,7 +621,7 @@ def test_threelc_scalars_by_hand_are_protobufs():
         _same(_tensor(ThreeLCPayload(0.5, 3, True, data), name="s", shape=(3,), codec_id="3lc"))
 
 
-def test_the_framed_path_takes_what_the_encoders_send_and_leaves_the_rest():
+def test_the_framed_path_takes_what_the_encoders_send_and_leaves_the_rest(monkeypatch):
     """``serde._hand_framed`` (one function a tensor) writes the SBC, 3LC and dense tensors the
     encoders make; what it leaves (an empty field, a scalar protobuf writes, another payload) the
     general path writes: protobuf's bytes either way."""
@@ -598,6 +645,18 @@ def test_the_framed_path_takes_what_the_encoders_send_and_leaves_the_rest():
     for t in left:
         assert serde._hand_framed(t) is None, t.name
     _same(*sent, *left)
+    if serde._FRAME is not None:  # the kernel frames the same ones: the rest go to _tensor_parts
+        asked: list[str] = []
+        real = serde._tensor_parts
+
+        def counted(t: EncodedTensor):
+            asked.append(t.name)
+            return real(t)
+
+        monkeypatch.setattr(serde, "_tensor_parts", counted)
+        _same(*sent, *left)
+        # (tensor_to_bytes in _same asks for every tensor once; the update's writer for the left ones)
+        assert sorted(asked) == sorted([t.name for t in sent + left] + [t.name for t in left])
 
 
 @pytest.mark.parametrize("encoding", ["float32", "float16", "bfloat16"])
