@@ -542,16 +542,19 @@ done:
 
 /* --- Golomb-Rice coding ------------------------------------------------------------------------ */
 
+/* A big-endian bit writer; four bytes are stored at once (a byte at a time took about three
+ * quarters of a Golomb code's time). The buffer has GOLOMB_SLACK bytes of room past the code. */
 typedef struct {
     uint8_t *out;
     uint64_t acc; /* the pending bits are its top `nacc` bits (< 32 between calls), the rest zero */
     int nacc;
 } bitwriter;
 
-/* Append v's n bits (1 <= n <= 32, v < 2**n), most significant first; four bytes are stored at
- * once (a byte at a time took about three quarters of a Golomb code's time). */
+#define GOLOMB_SLACK 16
+
+/* Append v's n bits (1 <= n <= 32, v < 2**n), most significant first. */
 static inline void put_bits(bitwriter *w, uint64_t v, int n) {
-    w->acc |= v << (64 - w->nacc - n); /* (a shift of 1 to 63: nacc < 32, n <= 32, n >= 1) */
+    w->acc |= v << (64 - w->nacc - n); /* (a shift of 1 to 63: nacc < 32, 1 <= n <= 32) */
     w->nacc += n;
     if (w->nacc >= 32) {
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
@@ -581,74 +584,32 @@ static inline int64_t pos_at(const void *idx, int wide, Py_ssize_t k) {
     return wide ? ((const int64_t *)idx)[k] : (int64_t)((const int32_t *)idx)[k];
 }
 
-/* The length in bytes of the Golomb-Rice code of idx[0, nnz) - base with parameter b (0 <= b <= 62),
- * or -1 when the positions do not ascend from base up, -2 when the stream would be too long. */
-static inline Py_ssize_t golomb_size_of(const void *idx, int wide, Py_ssize_t nnz, int b, int64_t base) {
-    /* total bits: nnz * b remainder bits, then sum(q) + nnz unary bits */
-    uint64_t sum_q = 0;
-    int64_t prev = base - 1;
-    for (Py_ssize_t k = 0; k < nnz; k++) {
-        int64_t at = pos_at(idx, wide, k);
-        if (at <= prev) return -1;
-        sum_q += (uint64_t)(at - prev - 1) >> b;
-        prev = at;
-    }
-    uint64_t used = (uint64_t)nnz * (uint64_t)b + sum_q + (uint64_t)nnz;
-    if (used / 8 >= (uint64_t)PY_SSIZE_T_MAX) return -2;
-    return (Py_ssize_t)((used + 7) / 8);
-}
-
-/* Write the code of golomb_size_of into out (that many bytes): the remainders, then the unary parts. */
-static inline void golomb_write_of(uint8_t *out, const void *idx, int wide, Py_ssize_t nnz, int b, int64_t base) {
+/* The Golomb-Rice code of idx[0, nnz) - base with parameter b (0 <= b <= 62): the remainders,
+ * then the unary parts. Into *code a new malloc'd buffer holding it (its length in *nbytes);
+ * returns 0, or -1 where the positions do not ascend within [base, last] (last >= base - 1),
+ * -2 where the code's length would not fit, -3 where there is no memory (*code is then NULL). Two
+ * passes over the positions: the buffer has room for the longest code such positions can have
+ * (with gaps g less one, Σ floor(g / 2**b) <= floor(Σ g / 2**b) <= (last - base + 1 - nnz) >> b
+ * unary bits), so the remainders are written while the positions are checked, then the unary
+ * parts. */
+static inline int golomb_code_of(const void *idx, int wide, Py_ssize_t nnz, int b, int64_t base, int64_t last,
+                                 uint8_t **code, Py_ssize_t *nbytes) {
+    *code = NULL;
+    uint64_t room = (uint64_t)(last - base) + 1; /* positions in [base, last] */
+    if (nnz < 0 || room < (uint64_t)nnz) return -1;
+    if ((uint64_t)nnz > ((uint64_t)1 << 56)) return -2;
+    uint64_t bound = (uint64_t)nnz * (uint64_t)(b + 1) + ((room - (uint64_t)nnz) >> b);
+    if (bound / 8 >= (uint64_t)PY_SSIZE_T_MAX - GOLOMB_SLACK) return -2;
+    uint8_t *out = malloc((size_t)(bound / 8) + GOLOMB_SLACK);
+    if (out == NULL) return -3;
     bitwriter w = {out, 0, 0};
     uint64_t mask = b ? (((uint64_t)1 << b) - 1) : 0;
     int64_t prev = base - 1;
-    if (b)
-        for (Py_ssize_t k = 0; k < nnz; k++) {
-            int64_t at = pos_at(idx, wide, k);
-            uint64_t r = (uint64_t)(at - prev - 1) & mask;
-            prev = at;
-            if (b > 32) {
-                put_bits(&w, r >> 32, b - 32);
-                put_bits(&w, r & 0xFFFFFFFFu, 32);
-            } else {
-                put_bits(&w, r, b);
-            }
-        }
-    prev = base - 1;
     for (Py_ssize_t k = 0; k < nnz; k++) {
         int64_t at = pos_at(idx, wide, k);
-        uint64_t q = (uint64_t)(at - prev - 1) >> b;
-        prev = at;
-        while (q >= 31) {
-            put_bits(&w, 0x7FFFFFFFu, 31);
-            q -= 31;
-        }
-        put_bits(&w, (((uint64_t)1 << q) - 1) << 1, (int)q + 1); /* q ones, then a zero */
-    }
-    flush_bits(&w);
-}
-
-/* The Golomb-Rice code of idx[0, nnz) - base with parameter b (0 <= b <= 62) in a new malloc'd
- * buffer, its length in *nbytes; NULL where the positions do not ascend within [base, base + n)
- * (or no memory). golomb_size_of and golomb_write_of in two passes rather than three: the buffer
- * has room for the longest code such positions can have (Σ floor(g / 2**b) <= floor(Σ g / 2**b)
- * <= (n - nnz) >> b unary bits, g a gap less one), the remainders are written while the positions
- * are checked, then the unary parts. */
-static inline uint8_t *golomb_code_of(const void *idx, int wide, Py_ssize_t nnz, int b, int64_t base, Py_ssize_t n,
-                                      Py_ssize_t *nbytes) {
-    if (nnz < 0 || n < nnz || (uint64_t)nnz > ((uint64_t)1 << 56)) return NULL;
-    uint64_t bound = (uint64_t)nnz * (uint64_t)(b + 1) + ((uint64_t)(n - nnz) >> b);
-    uint8_t *out = malloc((size_t)(bound / 8) + 8);
-    if (out == NULL) return NULL;
-    bitwriter w = {out, 0, 0};
-    uint64_t mask = b ? (((uint64_t)1 << b) - 1) : 0;
-    int64_t prev = base - 1, end = base + n;
-    for (Py_ssize_t k = 0; k < nnz; k++) {
-        int64_t at = pos_at(idx, wide, k);
-        if (at <= prev || at >= end) {
+        if (at <= prev || at > last) {
             free(out);
-            return NULL;
+            return -1;
         }
         uint64_t r = (uint64_t)(at - prev - 1) & mask;
         prev = at;
@@ -671,22 +632,15 @@ static inline uint8_t *golomb_code_of(const void *idx, int wide, Py_ssize_t nnz,
         put_bits(&w, (((uint64_t)1 << q) - 1) << 1, (int)q + 1); /* q ones, then a zero */
     }
     flush_bits(&w);
+    *code = out;
     *nbytes = w.out - out;
-    return out;
+    return 0;
 }
 
-static uint8_t *golomb_code(const void *idx, int wide, Py_ssize_t nnz, int b, int64_t base, Py_ssize_t n,
-                            Py_ssize_t *nbytes) {
-    return wide ? golomb_code_of(idx, 1, nnz, b, base, n, nbytes) : golomb_code_of(idx, 0, nnz, b, base, n, nbytes);
-}
-
-static Py_ssize_t golomb_size(const void *idx, int wide, Py_ssize_t nnz, int b, int64_t base) {
-    return wide ? golomb_size_of(idx, 1, nnz, b, base) : golomb_size_of(idx, 0, nnz, b, base);
-}
-
-static void golomb_write(uint8_t *out, const void *idx, int wide, Py_ssize_t nnz, int b, int64_t base) {
-    if (wide) golomb_write_of(out, idx, 1, nnz, b, base);
-    else golomb_write_of(out, idx, 0, nnz, b, base);
+static int golomb_code(const void *idx, int wide, Py_ssize_t nnz, int b, int64_t base, int64_t last, uint8_t **code,
+                       Py_ssize_t *nbytes) {
+    return wide ? golomb_code_of(idx, 1, nnz, b, base, last, code, nbytes)
+                : golomb_code_of(idx, 0, nnz, b, base, last, code, nbytes);
 }
 
 static PyObject *golomb_encode(PyObject *self, PyObject *args) {
@@ -699,20 +653,22 @@ static PyObject *golomb_encode(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "golomb_encode: b must be in [0, 62]");
         goto done;
     }
-    Py_ssize_t nnz = ib.len / 8;
+    Py_ssize_t nnz = ib.len / 8, nbytes = 0;
     const int64_t *idx = (const int64_t *)ib.buf;
-    Py_ssize_t nbytes = golomb_size(idx, 1, nnz, b, 0);
-    if (nbytes < 0) {
-        PyErr_SetString(PyExc_ValueError, nbytes == -1 ? "golomb_encode: positions must be non-negative and ascending"
-                                                       : "golomb_encode: stream too long");
-        goto done;
-    }
-    result = PyBytes_FromStringAndSize(NULL, nbytes);
-    if (result == NULL) goto done;
-    uint8_t *out = (uint8_t *)PyBytes_AS_STRING(result);
+    /* positions in [0, last + 1): the code's room (a last below 0 is caught by the check) */
+    int64_t last = nnz ? idx[nnz - 1] : -1; /* the positions in [0, last]: the code's room */
+    uint8_t *code = NULL;
+    int rc;
+    if (last < -1) last = -1; /* (then the first check fails) */
     Py_BEGIN_ALLOW_THREADS
-    golomb_write(out, idx, 1, nnz, b, 0);
+    rc = golomb_code(idx, 1, nnz, b, 0, last, &code, &nbytes);
     Py_END_ALLOW_THREADS
+    if (rc == -3) PyErr_NoMemory();
+    else if (rc != 0)
+        PyErr_SetString(PyExc_ValueError, rc == -1 ? "golomb_encode: positions must be non-negative and ascending"
+                                                   : "golomb_encode: stream too long");
+    else result = PyBytes_FromStringAndSize((const char *)code, nbytes);
+    free(code);
 done:
     PyBuffer_Release(&ib);
     return result;
@@ -851,8 +807,8 @@ static void code_side(sbc_coded *c, const void *hp, const float *hv, Py_ssize_t 
     Py_ssize_t nnz = positive ? nhi : nlo;
     int b = golomb_b_of(nnz, n, ln_phi);
     Py_ssize_t nbytes = 0;
-    uint8_t *bits = golomb_code(pos, wide, nnz, b, base, n, &nbytes);
-    if (bits == NULL) return;
+    uint8_t *bits = NULL;
+    if (golomb_code(pos, wide, nnz, b, base, base + n - 1, &bits, &nbytes) != 0) return;
     c->positive = positive;
     c->sum = positive ? sums[0] : sums[1];
     c->nnz = nnz;

@@ -224,6 +224,26 @@ def test_bad_arguments_of_the_helpers_are_value_errors():
         golomb_b(math.nan)
 
 
+def test_extreme_positions_code_as_the_reference_and_bad_ones_are_refused():
+    """The C kernel's code (its buffer sized by the largest position: every word store inside it)
+    of positions up to 2**63 - 1 and of long unary runs is the reference's; positions that do not
+    ascend from 0 are a ValueError saying so."""
+    cases = [
+        ([2**63 - 1], 62),
+        ([0, 2**62, 2**63 - 1], 62),
+        ([7, 2**40 + 3], 40),
+        ([0, 1, 2, 3], 0),
+        ([31, 62, 63, 200], 0),  # unary runs of 31 and longer
+        (list(range(0, 4000, 3)), 1),  # many four-byte stores, both sections
+        ([], 5),
+    ]
+    for idx, b in cases:
+        assert encode_positions(torch.tensor(idx, dtype=torch.int64), b) == ref.encode_positions(idx, b), (idx[:3], b)
+    for idx in ([5, 3], [-1], [-5, 3], [2, 2]):
+        with pytest.raises(ValueError, match="positions must be non-negative and ascending"):
+            encode_positions(torch.tensor(idx, dtype=torch.int64), 2)
+
+
 @given(
     st.binary(max_size=64),
     st.integers(0, 2**64 - 1) | st.integers(0, 100),
