@@ -29,6 +29,8 @@
  *   scan_update(...), scan_tensors(...)      an untrusted update's top-level fields and its tensors
  *       read as fedcomp.wire.serde's Python readers read them (see each; bounds-checked, they
  *       allocate nothing but their results and read nothing outside the data).
+ *   frame_tensors(...)                       an update's tensors framed as the writer's parts, the
+ *       bytes fedcomp.wire.serde's Python framing makes (see it).
  *
  * Addresses are plain integers: this is a private kernel, called only by the wire layer
  * (fedcomp.wire.fast_writer, and fedcomp.wire.serde.DenseFrames through it) with addresses of

@@ -584,9 +584,11 @@ def tensor_from_bytes(data: bytes) -> EncodedTensor:
 def update_to_bytes(u: EncodedUpdate) -> bytes:
     """The canonical ``CompressedUpdate``, its ``crc32`` field last (FORMAT.md, Envelope).
 
-    Written by :mod:`fedcomp.wire.fast_writer`: the framing by hand, each payload byte once into
-    the output (a deferred dense payload cast straight into its slot), the CRC on two threads.
-    The same bytes as :func:`update_to_bytes_protobuf` (tested for every payload type)."""
+    Written by :mod:`fedcomp.wire.fast_writer`: the framing by hand (every tensor in one call of
+    the wire kernel where it is built, :data:`_FRAME`; else :func:`_hand_framed` a tensor), each
+    payload byte once into the output (a deferred dense payload cast straight into its slot), the
+    CRC on two threads. The same bytes as :func:`update_to_bytes_protobuf` (tested for every
+    payload type, each way)."""
     layout = fast_writer.Layout()
     header = _varint_field(1, u.format_version) + _varint_field(2, u.base_model_version)
     if _FRAME is not None:
