@@ -655,7 +655,6 @@ static PyObject *golomb_encode(PyObject *self, PyObject *args) {
     }
     Py_ssize_t nnz = ib.len / 8, nbytes = 0;
     const int64_t *idx = (const int64_t *)ib.buf;
-    /* positions in [0, last + 1): the code's room (a last below 0 is caught by the check) */
     int64_t last = nnz ? idx[nnz - 1] : -1; /* the positions in [0, last]: the code's room */
     uint8_t *code = NULL;
     int rc;
