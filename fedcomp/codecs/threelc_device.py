@@ -65,7 +65,7 @@ from fedcomp.codecs.threelc import (
     groups,
 )
 from fedcomp.errors import PayloadError
-from fedcomp.wire.payloads import EncodedTensor, Payload, ThreeLCPayload
+from fedcomp.wire.payloads import EncodedTensor, Payload, ThreeLCPayload, filled
 
 _KERNEL = _native.load("threelc")
 
@@ -154,8 +154,8 @@ def encode_update(
         encoded = codec._float32_envelopes(
             layout.names,
             layout.shapes,
-            [
-                ThreeLCPayload(scale=scale, numel=n, zero_run=zero_run, data=body)
+            [  # (by filled: what ThreeLCPayload(...) makes, in half the time, one a tensor a round)
+                filled(ThreeLCPayload, {"scale": scale, "numel": n, "zero_run": zero_run, "data": body})
                 for n, scale, body in zip(layout.numels, scales.tolist(), bodies, strict=True)
             ],
         )
