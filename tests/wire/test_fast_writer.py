@@ -10,9 +10,9 @@ dense payload's bytes do not depend on the path (cast into the wire buffer or re
 
 Every test runs on three writers (the ``writer`` fixture): the fused kernel
 (``fedcomp/_native/wire.c``: every tensor framed in one call, ``frame_tensors``; casts and copies
-with the CRC in the same pass, on two threads from 4 MiB), torch's casts with the CRC as a second
-pass (what runs where the kernel's CRC would be its table: not x86-64), and the kernel's casts
-after the framing's Python loop (what runs where no kernel is built, with torch's casts).
+with the CRC in the same pass, on two threads from 4 MiB), the kernel's framing with torch's casts
+and the CRC as a second pass (what runs where the kernel's CRC would be its table: not x86-64),
+and the framing's Python loop (what frames where no kernel is built) before the kernel's casts.
 """
 
 from __future__ import annotations
