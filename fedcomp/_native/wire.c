@@ -823,27 +823,37 @@ static int small_flush(small_t *s, PyObject *parts) {
     return rc;
 }
 
-/* Layout.add of one part: merged when small bytes-like (not deferred), else a part of its own. */
+/* Layout.add of a part of n bytes (n >= 1): a small bytes-like one (not deferred) merged, any
+ * other a part of its own. */
+static int add_sized(small_t *s, PyObject *parts, PyObject *part, Py_ssize_t n, int is_deferred) {
+    if (n >= 4096 || is_deferred) return small_flush(s, parts) || PyList_Append(parts, part);
+    Py_buffer view = {0};
+    int rc = PyObject_GetBuffer(part, &view, PyBUF_C_CONTIGUOUS) < 0 || view.len != n;
+    if (!rc) rc = small_add(s, view.buf, n);
+    else if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "frame_tensors: a payload changed size");
+    if (view.obj != NULL) PyBuffer_Release(&view);
+    return rc;
+}
+
+/* Layout.add of one part of any length (an empty one dropped). */
 static int add_part(small_t *s, PyObject *parts, PyObject *part, PyObject *deferred, Py_ssize_t *size) {
-    if (Py_TYPE(part) == (PyTypeObject *)deferred) {
+    int is_deferred = Py_TYPE(part) == (PyTypeObject *)deferred;
+    Py_ssize_t n;
+    if (is_deferred) {
         PyObject *nb = PyObject_GetAttr(part, S_NBYTES);
         if (nb == NULL) return -1;
-        Py_ssize_t n = PyLong_AsSsize_t(nb);
+        n = PyLong_AsSsize_t(nb);
         Py_DECREF(nb);
         if (n < 0) return PyErr_Occurred() ? -1 : 0;
-        if (n == 0) return 0;
-        *size += n;
-        return small_flush(s, parts) || PyList_Append(parts, part);
+    } else {
+        Py_buffer view;
+        if (PyObject_GetBuffer(part, &view, PyBUF_C_CONTIGUOUS) < 0) return -1;
+        n = view.len;
+        PyBuffer_Release(&view);
     }
-    Py_buffer view;
-    if (PyObject_GetBuffer(part, &view, PyBUF_C_CONTIGUOUS) < 0) return -1;
-    Py_ssize_t n = view.len;
-    int rc = 0;
-    if (n > 0 && n < 4096) rc = small_add(s, view.buf, n);
-    else if (n > 0) rc = small_flush(s, parts) || PyList_Append(parts, part);
-    PyBuffer_Release(&view);
+    if (n == 0) return 0;
     *size += n;
-    return rc;
+    return add_sized(s, parts, part, n, is_deferred);
 }
 
 static Py_ssize_t put_varint(uint8_t *out, uint64_t v) {
@@ -1059,15 +1069,7 @@ static PyObject *frame_tensors(PyObject *self, PyObject *args) {
         int rc = small_add(&s, frame, flen) || small_add(&s, PyBytes_AS_STRING(head), hlen) ||
                  small_add(&s, &payload_key, 1) || small_add(&s, sub, sublen) || small_add(&s, pre, plen);
         size += flen + inner + n;
-        if (!rc && n < 4096 && Py_TYPE(blob) != (PyTypeObject *)deferred) {
-            Py_buffer view = {0};
-            rc = PyObject_GetBuffer(blob, &view, PyBUF_C_CONTIGUOUS) < 0 || view.len != n;
-            if (!rc) rc = small_add(&s, view.buf, n);
-            else if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "frame_tensors: a payload changed size");
-            if (view.obj != NULL) PyBuffer_Release(&view);
-        } else if (!rc) {
-            rc = small_flush(&s, parts) || PyList_Append(parts, blob);
-        }
+        if (!rc) rc = add_sized(&s, parts, blob, n, Py_TYPE(blob) == (PyTypeObject *)deferred);
         Py_DECREF(blob);
         if (rc) goto done;
     }

@@ -292,9 +292,6 @@ def _finish(codec: SBC, layout: Layout, plan: _Plan, cands: _Candidates) -> Flat
     positions and values: on an H100 host the per-tensor Python of this step was about half of an
     SBC encode's time), else, for a tensor it leaves, in Python (:func:`choose_side`)."""
     found = choose_sides_flat(cands.positions, cands.values, cands.ranges, plan.offsets, plan.numels)
-    if found.kept is not None and found.value is not None and None not in found.sides:  # every side the kernel's
-        coded = [side_payload(mean, b, nnz, bits) for mean, nnz, b, bits, _ in found.sides]  # type: ignore[misc]
-        return FlatEncoding(codec._float32_envelopes(layout.names, layout.shapes, coded), found.kept, found.value)
     payloads: list[SBCPayload] = []
     kept: list[np.ndarray] = []
     pos, vals = cands.positions, cands.values

@@ -594,7 +594,9 @@ def update_to_bytes(u: EncodedUpdate) -> bytes:
     if _FRAME is not None:
         tensors = u.tensors
         heads = [_head(t.name, tuple(t.shape), t.dtype, t.codec_id, t.codec_version) for t in tensors]
-        layout.size, layout.parts = _FRAME(tensors, heads, header, _FRAME_TYPES, _FRAME_KEYS, _DENSE_ENCODING, _parts)
+        layout.size, layout.parts = _FRAME(
+            tensors, heads, header, _FRAME_TYPES, _FRAME_KEYS, _DENSE_ENCODING, _tensor_parts
+        )
         return layout.to_bytes(crc_tag=_CRC_TAG)
     layout.add(header)
     for t in u.tensors:
@@ -646,11 +648,6 @@ def _hand_framed(t: EncodedTensor) -> tuple[bytes, fast_writer.Part, int] | None
 
 
 _TENSORS_KEY = fast_writer.key(3, 2)
-
-
-def _parts(t: EncodedTensor) -> tuple[list[fast_writer.Part], int]:
-    """:func:`_tensor_parts`, looked up when called (the kernel's fallback, :data:`_FRAME`)."""
-    return _tensor_parts(t)
 
 
 @functools.lru_cache(maxsize=4096)  # the same tensors every round, their dense values of one size
