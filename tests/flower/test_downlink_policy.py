@@ -213,3 +213,29 @@ def test_chain_decoders_read_a_chain_that_mixes_every_candidate_codec() -> None:
     assert all(torch.equal(client[k], replica.tensors[k]) for k in client)
     with pytest.raises(PayloadError, match="not accepted"):  # the header's codec alone cannot
         decode_update(update_from_bytes(sent[0][1]), replica.specs, [header])
+
+
+def test_distance_is_the_float64_norm_of_the_differences_over_every_piece() -> None:
+    import math
+
+    g = torch.Generator().manual_seed(3)
+    # (a tensor over three pieces, a non-contiguous one, a tiny one, an empty one; values whose
+    # float32 differences would round: the differences are taken in float64)
+    a = {
+        "big": torch.randn(3 * (1 << 16) + 17, generator=g) * 1e3,
+        "t": torch.randn(40, 30, generator=g).t(),
+        "one": torch.tensor([1.0 + 2**-23]),
+        "none": torch.zeros(0),
+    }
+    b = {k: (v * (1 + 1e-7) if k != "one" else torch.tensor([1.0])) for k, v in a.items()}
+    want = math.sqrt(
+        math.fsum(float(x) ** 2 for k in a for x in a[k].double().numpy().ravel() - b[k].double().numpy().ravel())
+    )
+    assert distance(a, b) == pytest.approx(want, rel=1e-12)
+    assert distance(a, a) == 0.0 and distance({}, {}) == 0.0
+    assert distance({"one": a["one"]}, {"one": b["one"]}) == 2**-23  # (float32 arithmetic gives it too; no less)
+    at = (1 << 16) + 5  # (in the second piece)
+    x = a["big"]
+    y = x.clone()
+    y[at] = 0.0
+    assert distance({"big": x}, {"big": y}) == abs(float(x[at])) > 0
