@@ -5,6 +5,7 @@ would refuse or read otherwise."""
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -13,7 +14,15 @@ import pytest
 import torch
 from flwr.app import Array, ArrayRecord
 
-from fedcomp.flower.records import array_values, npy_array, record_from_tensors, tensors_from_record
+from fedcomp.flower.records import (
+    SQUARES_PIECE,
+    array_values,
+    not_finite_and_norm,
+    npy_array,
+    record_from_tensors,
+    sum_of_squares,
+    tensors_from_record,
+)
 
 _rng = np.random.default_rng(7)
 
@@ -74,6 +83,9 @@ def _damaged(data: bytes) -> dict[str, bytes]:
         "bad magic": b"\x00" + data[1:],
         "format 3.0": data[:6] + b"\x03" + data[7:],
         "garbled header": data[:12] + b"{" + data[13:],
+        "header longer than the data": data[:8] + b"\xff\xff" + data[10:],
+        "format 2.0 header of 1.0's length": data[:6] + b"\x02\x00" + data[8:10] + b"\x00\x00" + data[10:],
+        "magic and version only": data[:8],
         "empty": b"",
     }
 
@@ -105,3 +117,48 @@ def test_record_from_tensors_is_flowers_record_of_the_state_dict() -> None:
         assert (ours[k].dtype, ours[k].shape, ours[k].data) == (flowers[k].dtype, flowers[k].shape, flowers[k].data)
     back = tensors_from_record(ours)
     assert all(torch.equal(back[k], model[k].float()) for k in model)
+
+
+def _reference_squares(x: torch.Tensor, y: torch.Tensor | None = None) -> float:
+    a = x.double().numpy().ravel() - (0.0 if y is None else y.double().numpy().ravel())
+    return math.fsum(float(v) ** 2 for v in a)
+
+
+def test_sum_of_squares_is_the_float64_sum_over_every_piece() -> None:
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2 * SQUARES_PIECE + 99, generator=g) * 1e3
+    y = x * (1 + 1e-7)  # (float32 differences would round; float64 ones do not)
+    assert float(sum_of_squares(x)) == pytest.approx(_reference_squares(x), rel=1e-13)
+    assert float(sum_of_squares(x, y)) == pytest.approx(_reference_squares(x, y), rel=1e-12)
+    assert float(sum_of_squares(x, x)) == 0.0 and float(sum_of_squares(torch.zeros(0))) == 0.0
+    t = torch.randn(30, 20, generator=g).t()  # (not contiguous)
+    assert float(sum_of_squares(t)) == pytest.approx(_reference_squares(t), rel=1e-13)
+    at = SQUARES_PIECE + 7  # one value in the second piece
+    z = torch.zeros(2 * SQUARES_PIECE)
+    z[at] = 3.0
+    assert float(sum_of_squares(z)) == 9.0 and float(sum_of_squares(z, torch.zeros_like(z))) == 9.0
+
+
+def test_not_finite_and_norm_names_the_first_three_and_measures_in_float64() -> None:
+    g = torch.Generator().manual_seed(6)
+    ts = {
+        "a": torch.randn(SQUARES_PIECE + 10, generator=g),
+        "half": torch.randn(100, generator=g).half(),
+        "bf16": torch.randn(100, generator=g).bfloat16(),
+        "empty": torch.zeros(0),
+    }
+    bad, norm = not_finite_and_norm(ts)
+    assert bad == [] and norm == pytest.approx(math.sqrt(sum(_reference_squares(t) for t in ts.values())), rel=1e-12)
+    for value in (math.nan, math.inf, -math.inf):
+        for name in ("a", "half", "bf16"):
+            broken = {k: v.clone() for k, v in ts.items()}
+            broken[name].view(-1)[-1] = value  # (in the last piece)
+            assert not_finite_and_norm(broken)[0] == [name]
+    many = {f"t{i}": torch.full((3,), math.nan if i % 2 else 1.0) for i in range(10)}
+    assert not_finite_and_norm(many)[0] == ["t1", "t3", "t5"]
+    # float64 tensors (squares may overflow there) take the general path, with the same answer
+    mixed = {"a": ts["a"], "d": torch.tensor([3.0, 4.0], dtype=torch.float64)}
+    assert not_finite_and_norm(mixed) == ([], pytest.approx(math.sqrt(_reference_squares(ts["a"]) + 25.0), rel=1e-12))
+    assert not_finite_and_norm({}) == ([], 0.0)
+    huge = {"w": torch.full((4,), 3e38)}  # squares past float32's range: float64 holds them
+    assert not_finite_and_norm(huge) == ([], pytest.approx(6e38, rel=1e-6))
