@@ -350,12 +350,17 @@ def main(argv: list[str] | None = None) -> int:
         from fedcomp.bench.server import main as server_main
 
         return server_main(argv[1:])
+    if argv[:1] == ["rounds"]:  # its own options: fedcomp/bench/rounds.py
+        from fedcomp.bench.rounds import main as rounds_main
+
+        return rounds_main(argv[1:])
     ap = argparse.ArgumentParser(prog="python -m fedcomp.bench", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("links", help="dense FedAvg vs SBC+3LC on emulated 10M/100M/1G links (see --help after it)")
     sub.add_parser("netns", help="dense FedAvg vs SBC+3LC over real tc-shaped links in network namespaces (root)")
     sub.add_parser("deft", help="DEFT vs per-client top-k: aggregate density and selection time (see --help after it)")
     sub.add_parser("server", help="N clients' SBC payloads through the wrapper's aggregation: time, peak RSS, error")
+    sub.add_parser("rounds", help="the Flower layer's own time per round (wrapper, mod) beside plain FedAvg")
     sub.add_parser("device-work", help="a whole update's operators, syncs and copies on a device, by number of tensors")
     sub.add_parser("gradiveq", help="GradiVeQ on real LeNet5-Caffe updates: d, k, ratio, held-out loss, timings")
     c = sub.add_parser("codecs", help="encode/decode time vs a warm copy_ of a ResNet-50-shaped update")

@@ -589,6 +589,22 @@ def update_to_bytes(u: EncodedUpdate) -> bytes:
     payload byte once into the output (a deferred dense payload cast straight into its slot), the
     CRC on two threads. The same bytes as :func:`update_to_bytes_protobuf` (tested for every
     payload type, each way)."""
+    return _update_layout(u).to_bytes(crc_tag=_CRC_TAG)
+
+
+def update_size(u: EncodedUpdate) -> int:
+    """``len(update_to_bytes(u))``, found without writing the bytes (nothing cast, copied or
+    checksummed): what a sender compares payloads by before it sends one (the server's replica
+    asked for its whole model's length every round, 102 MB written for a ResNet-50)."""
+    return _update_layout(u).size + _TRAILER
+
+
+#: The update's trailer: the CRC field's key and its four bytes.
+_TRAILER = 5
+
+
+def _update_layout(u: EncodedUpdate) -> fast_writer.Layout:
+    """Where every byte of :func:`update_to_bytes` comes from, and how many there are."""
     layout = fast_writer.Layout()
     header = _varint_field(1, u.format_version) + _varint_field(2, u.base_model_version)
     if _FRAME is not None:
@@ -597,7 +613,7 @@ def update_to_bytes(u: EncodedUpdate) -> bytes:
         layout.size, layout.parts = _FRAME(
             tensors, heads, header, _FRAME_TYPES, _FRAME_KEYS, _DENSE_ENCODING, _tensor_parts
         )
-        return layout.to_bytes(crc_tag=_CRC_TAG)
+        return layout
     layout.add(header)
     for t in u.tensors:
         framed = _hand_framed(t)
@@ -609,7 +625,7 @@ def update_to_bytes(u: EncodedUpdate) -> bytes:
         layout.add(_TENSORS_KEY + fast_writer.varint(n) + head)  # type: ignore[operator]
         for part in parts[1:]:
             layout.add(part)
-    return layout.to_bytes(crc_tag=_CRC_TAG)
+    return layout
 
 
 def _hand_framed(t: EncodedTensor) -> tuple[bytes, fast_writer.Part, int] | None:

@@ -67,6 +67,7 @@ def _same(*tensors: EncodedTensor, base: int = 7) -> bytes:
     fast = serde.update_to_bytes(u)
     assert type(fast) is bytes
     assert fast == serde.update_to_bytes_protobuf(u)
+    assert serde.update_size(u) == len(fast)  # (the length, without writing)
     return fast
 
 
@@ -655,8 +656,9 @@ def test_the_framed_path_takes_what_the_encoders_send_and_leaves_the_rest(monkey
 
         monkeypatch.setattr(serde, "_tensor_parts", counted)
         _same(*sent, *left)
-        # (tensor_to_bytes in _same asks for every tensor once; the update's writer for the left ones)
-        assert sorted(asked) == sorted([t.name for t in sent + left] + [t.name for t in left])
+        # (tensor_to_bytes in _same asks for every tensor once; the update's writer and its
+        # update_size each for the left ones)
+        assert sorted(asked) == sorted([t.name for t in sent + left] + 2 * [t.name for t in left])
 
 
 @pytest.mark.parametrize("encoding", ["float32", "float16", "bfloat16"])
