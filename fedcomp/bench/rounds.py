@@ -213,6 +213,11 @@ def main(argv: list[str] | None = None, out: Callable[[str], None] = print) -> i
     run_config: dict[str, Any] = {}
     for text in args.run_config:
         run_config.update(parse_run_config(text))
+    from fedcomp.methods.config import CompressionConfig
+
+    unknown = sorted(set(run_config) - set(CompressionConfig.keys()))
+    if unknown:  # (a Flower run config holds the app's keys too; here only the wrapper's mean anything)
+        ap.error(f"--run-config: {', '.join(map(repr, unknown))} is not a key of the wrapper's run config")
     import flwr.common.logger  # noqa: F401  (Flower sets its logger's level on import: before ours)
 
     flwr_log = logging.getLogger("flwr")

@@ -4,9 +4,10 @@ the replica digest is checked, and every failure to rebuild the model asks for a
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
-from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from flwr.app import Array, ConfigRecord, Context, Message, MessageType, RecordDict
 
 from fedcomp.flower import protocol
 from fedcomp.flower.mod import compression_mod
@@ -242,6 +243,39 @@ def test_each_client_keeps_its_own_state() -> None:
         w = w_next
     res1, res2 = (tensors_from_record(c.ctx.state.array_records[protocol.STATE_RESIDUAL]) for c in clients.values())
     assert not torch.equal(res1["w1"], res2["w1"])
+
+
+class _Destructive(Client):
+    """A ClientApp that takes the model out of its record (Flower's ``keep_input=False``) and
+    leaves junk in its place, before it trains."""
+
+    def app(self, msg: Message, ctx: Context) -> Message:
+        rec = msg.content.array_records["arrays"]
+        self.given = tensors_from_record(rec)
+        rec.to_torch_state_dict(keep_input=False)  # (pops every Array)
+        rec["junk"] = Array(np.zeros(3, dtype=np.float32))
+        msg.content.array_records["arrays"] = record_from_tensors(self.kept_model)
+        return super().app(msg, ctx)
+
+
+def test_what_the_client_app_does_to_its_record_leaves_the_stored_replica_be() -> None:
+    # The mod stores the record it made for the ClientApp's model (one record a message): the
+    # app gets a copy of it.
+    strategy, client = make_strategy(), _Destructive(1)
+    w = tiny_model()
+    for r in (1, 2, 3):
+        client.kept_model = {k: v.clone() for k, v in w.items()}  # (what the app trains from)
+        w_next, log = train_round(strategy, {1: client}, r, w)
+        assert w_next is not None and not log.replies[1].has_error()
+        stored = tensors_from_record(client.ctx.state.array_records[protocol.STATE_REPLICA])
+        assert list(stored) == list(w) and digest(stored) == digest(client.given) == strategy.replica.digest
+        w = w_next
+    # and a downlink of "none" (the replica as stored) hands the app the stored record's values
+    for _ in range(2):
+        _, log = evaluate_round(strategy, {1: client}, 3, w)
+        assert not log.replies[1].has_error()
+        assert digest(client.given) == strategy.replica.digest
+    assert mode_of(log.downlinks[1]) == "none"
 
 
 class _FrozenW1(Client):
