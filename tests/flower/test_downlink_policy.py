@@ -239,3 +239,33 @@ def test_distance_is_the_float64_norm_of_the_differences_over_every_piece() -> N
     y = x.clone()
     y[at] = 0.0
     assert distance({"big": x}, {"big": y}) == abs(float(x[at])) > 0
+
+
+def test_trials_hash_no_scratch_replica_and_the_kept_one_hashes_its_own_tensors(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import fedcomp.flower.replica as replica_mod
+    from fedcomp.flower.records import digest as real_digest
+
+    replica, prev, target = _replica_and_targets(0.01)
+    config = _config()
+    replica.advance(prev, get_codec(ThreeLCDownlink.codec_config(config, 1)))  # (a version 1, as a round leaves)
+    v1, d1 = replica.version, replica.digest
+    hashed: list[int] = []
+
+    def counted(tensors: dict) -> str:
+        hashed.append(1)
+        return real_digest(tensors)
+
+    monkeypatch.setattr(replica_mod, "digest", counted)
+    chosen = advance_by_policy(replica, target, distance(target, prev), config, 2, CANDIDATES)
+    passes = sum(n for _, n in CANDIDATES)
+    assert chosen.passes >= 1 and passes > len(CANDIDATES)  # (some candidates make two passes)
+    # only the versions a trial went on from (multi-pass candidates) were hashed, not each last one
+    assert len(hashed) == passes - len(CANDIDATES)
+    hashed.clear()
+    assert replica.digest == real_digest(replica.tensors) and len(hashed) == 1  # hashed when asked for
+    assert replica.digest_of(v1) == d1 and len(hashed) == 1  # the older one kept, not hashed again
+    before = replica.digest
+    replica.advance(target, get_codec(ThreeLCDownlink.codec_config(config, 3)))
+    assert replica.digest_of(replica.version - 1) == before
