@@ -10,6 +10,7 @@ import pytest
 
 from fedcomp.bench.__main__ import main as bench_main
 from fedcomp.bench.rounds import main
+from tests.usage import usage_error
 
 STEPS = ("configure", "client_mod", "client_app", "aggregate")
 
@@ -26,17 +27,11 @@ STEPS = ("configure", "client_mod", "client_app", "aggregate")
 def test_bad_arguments_are_usage_errors_naming_the_option(
     argv: list[str], names: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    assert exc.value.code == 2
-    assert names in capsys.readouterr().err
+    assert names in usage_error(main, argv, capsys)
 
 
 def test_a_run_config_key_the_wrapper_does_not_have_is_named(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as exc:
-        main(["--model", "lenet", "--rounds", "2", "--no-baseline", "--run-config", "sbc-p=0.1 sbc-q=0.1"])
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
+    err = usage_error(main, ["--model", "lenet", "--rounds", "2", "--no-baseline", "-c", "sbc-p=0.1 sbc-q=0.1"], capsys)
     assert "--run-config" in err and "'sbc-q'" in err and "'sbc-p'" not in err
 
 

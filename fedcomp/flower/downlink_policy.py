@@ -166,7 +166,7 @@ def advance_by_policy(
 
     The chosen scratch copy is adopted as it is (codecs are deterministic, so encoding the chosen
     candidate again would give the same bytes and the same replica)."""
-    replica.digest  # noqa: B018  (hashed here once, not in each trial's copy)
+    replica.digest_of(replica.version)  # (the current version hashed here, once, not in each trial's copy)
     tried = [_trial(replica, target, m, n, moved, config, server_round) for m, n in candidates]
     trials = [t for t, _ in tried]
     done = choose(trials, config.replica_lag_max)
