@@ -63,6 +63,16 @@ def test_a_tiny_run_times_every_step_beside_plain_fedavg(tmp_path: Path, capsys:
     assert "configure" in table and "client mod" in table and "fedcomp" in table and "flower" in table
 
 
+def test_flowers_task_identity_is_put_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    from flwr.supercore.task_identity import TaskIdentity
+
+    names = ("_run_id", "_node_id", "_task_id")
+    for i, name in enumerate(names):
+        monkeypatch.setattr(TaskIdentity, name, 70 + i, raising=False)  # (a caller's own)
+    assert main(["--model", "lenet", "--rounds", "2", "--no-baseline"]) == 0
+    assert [getattr(TaskIdentity, name) for name in names] == [70, 71, 72]
+
+
 def test_the_run_config_reaches_the_wrapper(tmp_path: Path) -> None:
     sizes = {}
     for p in (0.01, 0.2):

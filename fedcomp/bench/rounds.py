@@ -31,7 +31,7 @@ import argparse
 import logging
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ import torch
 
 from fedcomp.bench import int_at_least, write_rows
 from fedcomp.bench.server import MODELS, base_update, model_tensors
+from fedcomp.bench.server import _grid as nodes_grid
 
 #: The ClientApp's records (FedAvg's defaults: the wrapper and the mod follow the inner strategy's).
 ARRAYS, METRICS = "arrays", "metrics"
@@ -51,8 +52,22 @@ def run(
     ``flower`` (plain FedAvg), each a dict of medians; the floor, the model's size."""
     from flwr.supercore.task_identity import TaskIdentity
 
-    # Flower asks who is building a Message; a ServerApp or ClientApp process has this set by Flower.
-    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = 1, 0, 1  # type: ignore[attr-defined]
+    # Flower asks who is building a Message; a ServerApp or ClientApp process has this set by
+    # Flower. Set for the run, then put back (a caller's process, a test's, keeps its own).
+    names = ("_run_id", "_node_id", "_task_id")
+    before: list[Any] = [getattr(TaskIdentity, name, None) for name in names]
+    for name, set_to in zip(names, (1, 0, 1), strict=True):
+        setattr(TaskIdentity, name, set_to)
+    try:
+        return _run(model_name, clients, rounds, run_config, seed, baseline)
+    finally:
+        for name, old in zip(names, before, strict=True):
+            setattr(TaskIdentity, name, old)
+
+
+def _run(
+    model_name: str, clients: int, rounds: int, run_config: dict[str, Any], seed: int, baseline: bool
+) -> dict[str, Any]:
     model = model_tensors(model_name, seed)
     updates = {node: base_update(model, seed + node) for node in range(1, clients + 1)}
     out: dict[str, Any] = {
@@ -128,7 +143,7 @@ def _rounds(
     last_bytes: tuple[int | None, int | None] = (None, None)
     for rnd in range(1, rounds + 1):
         start = time.perf_counter()
-        messages = list(strategy.configure_train(rnd, arrays, ConfigRecord({"lr": 0.1}), _grid(updates)))
+        messages = list(strategy.configure_train(rnd, arrays, ConfigRecord({"lr": 0.1}), nodes_grid(updates)))
         steps["configure"].append(time.perf_counter() - start)
         replies, mod_times, app_times = [], [], []
         for msg in messages:
@@ -163,12 +178,6 @@ def _rounds(
     result["uplink_bytes"], result["downlink_bytes"] = last_bytes
     result["per_round_s"] = [sum(v[i] for v in steps.values()) for i in range(rounds)]
     return result
-
-
-def _grid(nodes: Iterable[int]) -> Any:
-    from fedcomp.bench.server import _grid as nodes_grid
-
-    return nodes_grid(nodes)
 
 
 def _table(out: dict[str, Any]) -> str:
