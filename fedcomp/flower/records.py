@@ -196,9 +196,13 @@ def sum_of_squares(x: torch.Tensor, minus: torch.Tensor | None = None) -> torch.
     it). In pieces of :data:`SQUARES_PIECE` values converted into two float64 buffers that this
     thread reuses: whole-tensor float64 copies took a ResNet-50's 25.6M values twice to four
     times as long on the 2-core build machine (92 against 26 ms for a difference's), the copies
-    of a piece staying in the CPU's cache and no memory new."""
+    of a piece staying in the CPU's cache and no memory new. On another device, whole tensors (a
+    piece there would be four kernel launches: a ResNet-50 is about 400 pieces)."""
     x = x.detach().reshape(-1)
     y = None if minus is None else minus.detach().reshape(-1)
+    if x.device.type != "cpu":
+        d = x.double() if y is None else x.double() - y.double()
+        return torch.dot(d, d)
     bufs: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = getattr(_SCRATCH, "bufs", None) or {}
     _SCRATCH.bufs = bufs
     if x.device not in bufs:
