@@ -58,6 +58,16 @@ class PendingUpdate:
                 out[_DENSE + name] = _bytes(flat)
         return ConfigRecord(out)
 
+    @staticmethod
+    def round_of(rec: Mapping[str, object]) -> int:
+        """The round the update in a ``STATE_PENDING`` record was sent in, read alone (what a
+        client needs to know whether it was aggregated); :class:`PayloadError` where it is not
+        one."""
+        rnd = rec.get(_ROUND)
+        if isinstance(rnd, bool) or not isinstance(rnd, int) or rnd < 0:
+            raise PayloadError("", f"pending update: field {_ROUND!r} is {rnd!r}, not a round number")
+        return rnd
+
     @classmethod
     def from_record(
         cls,
@@ -68,9 +78,7 @@ class PendingUpdate:
         """Rebuild the tensors; raise :class:`PayloadError` (naming the tensor) when the record is
         malformed or, given ``specs``, does not hold exactly those tensors (a state written for
         another model)."""
-        rnd = rec.get(_ROUND)
-        if isinstance(rnd, bool) or not isinstance(rnd, int) or rnd < 0:
-            raise PayloadError("", f"pending update: field {_ROUND!r} is {rnd!r}, not a round number")
+        rnd = cls.round_of(rec)
         names = rec.get(_NAMES)
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names) or len(set(names)) != len(names):
             raise PayloadError("", f"pending update: field {_NAMES!r} is not a list of distinct names")

@@ -457,3 +457,27 @@ def test_a_server_restarted_without_records_reports_where_they_begin() -> None:
     for client in clients.values():
         assert protocol.STATE_PENDING not in client.ctx.state.config_records
         assert _gap(client, [(inner, models), (inner2, {3: new})]) < 2e-5, client.node
+
+
+def test_a_pending_update_is_read_only_where_it_goes_back_into_the_residual(monkeypatch: pytest.MonkeyPatch) -> None:
+    # (its tensors' record is parsed for nothing when the update was aggregated: the usual case)
+    strategy = CompressionStrategy(RecordingFedAvg(), CompressionConfig.from_run_config({}))
+    client = LedgerClient(1)
+    real = PendingUpdate.from_record.__func__  # type: ignore[attr-defined]
+    read: list[int] = []
+
+    def counted(cls: type[PendingUpdate], rec: Any, *args: Any, **kwargs: Any) -> PendingUpdate:
+        read.append(int(rec["round"]))
+        return real(cls, rec, *args, **kwargs)
+
+    monkeypatch.setattr(PendingUpdate, "from_record", classmethod(counted))
+    w = tiny_model()
+    for rnd in (1, 2, 3):  # each update aggregated: each pending record settled unread
+        new, _ = train_round(strategy, {1: client}, rnd, w)
+        assert new is not None
+        w = new
+    assert read == []
+    new, _ = train_round(strategy, {1: client}, 4, w, drop=[1])  # lost: its pending update goes back
+    assert new is None and read == []
+    train_round(strategy, {1: client}, 5, w)
+    assert read == [4]  # (read to be added back: the recovery itself is the tests' above)
