@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from fedcomp.bench import int_at_least, write_rows
+from fedcomp.bench.links import _median_seconds
 from fedcomp.bench.server import MODELS, base_update, model_tensors
 from fedcomp.bench.server import _grid as nodes_grid
 
@@ -91,16 +92,11 @@ def _run(
     return out
 
 
-def _copy_floor(model: dict[str, torch.Tensor], repeat: int = 21) -> float:
+def _copy_floor(model: dict[str, torch.Tensor], repeat: int = 20) -> float:
     """The median of warm copies of the model's values into a preallocated buffer (one pass)."""
     flat = torch.cat([t.reshape(-1) for t in model.values()])
     buf = torch.empty_like(flat)
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        buf.copy_(flat)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+    return _median_seconds(lambda: buf.copy_(flat), repeat)
 
 
 def _rounds(

@@ -208,12 +208,9 @@ def _apply_downlink(st: ClientState, dl: DownlinkHeader, initial: Mapping[str, t
     ``initial``: this client's own version-0 model, used when it holds no replica yet and the
     server sent a chain from version 0 or nothing (``seeded-initial-model``).
     """
-    if dl.mode is not DownlinkMode.NONE:
-        st._record = None  # the replica changes
     if st.replica is None and initial is not None and dl.mode is not DownlinkMode.FULL:
         st.replica = {k: v.detach().to(device=st.device, dtype=torch.float32).clone() for k, v in initial.items()}
         st.version = 0
-        st._record = None
     if dl.mode is DownlinkMode.FULL:
         if len(dl.payloads) != 1:
             raise PayloadError("", "a full resync carries exactly one payload")
@@ -241,6 +238,8 @@ def _apply_downlink(st: ClientState, dl: DownlinkHeader, initial: Mapping[str, t
     if st.replica is None:
         raise PayloadError("", "no replica after the downlink")
     st._digest = None  # the downlink changed the replica
+    if dl.mode is not DownlinkMode.NONE:
+        st._record = None  # (as the record made of it; a replica just made here has none yet)
     got = st.digest()
     if got != dl.digest:
         raise PayloadError("", f"replica digest {got} after the downlink, the server has {dl.digest}")

@@ -203,8 +203,7 @@ def sum_of_squares(x: torch.Tensor, minus: torch.Tensor | None = None) -> torch.
     if x.device.type != "cpu":
         d = x.double() if y is None else x.double() - y.double()
         return torch.dot(d, d)
-    bufs: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = getattr(_SCRATCH, "bufs", None) or {}
-    _SCRATCH.bufs = bufs
+    bufs: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = _SCRATCH.__dict__.setdefault("bufs", {})
     if x.device not in bufs:
         bufs[x.device] = (
             torch.empty(SQUARES_PIECE, dtype=torch.float64, device=x.device),

@@ -596,11 +596,7 @@ def update_size(u: EncodedUpdate) -> int:
     """``len(update_to_bytes(u))``, found without writing the bytes (nothing cast, copied or
     checksummed): what a sender compares payloads by before it sends one (the server's replica
     asked for its whole model's length every round, 102 MB written for a ResNet-50)."""
-    return _update_layout(u).size + _TRAILER
-
-
-#: The update's trailer: the CRC field's key and its four bytes.
-_TRAILER = 5
+    return _update_layout(u).size + _CRC_LEN
 
 
 def _update_layout(u: EncodedUpdate) -> fast_writer.Layout:
