@@ -4,6 +4,8 @@ import torch
 from fedcomp.codecs import DenseFP16, DenseFP32, Identity, TensorSpec
 from fedcomp.errors import PayloadError
 from fedcomp.methods.feedback import ErrorFeedback, StaleResidual
+from fedcomp.methods.sent import KeptValues
+from fedcomp.methods.sent import dense as to_dense
 from fedcomp.methods.update import UpdateEncoder, decode_update, specs_of
 from fedcomp.wire.serde import update_from_bytes, update_to_bytes
 
@@ -161,19 +163,24 @@ def test_encoding_without_the_reconstruction_keeps_the_same_residuals(config, dt
 
     codec = get_codec(config)
     for stale in (None, StaleResidual(decay=0.5)):
-        sparse, dense = ErrorFeedback(codec, stale), ErrorFeedback(codec, stale)
+        sparse, dense, kept = ErrorFeedback(codec, stale), ErrorFeedback(codec, stale), ErrorFeedback(codec, stale)
         gen = torch.Generator().manual_seed(5)
         for rnd in range(4):
-            sparse.age = dense.age = rnd + 1
+            sparse.age = dense.age = kept.age = rnd + 1
             x = (torch.randn(40, 130, generator=gen) * 1e-2).to(dtype)
             before = x.clone()
             held = sparse.state_dict()
             held_copy = {k: v.clone() for k, v in held.items()}
             got, none = sparse.encode_without_reconstruction(x, "w")
-            want, _ = dense.encode_with_reconstruction(x, "w")
-            assert none is None and got == want, (rnd, stale)
+            want, recon = dense.encode_with_reconstruction(x, "w")
+            also, sent = kept.encode_with_kept_values(x, "w")
+            assert none is None and got == want and also == want, (rnd, stale)
+            # What the receiver decodes, said sparsely for SBC: the reconstruction, bit for bit.
+            assert isinstance(sent, KeptValues) == (config["id"] == "sbc")
+            assert to_dense(sent).numpy().tobytes() == recon.numpy().tobytes(), (rnd, stale)
             assert torch.equal(x, before)
             assert all(torch.equal(held[k], held_copy[k]) for k in held)
-            a, b = sparse.residual("w"), dense.residual("w")
-            assert a is not None and b is not None
+            a, b, c = sparse.residual("w"), dense.residual("w"), kept.residual("w")
+            assert a is not None and b is not None and c is not None
             assert a.shape == b.shape and a.numpy().tobytes() == b.numpy().tobytes(), (rnd, stale)
+            assert c.numpy().tobytes() == b.numpy().tobytes(), (rnd, stale)

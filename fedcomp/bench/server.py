@@ -140,6 +140,7 @@ def make_payloads(
     """Encode every client's update into ``path``; return the float64 reference mean of what the
     server should decode (the encoder's reconstructions, weighted) and the payloads' total bytes."""
     from fedcomp.codecs import SBC
+    from fedcomp.methods.sent import dense
     from fedcomp.methods.update import UpdateEncoder
     from fedcomp.wire import serde
 
@@ -158,7 +159,8 @@ def make_payloads(
             w = weight_of(client)
             total_weight += w
             assert encoder.sent is not None
-            for name, sent in encoder.sent.items():
+            for name, kept in encoder.sent.items():
+                sent = dense(kept)  # (dense already: no sparse_sent asked)
                 flat = sent.reshape(-1)
                 if flat.numel() < MIN_NUMEL:
                     ref[name].add_(sent, alpha=w)

@@ -837,17 +837,17 @@ def run_jobs(jobs: Sequence[Callable[[], T]], costs: Sequence[int], local: Seque
 
 def _pool() -> ThreadPoolExecutor:
     """A process-wide thread pool, rebuilt after a fork (a forked child has no pool threads). Its
-    threads run torch's operators on themselves alone (:func:`_serial_torch_thread`)."""
+    threads run torch's operators on themselves alone (:func:`serial_torch_thread`)."""
     global _POOL
     if _POOL is None or _POOL[0] != os.getpid():
         _POOL = (
             os.getpid(),
-            ThreadPoolExecutor(_MAX_WORKERS - 1, thread_name_prefix="fedcomp-sbc", initializer=_serial_torch_thread),
+            ThreadPoolExecutor(_MAX_WORKERS - 1, thread_name_prefix="fedcomp-sbc", initializer=serial_torch_thread),
         )
     return _POOL[1]
 
 
-def _serial_torch_thread() -> None:
+def serial_torch_thread() -> None:
     """Make torch's parallel operators run on the calling thread alone, for this thread only.
 
     torch's CPU operators run on an OpenMP team, one per thread that calls them. A pool thread

@@ -22,12 +22,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from flwr.app import ConfigRecord
 
 from fedcomp.codecs import TensorSpec
 from fedcomp.codecs.flat import tensors_on_host, tensors_to_device
 from fedcomp.errors import PayloadError
+from fedcomp.methods.sent import KeptValues, Sent, dense
 
 __all__ = ["PendingUpdate"]
 
@@ -40,23 +42,39 @@ class PendingUpdate:
     """An update sent in ``round``: ``tensors`` as the server will decode them."""
 
     round: int
-    tensors: dict[str, torch.Tensor]
+    #: Dense tensors (any float dtype, any device), or :class:`KeptValues` (SBC's positions and
+    #: value: the record is written from them without a dense tensor, the same record).
+    tensors: Mapping[str, Sent]
 
     def to_record(self) -> ConfigRecord:
         """The ``STATE_PENDING`` record: each tensor dense or sparse, whichever is smaller."""
         out: dict[str, Any] = {_ROUND: int(self.round), _NAMES: list(self.tensors)}
-        on_host = tensors_on_host({k: v.detach().to(torch.float32) for k, v in self.tensors.items()})
-        for name, t in on_host.items():
-            flat = t.reshape(-1)
-            out[_SHAPE + name] = [int(d) for d in t.shape]
-            nz = flat.nonzero().view(-1)
-            index_dtype = _index_dtype(flat.numel())
-            if nz.numel() * (index_dtype.itemsize + 4) < flat.numel() * 4:
-                out[_POSITIONS + name] = _bytes(nz.to(index_dtype))
-                out[_VALUES + name] = _bytes(flat[nz])
+        on_host = tensors_on_host(
+            {k: v.detach().to(torch.float32) for k, v in self.tensors.items() if not isinstance(v, KeptValues)}
+        )
+        for name, sent in self.tensors.items():
+            if isinstance(sent, KeptValues):
+                shape, numel = sent.shape, sent.numel
+                positions, values = sent.nonzero()
             else:
-                out[_DENSE + name] = _bytes(flat)
+                t = on_host[name]
+                flat = t.reshape(-1)
+                shape, numel = tuple(t.shape), flat.numel()
+                nz = flat.nonzero().view(-1)
+                positions, values = nz.numpy(), flat[nz].numpy()
+            out[_SHAPE + name] = [int(d) for d in shape]
+            index_dtype = _INDEX_DTYPES[_index_dtype(numel)]
+            if positions.shape[0] * (index_dtype.itemsize + 4) < numel * 4:
+                out[_POSITIONS + name] = positions.astype(index_dtype, copy=False).tobytes()
+                out[_VALUES + name] = values.tobytes()
+            else:
+                out[_DENSE + name] = _bytes(on_host[name] if name in on_host else dense(sent))
         return ConfigRecord(out)
+
+    def dense_tensors(self, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+        """:attr:`tensors` as float32 tensors (:class:`KeptValues` made dense on ``device``, the
+        CPU by default; dense ones where they are unless ``device`` is given)."""
+        return {name: dense(sent, device) for name, sent in self.tensors.items()}
 
     @staticmethod
     def round_of(rec: Mapping[str, object]) -> int:
@@ -121,6 +139,9 @@ class PendingUpdate:
 
 def _index_dtype(numel: int) -> torch.dtype:
     return torch.int32 if numel < 2**31 else torch.int64
+
+
+_INDEX_DTYPES: dict[torch.dtype, np.dtype] = {torch.int32: np.dtype(np.int32), torch.int64: np.dtype(np.int64)}
 
 
 def _bytes(t: torch.Tensor) -> bytes:

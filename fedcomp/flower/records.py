@@ -5,9 +5,11 @@ from __future__ import annotations
 import hashlib
 import io
 import math
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import lru_cache
 
 import numpy as np
@@ -15,7 +17,10 @@ import torch
 from flwr.app import Array, ArrayRecord
 
 from fedcomp.codecs.flat import tensors_on_host, tensors_to_device
+from fedcomp.codecs.sbc import serial_torch_thread
 from fedcomp.errors import ConfigError
+from fedcomp.methods.sent import KeptValues, Sent
+from fedcomp.wire.fast_writer import fresh_bytes
 
 #: Integers of at most this magnitude are exact in float32.
 F32_EXACT_INT = 1 << 24
@@ -71,13 +76,20 @@ def npy_array(a: np.ndarray) -> Array:
     """``Array(a)``: the same dtype, shape and bytes (``np.save``'s: a format 1.0 header, then the
     values), made in one copy of the values. Flower's own goes through ``np.save`` into a
     ``BytesIO`` and copies the values two or three times (a ResNet-50's 102 MB took 45 ms on the
-    build machine against 22 ms here, a warm copy of them 11 ms). Arrays whose bytes ``np.save``
+    build machine against 22 ms here, a warm copy of them 11 ms). The bytes are made uninitialized
+    and filled in place, large ones on huge pages (:func:`fedcomp.wire.fast_writer.fresh_bytes`).
+    Arrays whose bytes ``np.save``
     lays out otherwise (not C-contiguous, objects, a header past format 1.0) go through Flower's."""
     shape = tuple(int(d) for d in a.shape)
     header = _npy_header(a.dtype, shape) if a.flags.c_contiguous and not a.dtype.hasobject else None
     if header is None:
         return Array(a)
-    data = b"".join([header, a.reshape(-1).view(np.uint8).data])  # (the values' one copy)
+    out, view = fresh_bytes(len(header) + a.nbytes)
+    view[: len(header)] = np.frombuffer(header, dtype=np.uint8)
+    # The values' one copy, by NumPy, which lets go of the GIL for it (a digest of the model on
+    # another thread runs meanwhile: fedcomp.flower.mod's downlink).
+    np.copyto(view[len(header) :], a.reshape(-1).view(np.uint8))
+    data = out if isinstance(out, bytes) else bytes(out)
     return Array(dtype=str(a.dtype), shape=shape, stype=_NUMPY_STYPE, data=data)
 
 
@@ -152,32 +164,52 @@ def digest(tensors: Mapping[str, torch.Tensor]) -> str:
     return h.hexdigest()[:32]
 
 
+def digest_soon(tensors: Mapping[str, torch.Tensor]) -> Future[str]:
+    """:func:`digest` of ``tensors``, taken on a thread of its own: the caller does other work
+    meanwhile and must not change the tensors before the result is in. SHA-256 lets go of the GIL
+    while it hashes, so a model's digest (about 50 ms for a ResNet-50 on the 2-core build machine)
+    and the caller's copying run on two cores at once."""
+    global _HASHER
+    if _HASHER is None or _HASHER[0] != os.getpid():  # (a forked child has no pool threads)
+        _HASHER = (os.getpid(), ThreadPoolExecutor(1, "fedcomp-digest", initializer=serial_torch_thread))
+    return _HASHER[1].submit(digest, tensors)
+
+
+_HASHER: tuple[int, ThreadPoolExecutor] | None = None
+
+
 def fp32_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
     """What the tensors would cost dense in float32: the baseline for compression factors."""
     return 4 * sum(t.numel() for t in tensors.values())
 
 
-def not_finite_and_norm(tensors: Mapping[str, torch.Tensor]) -> tuple[list[str], float]:
+def not_finite_and_norm(tensors: Mapping[str, Sent]) -> tuple[list[str], float]:
     """The first few tensors holding NaN or inf (empty: all finite), and the L2 norm of all of
     them together, in float64: the uplink report's, the client's DP clipping, the server's norm
     checks (one computation, so the client's and the server's agree). From each tensor's L2 norm
     in float64: no float32 value squared overflows it, so it is finite exactly when every value
     is; one fused operator and one wait for the device for all of them (a check and a wait per
-    tensor cost a GPU client hundreds per round)."""
-    names, ts = list(tensors), [t.detach() for t in tensors.values()]
+    tensor cost a GPU client hundreds per round). A :class:`KeptValues` (what a client sent with
+    SBC) from its one value and count, without a dense tensor."""
+    norms: dict[str, float] = {}
+    bad: dict[str, bool] = {}
+    ts = {k: t.detach() for k, t in tensors.items() if not isinstance(t, KeptValues)}
     if not ts:
-        return [], 0.0
-    if all(t.device.type == "cpu" and t.dtype in _NORM_DTYPES for t in ts):
+        pass
+    elif all(t.device.type == "cpu" and t.dtype in _NORM_DTYPES for t in ts.values()):
         # (``_foreach_norm`` makes a float64 copy of each tensor on a CPU: twice the time)
-        norms = [math.sqrt(float(sum_of_squares(t))) for t in ts]
-        bad = [k for k, v in zip(names, norms, strict=True) if not math.isfinite(v)]
-    elif len({t.device for t in ts}) == 1 and all(t.dtype in _NORM_DTYPES for t in ts):
-        norms = torch.stack(torch._foreach_norm(ts, 2, dtype=torch.float64)).tolist()
-        bad = [k for k, v in zip(names, norms, strict=True) if not math.isfinite(v)]
-    else:
-        bad = [k for k, t in zip(names, ts, strict=True) if not bool(torch.isfinite(t).all())]
-        norms = [float(t.double().norm()) for t in ts]
-    return bad[:3], math.sqrt(math.fsum(v * v for v in norms))
+        norms = {k: math.sqrt(float(sum_of_squares(t))) for k, t in ts.items()}
+    elif len({t.device for t in ts.values()}) == 1 and all(t.dtype in _NORM_DTYPES for t in ts.values()):
+        found = torch.stack(torch._foreach_norm(list(ts.values()), 2, dtype=torch.float64)).tolist()
+        norms = dict(zip(ts, found, strict=True))
+    else:  # (float64 values may square past float64's range: finiteness asked of the values)
+        bad = {k: not bool(torch.isfinite(t).all()) for k, t in ts.items()}
+        norms = {k: float(t.double().norm()) for k, t in ts.items()}
+    for k, t in tensors.items():
+        if isinstance(t, KeptValues):
+            norms[k] = math.sqrt(t.sum_of_squares())
+    names = [k for k in tensors if bad.get(k, not math.isfinite(norms[k]))]
+    return names[:3], math.sqrt(math.fsum(norms[k] * norms[k] for k in tensors))
 
 
 #: Dtypes whose squares cannot overflow a float64 sum (:func:`not_finite_and_norm`).

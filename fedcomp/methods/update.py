@@ -22,6 +22,7 @@ from fedcomp.errors import PayloadError
 from fedcomp.methods.dense_device import read_on_device, write_on_device
 from fedcomp.methods.feedback import ErrorFeedback
 from fedcomp.methods.flat_update import decode_on_device, encode_on_device
+from fedcomp.methods.sent import KeptValues, Sent
 from fedcomp.wire.payloads import TORCH_DTYPES, DensePayload, EncodedTensor, EncodedUpdate
 from fedcomp.wire.serde import DenseFrames, update_from_bytes_deferred, update_to_bytes
 
@@ -88,8 +89,10 @@ class UpdateEncoder:
         self.small_codec = small_codec or DenseFP32()
         self._codec = codec
         self.feedback = ErrorFeedback(codec) if error_feedback else None
-        #: What the receiver decodes of the last update encoded with ``keep_sent`` (else None).
-        self.sent: dict[str, torch.Tensor] | None = None
+        #: What the receiver decodes of the last update encoded with ``keep_sent`` (else None):
+        #: float32 tensors, and with ``sparse_sent`` :class:`KeptValues` where the codec said what
+        #: it keeps.
+        self.sent: dict[str, Sent] | None = None
 
     @property
     def codec(self) -> Codec:
@@ -102,6 +105,7 @@ class UpdateEncoder:
         codecs: Mapping[str, Codec] | None = None,
         *,
         keep_sent: bool = False,
+        sparse_sent: bool = False,
     ) -> EncodedUpdate:
         """Encode ``tensors`` in order. A tensor named in ``codecs`` uses that codec instead of
         the default, whatever its size, and goes through the error feedback when it is on (DEFT
@@ -111,7 +115,9 @@ class UpdateEncoder:
         :meth:`fedcomp.methods.base.UplinkMethod.client_recover`) goes through the error feedback
         too, so the residual is sent. With ``keep_sent``, :attr:`sent` holds afterwards what the
         receiver will decode, per tensor (the client keeps it until the server says whether the
-        update was aggregated)."""
+        update was aggregated). With ``sparse_sent`` too, a tensor that SBC encodes on the CPU is
+        held there as :class:`KeptValues` (its positions and value), not as a dense tensor: the
+        same encoding and residual without a tensor of its size filled and subtracted."""
         codecs = codecs or {}
         unknown = set(codecs) - set(tensors)
         if unknown:
@@ -122,9 +128,10 @@ class UpdateEncoder:
                 tensors, self._codec, self.small_codec, self.min_numel, fb, base_model_version, keep_sent=keep_sent
             )
             if whole is not None:
-                update, self.sent = whole
+                update, sent = whole
+                self.sent = None if sent is None else dict(sent)
                 return update
-        jobs: list[Callable[[], tuple[EncodedTensor, torch.Tensor | None]]] = []
+        jobs: list[Callable[[], tuple[EncodedTensor, Sent | None]]] = []
         chosen: list[Codec] = []
         numels = [t.numel() for t in tensors.values()]
         together: dict[Codec, list[int]] = {}  # plain encodes of a codec that does many at once
@@ -134,10 +141,15 @@ class UpdateEncoder:
             codec = override if override is not None else self.small_codec if small else self._codec
             chosen.append(codec)
             if fb is not None and (not small or fb.residual(name) is not None):
-                step = fb.encode_with_reconstruction if keep_sent else fb.encode_without_reconstruction
+                step = (
+                    (fb.encode_with_kept_values if sparse_sent else fb.encode_with_reconstruction)
+                    if keep_sent
+                    else fb.encode_without_reconstruction
+                )
                 jobs.append(functools.partial(step, t, name, codec))
             elif keep_sent:
-                jobs.append(functools.partial(codec.encode_with_reconstruction, t, name))
+                kept = _with_kept_values if sparse_sent else _with_reconstruction
+                jobs.append(functools.partial(kept, codec, t, name))
             else:
                 jobs.append(functools.partial(_without_reconstruction, codec, t, name))
                 if hasattr(codec, "encode_many"):
@@ -154,7 +166,7 @@ class UpdateEncoder:
         done = _run_tensor_jobs(jobs, numels, chosen, on_cpu)
         if keep_sent:
             self.sent = {
-                name: recon.to(torch.float32)
+                name: recon if isinstance(recon, KeptValues) else recon.to(torch.float32)
                 for name, (_, recon) in zip(tensors, done, strict=True)
                 if recon is not None
             }
@@ -169,6 +181,7 @@ class UpdateEncoder:
         codecs: Mapping[str, Codec] | None = None,
         *,
         keep_sent: bool = False,
+        sparse_sent: bool = False,
     ) -> bytes:
         """``update_to_bytes(self.encode(...))``: the same bytes, and :attr:`sent` the same.
 
@@ -193,7 +206,7 @@ class UpdateEncoder:
             if data is not None:
                 self.sent = None
                 return data
-        update = self.encode(tensors, base_model_version, codecs, keep_sent=keep_sent)
+        update = self.encode(tensors, base_model_version, codecs, keep_sent=keep_sent, sparse_sent=sparse_sent)
         data = update_to_bytes(update)
         if key is not None and all(isinstance(t.payload, DensePayload) for t in update.tensors):
             _remember(_WRITE_FRAMES, key, DenseFrames(update.tensors))
@@ -224,6 +237,22 @@ class UpdateEncoder:
 
 def _without_reconstruction(codec: Codec, t: torch.Tensor, name: str) -> tuple[EncodedTensor, None]:
     return codec.encode(t, name), None
+
+
+def _with_reconstruction(codec: Codec, t: torch.Tensor, name: str) -> tuple[EncodedTensor, Sent]:
+    return codec.encode_with_reconstruction(t, name)
+
+
+def _with_kept_values(codec: Codec, t: torch.Tensor, name: str) -> tuple[EncodedTensor, Sent]:
+    """:func:`_with_reconstruction`, as :class:`KeptValues` where the codec says what it keeps
+    (SBC on a float32 CPU tensor)."""
+    sparse = getattr(codec, "encode_sparse", None)
+    if sparse is not None and t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous():
+        found = sparse(t.detach(), name)
+        if found is not None:
+            enc, kept, value = found
+            return enc, KeptValues(tuple(t.shape), kept, value)
+    return codec.encode_with_reconstruction(t, name)
 
 
 def _encoded(enc: EncodedTensor) -> tuple[EncodedTensor, None]:

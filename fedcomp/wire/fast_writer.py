@@ -412,41 +412,53 @@ _MADV_HUGEPAGE = 14
 
 
 def _new_bytes(n: int) -> tuple[bytes | bytearray, np.ndarray]:
-    """A new, not yet filled output of ``n`` bytes and a writable uint8 view of it.
+    """A new, not yet filled output of ``n`` bytes and a writable uint8 view of it
+    (:func:`fresh_bytes`), a large one reusing memory.
 
-    On CPython an output of :data:`_MID` bytes or more is a ``bytes`` object created
-    uninitialized (``PyBytes_FromStringAndSize(NULL, n)``, how C code builds bytes) and filled
-    through the view before anyone else sees it, so the result needs no final copy (an SBC update
-    of a ResNet-50, 0.36 MB: about 13 us less, warm); elsewhere, and for small outputs, a
-    ``bytearray`` (copied into ``bytes`` at the end). On Linux a large buffer's interior is
-    advised to use huge pages, as NumPy does for its own large arrays: first-touch page faults on
-    4 kB pages cost about as much as the cast itself.
-
-    A large output also reuses memory (:func:`_reuse_spare`): a client or server writes an update
+    A large output reuses memory (:func:`_reuse_spare`): a client or server writes an update
     of the same size every round, and each fresh output of tens of megabytes is first-touch page
     faults that cost more than the cast itself (2 to 5x a warm cast measured on a 2-core VM, huge
     pages or not); the small buffers of per-tensor ``half()`` and ``clone()`` come back warm from
     malloc's free lists, outputs past malloc's mmap threshold (32 MB at most) never do."""
+    if _BYTES_API is None or n < _LARGE:
+        return fresh_bytes(n)
+    out = _reuse_spare(n)
+    if out is None:
+        return _keep(fresh_bytes(n))
+    return _keep((out, _view_at(_BYTES_API[1](out), n)))  # type: ignore[operator]
+
+
+def _keep(made: tuple[bytes | bytearray, np.ndarray]) -> tuple[bytes | bytearray, np.ndarray]:
+    if _REUSE_OUTPUT and isinstance(made[0], bytes):
+        global _SPARE
+        _SPARE = made[0]
+    return made
+
+
+def fresh_bytes(n: int) -> tuple[bytes | bytearray, np.ndarray]:
+    """A new, not yet filled buffer of ``n`` bytes and a writable uint8 view of it, for the caller
+    to fill before anyone else sees it.
+
+    On CPython a buffer of :data:`_MID` bytes or more is a ``bytes`` object created
+    uninitialized (``PyBytes_FromStringAndSize(NULL, n)``, how C code builds bytes), so the
+    result needs no final copy (an SBC update of a ResNet-50, 0.36 MB: about 13 us less, warm);
+    elsewhere, and for small buffers, a ``bytearray`` (the caller copies it into ``bytes``). On
+    Linux a buffer of :data:`_LARGE` bytes or more has its interior advised to use huge pages, as
+    NumPy does for its own large arrays: first-touch page faults on 4 kB pages cost about as much
+    as the copy that fills them (a ResNet-50's record, 102 MB in 161 arrays: 44 -> 29 ms on the
+    2-core build machine)."""
     if _BYTES_API is None or n < _MID:
         buf = bytearray(n)
         return buf, np.frombuffer(buf, dtype=np.uint8)
     new, ptr = _BYTES_API
-    if n < _LARGE:
-        made = new(None, n)  # type: ignore[operator]
-        return made, _view_at(ptr(made), n)  # type: ignore[operator]
-    out = _reuse_spare(n)
-    if out is None:
-        out = new(None, n)  # type: ignore[operator]
-    if _REUSE_OUTPUT:
-        global _SPARE
-        _SPARE = out
-    addr: int = ptr(out)  # type: ignore[operator]
-    if _MADVISE is not None:
+    made = new(None, n)  # type: ignore[operator]
+    addr: int = ptr(made)  # type: ignore[operator]
+    if n >= _LARGE and _MADVISE is not None:
         lo = -(-addr // _HUGE_PAGE) * _HUGE_PAGE
         hi = (addr + n) // _HUGE_PAGE * _HUGE_PAGE
         if hi > lo:
             _MADVISE(lo, hi - lo, _MADV_HUGEPAGE)  # type: ignore[operator]  # advice only: failure is fine
-    return out, _view_at(addr, n)
+    return made, _view_at(addr, n)
 
 
 class _At:

@@ -386,7 +386,7 @@ def test_scan_pool_is_built_once_per_process(monkeypatch):
 def test_pool_threads_run_torch_operators_alone_and_leave_the_callers_threads_be():
     # A pool thread with an OpenMP team of its own made libgomp stop every idle worker spinning
     # (more OpenMP threads than cores): each small operator of the main thread then waited for
-    # its workers to wake, several times slower (sbc._serial_torch_thread).
+    # its workers to wake, several times slower (sbc.serial_torch_thread).
     import fedcomp.codecs.sbc as sbc
 
     if torch.get_num_threads() < 2:

@@ -481,3 +481,44 @@ def test_a_pending_update_is_read_only_where_it_goes_back_into_the_residual(monk
     assert new is None and read == []
     train_round(strategy, {1: client}, 5, w)
     assert read == [4]  # (read to be added back: the recovery itself is the tests' above)
+
+
+def test_the_sent_update_kept_sparsely_leaves_every_byte_and_state_record_as_dense() -> None:
+    """The mod keeps its SBC update as positions and a value (``sparse_sent``): the uplink bytes,
+    the residual and the pending record are those of the dense reconstruction, round after round,
+    and a lost update comes back into the residual the same."""
+    from fedcomp.methods.update import UpdateEncoder
+
+    def run() -> list[tuple[bytes | None, dict[str, Any], dict[str, Any]]]:
+        strategy = CompressionStrategy(RecordingFedAvg(), CompressionConfig.from_run_config({}))
+        clients = {n: LedgerClient(n) for n in (1, 2)}
+        model, seen = tiny_model(), []
+        for rnd in range(1, 5):
+            lose = (lambda n, r: truncated(r) if n == 2 else r) if rnd == 2 else None
+            new, log = train_round(strategy, clients, rnd, model, tamper=lose)
+            assert new is not None
+            for n in (1, 2):
+                state = clients[n].ctx.state
+                seen.append((
+                    protocol.UplinkReport.from_record(log.uplinks[n]).payload,
+                    dict(state.config_records[protocol.STATE_PENDING]),
+                    {k: v.numpy().tobytes() for k, v in tensors_from_record(state.array_records[protocol.STATE_RESIDUAL]).items()},
+                ))  # fmt: skip
+            model = new
+        return seen
+
+    asked: list[bool] = []
+    encode_to_bytes = UpdateEncoder.encode_to_bytes
+
+    def dense_only(self: UpdateEncoder, *args: Any, sparse_sent: bool = False, **kwargs: Any) -> bytes:
+        if kwargs.get("keep_sent"):  # (the client's: the server's replica encodes its downlinks too)
+            asked.append(sparse_sent)
+        return encode_to_bytes(self, *args, **kwargs)
+
+    sparse = run()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(UpdateEncoder, "encode_to_bytes", dense_only)
+        dense = run()
+    assert len(asked) == 8 and all(asked)  # the mod asks for it (no clipping here)
+    assert len(sparse) == 8 and sparse == dense
+    assert any(any(k.startswith("positions:") for k in pending) for _, pending, _ in sparse)

@@ -4,6 +4,7 @@ for a record that is not this model's."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -13,6 +14,8 @@ from flwr.app import ConfigRecord
 from fedcomp.codecs import TensorSpec
 from fedcomp.errors import PayloadError
 from fedcomp.flower.pending import PendingUpdate
+from fedcomp.methods.sent import KeptValues
+from fedcomp.methods.sent import dense as to_dense
 from fedcomp.methods.update import specs_of
 
 
@@ -100,3 +103,29 @@ def test_a_record_of_another_model_is_refused() -> None:
         PendingUpdate.from_record(_good(), [TensorSpec("w", (1000,)), TensorSpec("b", (5,))])
     with pytest.raises(PayloadError, match="its tensors are not the model's"):
         PendingUpdate.from_record(_good(), [TensorSpec("w", (1000,))])
+
+
+@pytest.mark.parametrize(
+    ("shape", "count", "value"),
+    [
+        ((40, 100), 40, 0.75),  # sparse
+        ((4000,), 2500, -1e-3),  # more than half: dense is smaller
+        ((10,), 0, 0.0),  # nothing kept
+        ((30,), 5, -0.0),  # a value of -0.0: zeros, as the dense tensor's non-zeros say
+        ((), 1, 2.0),  # a scalar
+        ((0, 3), 0, 1.0),  # no elements
+    ],
+)
+def test_kept_values_write_the_record_of_their_dense_tensor(shape: tuple[int, ...], count: int, value: float) -> None:
+    g = torch.Generator().manual_seed(count)
+    numel = math.prod(shape)
+    positions = torch.randperm(numel, generator=g)[:count].sort().values.numpy()
+    kept = KeptValues(shape, positions, value)
+    tensors = {"before": torch.randn(20, generator=g), "kept": kept, "after": _sparse(3000, 30)}
+    dense = {**tensors, "kept": to_dense(kept)}
+    rec = PendingUpdate(3, tensors).to_record()
+    assert rec == PendingUpdate(3, dense).to_record()
+    assert list(rec) == list(PendingUpdate(3, dense).to_record())  # the same fields in the same order
+    back = PendingUpdate.from_record(rec, specs_of(dense))
+    assert all(torch.equal(back.tensors[k], t) for k, t in dense.items())
+    assert all(torch.equal(PendingUpdate(3, tensors).dense_tensors()[k], t) for k, t in dense.items())

@@ -23,6 +23,8 @@ from fedcomp.flower.records import (
     sum_of_squares,
     tensors_from_record,
 )
+from fedcomp.methods.sent import KeptValues
+from fedcomp.methods.sent import dense as to_dense
 
 _rng = np.random.default_rng(7)
 
@@ -41,6 +43,10 @@ ARRAYS: dict[str, Callable[[], np.ndarray]] = {
     "big-endian float32": lambda: np.arange(10, dtype=">f4"),
     "complex128": lambda: np.array([1 + 2j, -3j]),
     "30 dimensions": lambda: np.ones((1,) * 30, np.float32),
+    # made uninitialized and filled in place (fast_writer.fresh_bytes), the second on huge pages
+    "float32 200 KiB": lambda: _rng.standard_normal((256, 200)).astype(np.float32),
+    "float32 9 MiB": lambda: _rng.standard_normal((2048, 1152)).astype(np.float32),
+    "float16 5 MiB odd length": lambda: _rng.standard_normal(2_621_441).astype(np.float16),
 }
 
 
@@ -162,3 +168,25 @@ def test_not_finite_and_norm_names_the_first_three_and_measures_in_float64() -> 
     assert not_finite_and_norm({}) == ([], 0.0)
     huge = {"w": torch.full((4,), 3e38)}  # squares past float32's range: float64 holds them
     assert not_finite_and_norm(huge) == ([], pytest.approx(6e38, rel=1e-6))
+
+
+def test_kept_values_are_measured_as_their_dense_tensors() -> None:
+    """What a client sent with SBC, held as positions and one value: the same names in the same
+    order and the same norm as the dense tensors, mixed with dense ones and alone."""
+    g = torch.Generator().manual_seed(8)
+    positions = torch.randperm(5000, generator=g)[:300].sort().values.numpy()
+    kept = {
+        "s": KeptValues((50, 100), positions, 0.123456789),
+        "neg": KeptValues((5000,), positions, -2.5e-3),
+        "none": KeptValues((7,), np.zeros(0, dtype=np.int64), 0.0),
+    }
+    dense = {k: to_dense(v) for k, v in kept.items()}
+    for tensors in (kept, {**kept, "d": torch.randn(SQUARES_PIECE + 3, generator=g)}):
+        want = {k: dense.get(k, v) for k, v in tensors.items()}
+        bad, norm = not_finite_and_norm(tensors)
+        assert bad == [] and norm == pytest.approx(not_finite_and_norm(want)[1], rel=1e-14)
+    for value in (math.nan, math.inf):
+        broken = {"d": torch.ones(3), "s": KeptValues((50, 100), positions, value), "t": torch.full((2,), math.nan)}
+        assert not_finite_and_norm(broken)[0] == ["s", "t"]
+    # A non-finite value at no position is no value at all.
+    assert not_finite_and_norm({"x": KeptValues((4,), np.zeros(0, dtype=np.int64), math.nan)}) == ([], 0.0)

@@ -10,6 +10,8 @@ import torch
 from fedcomp.codecs import SBC, DenseFP32, get_codec
 from fedcomp.methods.base import UplinkMethod
 from fedcomp.methods.registry import UPLINKS
+from fedcomp.methods.sent import KeptValues
+from fedcomp.methods.sent import dense as to_dense
 from fedcomp.methods.update import UpdateEncoder, decode_update, specs_of
 
 
@@ -43,19 +45,53 @@ def test_client_recover_adds_the_lost_update_to_the_residual() -> None:
     assert torch.equal(out["b"], torch.tensor([2.0]))  # nor aliased
 
 
+@pytest.mark.parametrize("sparse_sent", [False, True])
 @pytest.mark.parametrize("codec_config", [{"id": "sbc", "p": 0.05}, {"id": "topk", "p": 0.02}, {"id": "dense-fp16"}])
-def test_what_the_encoder_says_it_sent_is_what_the_receiver_decodes(codec_config: dict) -> None:
+def test_what_the_encoder_says_it_sent_is_what_the_receiver_decodes(codec_config: dict, sparse_sent: bool) -> None:
     model = _model()
     codec = get_codec(codec_config)
     enc = UpdateEncoder(codec, min_numel=100)
     enc.load_state_dict({"w": torch.randn(50, 40) * 0.1})
-    update = enc.encode(model, keep_sent=True)
+    update = enc.encode(model, keep_sent=True, sparse_sent=sparse_sent)
     assert enc.sent is not None
     decoded = decode_update(update, specs_of(model), [codec, DenseFP32()])
     for k in model:
-        assert torch.equal(enc.sent[k], decoded[k]), k
+        assert torch.equal(to_dense(enc.sent[k]), decoded[k]), k
+    # Said sparsely exactly where asked and SBC coded the tensor (the small one goes dense).
+    assert isinstance(enc.sent["w"], KeptValues) == (sparse_sent and codec_config["id"] == "sbc")
+    assert not isinstance(enc.sent["b"], KeptValues)
     enc.encode(model)
     assert enc.sent is None
+
+
+@pytest.mark.parametrize("error_feedback", [True, False])
+@pytest.mark.parametrize("codec_config", [{"id": "sbc", "p": 0.05}, {"id": "sbc", "p": 0.3, "mode": "exact"}])
+def test_sent_kept_sparsely_changes_no_byte_and_no_residual(codec_config: dict, error_feedback: bool) -> None:
+    """Round after round, ``sparse_sent`` gives the bytes, the residuals and (made dense) the
+    reconstructions of ``keep_sent`` alone, bit for bit; the pending record written from them is
+    the same record."""
+    from fedcomp.flower.pending import PendingUpdate
+
+    codec = get_codec(codec_config)
+    dense_enc, sparse_enc = (UpdateEncoder(codec, min_numel=100, error_feedback=error_feedback) for _ in range(2))
+    g = torch.Generator().manual_seed(7)
+    for rnd in range(4):
+        model = {
+            "w": torch.randn(50, 40, generator=g) * 0.1,
+            "b": torch.randn(10, generator=g),
+            "v": torch.randn(3000, generator=g),
+        }
+        want = dense_enc.encode_to_bytes(model, rnd, keep_sent=True)
+        got = sparse_enc.encode_to_bytes(model, rnd, keep_sent=True, sparse_sent=True)
+        assert got == want, rnd
+        assert dense_enc.sent is not None and sparse_enc.sent is not None
+        assert list(sparse_enc.sent) == list(dense_enc.sent)
+        for k, t in dense_enc.sent.items():
+            assert to_dense(sparse_enc.sent[k]).numpy().tobytes() == t.numpy().tobytes(), (rnd, k)
+        assert isinstance(sparse_enc.sent["v"], KeptValues)
+        res_a, res_b = dense_enc.state_dict(), sparse_enc.state_dict()
+        assert list(res_a) == list(res_b) and all(torch.equal(res_a[k], res_b[k]) for k in res_a)
+        assert PendingUpdate(rnd, sparse_enc.sent).to_record() == PendingUpdate(rnd, dense_enc.sent).to_record()
 
 
 def test_a_small_tensor_with_a_residual_sends_it_and_keeps_a_zero_one() -> None:
