@@ -78,8 +78,8 @@ def npy_array(a: np.ndarray) -> Array:
     ``BytesIO`` and copies the values two or three times (a ResNet-50's 102 MB took 45 ms on the
     build machine against 22 ms here, a warm copy of them 11 ms). The bytes are made uninitialized
     and filled in place, large ones on huge pages (:func:`fedcomp.wire.fast_writer.fresh_bytes`).
-    Arrays whose bytes ``np.save``
-    lays out otherwise (not C-contiguous, objects, a header past format 1.0) go through Flower's."""
+    Arrays whose bytes ``np.save`` lays out otherwise (not C-contiguous, objects, a header past
+    format 1.0) go through Flower's."""
     shape = tuple(int(d) for d in a.shape)
     header = _npy_header(a.dtype, shape) if a.flags.c_contiguous and not a.dtype.hasobject else None
     if header is None:
@@ -194,15 +194,13 @@ def not_finite_and_norm(tensors: Mapping[str, Sent]) -> tuple[list[str], float]:
     norms: dict[str, float] = {}
     bad: dict[str, bool] = {}
     ts = {k: t.detach() for k, t in tensors.items() if not isinstance(t, KeptValues)}
-    if not ts:
-        pass
-    elif all(t.device.type == "cpu" and t.dtype in _NORM_DTYPES for t in ts.values()):
+    if ts and all(t.device.type == "cpu" and t.dtype in _NORM_DTYPES for t in ts.values()):
         # (``_foreach_norm`` makes a float64 copy of each tensor on a CPU: twice the time)
         norms = {k: math.sqrt(float(sum_of_squares(t))) for k, t in ts.items()}
-    elif len({t.device for t in ts.values()}) == 1 and all(t.dtype in _NORM_DTYPES for t in ts.values()):
+    elif ts and len({t.device for t in ts.values()}) == 1 and all(t.dtype in _NORM_DTYPES for t in ts.values()):
         found = torch.stack(torch._foreach_norm(list(ts.values()), 2, dtype=torch.float64)).tolist()
         norms = dict(zip(ts, found, strict=True))
-    else:  # (float64 values may square past float64's range: finiteness asked of the values)
+    elif ts:  # (float64 values may square past float64's range: finiteness asked of the values)
         bad = {k: not bool(torch.isfinite(t).all()) for k, t in ts.items()}
         norms = {k: float(t.double().norm()) for k, t in ts.items()}
     for k, t in tensors.items():
