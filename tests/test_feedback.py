@@ -149,14 +149,17 @@ def test_cpu_residuals_equal_the_plain_formula_and_leave_inputs_alone(config) ->
     [
         {"id": "sbc", "p": 0.05},
         {"id": "sbc", "p": 0.01, "mode": "exact"},
+        {"id": "stc", "p": 0.05},
+        {"id": "topk", "p": 0.03},
+        {"id": "topk", "p": 0.03, "values": "float16"},
         {"id": "3lc", "s": 1.0},
         {"id": "dense-fp16"},
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_encoding_without_the_reconstruction_keeps_the_same_residuals(config, dtype) -> None:
-    # SBC takes its mean off the residual at the kept positions instead of subtracting a dense
-    # reconstruction (the others go the dense way): encodings and residuals bit for bit those of
+    # SBC, STC and top-k take their values off the residual at the kept positions instead of
+    # subtracting a dense reconstruction (the others go the dense way): encodings and residuals bit for bit those of
     # encode_with_reconstruction, round after round, from the first (no residual: the caller's
     # tensor must stay as it was) on, also with the stale-residual remedy on.
     from fedcomp.codecs import get_codec
@@ -176,7 +179,7 @@ def test_encoding_without_the_reconstruction_keeps_the_same_residuals(config, dt
             also, sent = kept.encode_with_kept_values(x, "w")
             assert none is None and got == want and also == want, (rnd, stale)
             # What the receiver decodes, said sparsely for SBC: the reconstruction, bit for bit.
-            assert isinstance(sent, KeptValues) == (config["id"] == "sbc")
+            assert isinstance(sent, KeptValues) == (config["id"] in ("sbc", "stc", "topk"))
             assert to_dense(sent).numpy().tobytes() == recon.numpy().tobytes(), (rnd, stale)
             assert torch.equal(x, before)
             assert all(torch.equal(held[k], held_copy[k]) for k in held)

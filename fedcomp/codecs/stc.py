@@ -84,6 +84,21 @@ class STC(Codec):
         payload, _, _ = self._payload(self._flatten(tensor), name)
         return self._envelope(tensor, name, payload)
 
+    def encode_sparse(
+        self, tensor: torch.Tensor, name: str = ""
+    ) -> tuple[EncodedTensor, np.ndarray, np.ndarray] | None:
+        """:meth:`encode`, with what the receiver will decode said sparsely: the kept positions
+        (ascending int64, into the flattened tensor) and their float32 values, ``+-mu`` (zeros
+        elsewhere), for error feedback and a client's pending update
+        (:class:`fedcomp.methods.sent.KeptValues`). None off CPU."""
+        if tensor.device.type != "cpu":
+            return None
+        check_wire_dtype(tensor, name)
+        payload, idx, negative = self._payload(self._flatten(tensor), name)
+        mu = np.float32(payload.mu)
+        values = np.where(negative, -mu, mu).astype(np.float32, copy=False)
+        return self._envelope(tensor, name, payload), idx.numpy(), values
+
     def _encode(self, flat: torch.Tensor, name: str) -> tuple[Payload, torch.Tensor | None]:
         payload, idx, negative = self._payload(flat, name)
         recon = torch.zeros(flat.numel(), dtype=torch.float32, device=flat.device)
@@ -158,6 +173,22 @@ class STC(Codec):
     # --- decoding -----------------------------------------------------------------------------
 
     def _decode(self, payload: Payload, spec: TensorSpec, device: torch.device) -> torch.Tensor:
+        idx, vals = self._decode_values(payload, spec, device)
+        out = torch.zeros(spec.numel, dtype=torch.float32, device=device)
+        if vals.numel():
+            out.index_copy_(0, idx, vals)
+        return out
+
+    def decode_sparse(self, payload: Payload, spec: TensorSpec) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder without its dense output (on the CPU): the kept positions (strictly
+        ascending int64) and their float32 values ``+-mu``, after every payload check of
+        :meth:`decode` but the envelope's (a server summing replies adds these instead of
+        materialising)."""
+        return self._decode_values(payload, spec, torch.device("cpu"))
+
+    def _decode_values(
+        self, payload: Payload, spec: TensorSpec, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         name, numel = spec.name, spec.numel
         expect_payload(payload, STCPayload, name)
         assert isinstance(payload, STCPayload)
@@ -187,13 +218,11 @@ class STC(Codec):
             raise PayloadError(name, "non-zero padding bits after the sign bits")
         # decode_positions checks golomb_b's range and gives nnz strictly increasing positions in [0, numel)
         idx = decode_positions(bits, nnz, b, numel, name, device)
-        out = torch.zeros(numel, dtype=torch.float32, device=device)
+        vals = torch.full((nnz,), mu32, dtype=torch.float32, device=device)
         if nnz:
             negative = np.unpackbits(np.frombuffer(bytes(signs), dtype=np.uint8), count=nnz).astype(bool)
-            vals = torch.full((nnz,), mu32, dtype=torch.float32, device=device)
             vals[torch.from_numpy(negative).to(device)] = -mu32
-            out.index_copy_(0, idx, vals)
-        return out
+        return idx, vals
 
 
 _EMPTY = STCPayload(mu=0.0, golomb_b=0, nnz=0, bits=b"", signs=b"")

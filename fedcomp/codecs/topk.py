@@ -27,10 +27,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedcomp.codecs.base import Codec, TensorSpec, expect_payload
+from fedcomp.codecs.base import Codec, TensorSpec, check_wire_dtype, expect_payload
 from fedcomp.codecs.golomb import decode_positions, encode_positions, golomb_b
 from fedcomp.errors import ConfigError, PayloadError
-from fedcomp.wire.payloads import DTYPE_SIZES, TORCH_DTYPES, Payload, SparsePayload
+from fedcomp.wire.payloads import DTYPE_SIZES, TORCH_DTYPES, EncodedTensor, Payload, SparsePayload
 
 VALUE_ENCODINGS = ("float32", "float16")
 
@@ -43,6 +43,14 @@ Range = tuple[int, int, int]
 def sparse_payload(flat: torch.Tensor, idx: torch.Tensor, values: str) -> tuple[SparsePayload, torch.Tensor]:
     """The :class:`SparsePayload` of ``flat`` at the ascending positions ``idx`` (values as
     ``values``, float16 saturated at +-65504), and what a receiver decodes from it (float32)."""
+    payload, vals = sparse_payload_values(flat, idx, values)
+    recon = torch.zeros(flat.numel(), dtype=torch.float32, device=flat.device)
+    return payload, recon.index_copy_(0, idx, vals)
+
+
+def sparse_payload_values(flat: torch.Tensor, idx: torch.Tensor, values: str) -> tuple[SparsePayload, torch.Tensor]:
+    """:func:`sparse_payload`, with the values a receiver decodes at ``idx`` (float32) instead
+    of the dense tensor they make."""
     n = flat.numel()
     vals = flat.index_select(0, idx)
     if values == "float16":
@@ -51,8 +59,7 @@ def sparse_payload(flat: torch.Tensor, idx: torch.Tensor, values: str) -> tuple[
     b = golomb_b(nnz / n) if nnz else 0
     raw = vals.contiguous().cpu().view(torch.uint8).numpy().tobytes()
     payload = SparsePayload(golomb_b=b, nnz=nnz, bits=encode_positions(idx, b), value_encoding=values, values=raw)
-    recon = torch.zeros(n, dtype=torch.float32, device=flat.device)
-    return payload, recon.index_copy_(0, idx, vals.to(torch.float32))
+    return payload, vals.to(torch.float32)
 
 
 def decode_sparse_payload(
@@ -65,6 +72,24 @@ def decode_sparse_payload(
 ) -> torch.Tensor:
     """The dense float32 tensor of a :class:`SparsePayload` whose value encoding is known valid.
     ``nonzero``: a zero value is an error too; ``ranges``: every position must lie in one."""
+    idx, vals = decode_sparse_values(payload, spec, device, nonzero=nonzero, ranges=ranges)
+    out = torch.zeros(spec.numel, dtype=torch.float32, device=device)
+    if vals.numel():
+        out.index_copy_(0, idx, vals)
+    return out
+
+
+def decode_sparse_values(
+    payload: SparsePayload,
+    spec: TensorSpec,
+    device: torch.device,
+    *,
+    nonzero: bool = False,
+    ranges: Sequence[Range] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`decode_sparse_payload` without its dense tensor, after every one of its checks:
+    the positions (strictly ascending int64) and their float32 values (what a server's running
+    sum adds without a tensor of the model's size per reply)."""
     name, numel = spec.name, spec.numel
     nnz = int(payload.nnz)
     if nnz > numel:
@@ -84,10 +109,9 @@ def decode_sparse_payload(
     idx = decode_positions(payload.bits, nnz, payload.golomb_b, numel, name, device)
     if ranges is not None:
         check_positions(idx, ranges, name)
-    out = torch.zeros(numel, dtype=torch.float32, device=device)
-    if vals is not None:
-        out.index_copy_(0, idx, vals.to(device=device, dtype=torch.float32))
-    return out
+    if vals is None:
+        return idx, torch.zeros(0, dtype=torch.float32, device=device)
+    return idx, vals.to(device=device, dtype=torch.float32)
 
 
 def topk_positions(x: torch.Tensor, k: int, name: str = "") -> torch.Tensor:
@@ -224,6 +248,24 @@ class TopK(Codec):
         return torch.cat(parts)  # ranges are sorted and disjoint: already ascending
 
     def _encode(self, flat: torch.Tensor, name: str) -> tuple[Payload, torch.Tensor | None]:
+        return sparse_payload(flat, self._sent_positions(flat, name), self.values)
+
+    def encode_sparse(
+        self, tensor: torch.Tensor, name: str = ""
+    ) -> tuple[EncodedTensor, np.ndarray, np.ndarray] | None:
+        """:meth:`encode`, with what the receiver will decode said sparsely: the kept positions
+        (ascending int64, into the flattened tensor) and their float32 values as decoded (zeros
+        elsewhere), for error feedback and a client's pending update
+        (:class:`fedcomp.methods.sent.KeptValues`). None off CPU."""
+        if tensor.device.type != "cpu":
+            return None
+        check_wire_dtype(tensor, name)
+        flat = self._flatten(tensor)
+        idx = self._sent_positions(flat, name)
+        payload, vals = sparse_payload_values(flat, idx, self.values)
+        return self._envelope(tensor, name, payload), idx.numpy(), vals.numpy()
+
+    def _sent_positions(self, flat: torch.Tensor, name: str) -> torch.Tensor:
         idx = self.select(flat, name).to(flat.device)
         # A tensor with fewer than k non-zeros (a frozen layer, a sparse update) would send zeros
         # among the k largest: they decode to nothing, so only the non-zero ones are sent.
@@ -231,14 +273,23 @@ class TopK(Codec):
             kept = flat.index_select(0, idx) != 0
             if not bool(kept.all()):
                 idx = idx[kept]
-        return sparse_payload(flat, idx, self.values)
+        return idx
 
     # --- decoding -----------------------------------------------------------------------------
 
     def _decode(self, payload: Payload, spec: TensorSpec, device: torch.device) -> torch.Tensor:
+        return decode_sparse_payload(self._checked(payload, spec), spec, device, ranges=self.ranges)
+
+    def decode_sparse(self, payload: Payload, spec: TensorSpec) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder without its dense output (on the CPU): the kept positions (strictly
+        ascending int64) and their float32 values, after every payload check of :meth:`decode`
+        but the envelope's (a server summing replies adds these instead of materialising)."""
+        return decode_sparse_values(self._checked(payload, spec), spec, torch.device("cpu"), ranges=self.ranges)
+
+    def _checked(self, payload: Payload, spec: TensorSpec) -> SparsePayload:
         name = spec.name
         expect_payload(payload, SparsePayload, name)
         assert isinstance(payload, SparsePayload)
         if payload.value_encoding != self.values:
             raise PayloadError(name, f"value encoding {payload.value_encoding!r} where {self.values!r} was expected")
-        return decode_sparse_payload(payload, spec, device, ranges=self.ranges)
+        return payload

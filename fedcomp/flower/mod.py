@@ -485,9 +485,9 @@ def _handle(
             enc = UpdateEncoder(base_codec, min_numel=dl.min_compress_numel, error_feedback=feedback)
             enc.load_state_dict(residual, device)
             sent = keep or bound is not None
-            # Kept sparse where it can be (SBC on a CPU: positions and one value; what the pending
-            # update is written from), dense where clipping measures it: its norm is then taken as
-            # the server takes the decoded update's, so the two agree to the last bit.
+            # Kept sparse where it can be (SBC, STC, top-k on a CPU: positions and values; what the
+            # pending update is written from), dense where clipping measures it: its norm is then
+            # taken as the server takes the decoded update's, so the two agree to the last bit.
             return enc, enc.encode_to_bytes(
                 update, base_model_version=version, codecs=overrides, keep_sent=sent, sparse_sent=bound is None
             )

@@ -42,8 +42,9 @@ class PendingUpdate:
     """An update sent in ``round``: ``tensors`` as the server will decode them."""
 
     round: int
-    #: Dense tensors (any float dtype, any device), or :class:`KeptValues` (SBC's positions and
-    #: value: the record is written from them without a dense tensor, the same record).
+    #: Dense tensors (any float dtype, any device), or :class:`KeptValues` (SBC's, STC's or
+    #: top-k's positions and values: the record is written from them without a dense tensor, the
+    #: same record).
     tensors: Mapping[str, Sent]
 
     def to_record(self) -> ConfigRecord:

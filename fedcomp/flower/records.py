@@ -190,7 +190,7 @@ def not_finite_and_norm(tensors: Mapping[str, Sent]) -> tuple[list[str], float]:
     in float64: no float32 value squared overflows it, so it is finite exactly when every value
     is; one fused operator and one wait for the device for all of them (a check and a wait per
     tensor cost a GPU client hundreds per round). A :class:`KeptValues` (what a client sent with
-    SBC) from its one value and count, without a dense tensor."""
+    SBC, STC or top-k) from its values alone, without a dense tensor."""
     norms: dict[str, float] = {}
     bad: dict[str, bool] = {}
     ts = {k: t.detach() for k, t in tensors.items() if not isinstance(t, KeptValues)}

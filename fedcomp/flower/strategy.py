@@ -339,11 +339,16 @@ class CompressionStrategy(Strategy):
         update, node, t0 = self._open_reply(msg, server_round)
         traffic = self._traffic(server_round)
         base_decode = getattr(self.uplink.decode, "__func__", None) is UplinkMethod.decode
-        if base_decode and not self.uplink.reports_selection:
+        if base_decode:
             # The base method's decode (W + delta, the round's codec): kept sparse, never W + delta.
             accepted = {c.codec_id: c for c in (get_codec(self.uplink.round_codec_config(server_round)), DenseFP32())}
-            delta = sparse_delta(update, self.replica.specs, accepted)
+            # (a method reporting its selection, top-k, needs every tensor as a term: no kernel)
+            selection = self.uplink.reports_selection
+            delta = sparse_delta(update, self.replica.specs, accepted, kernel=not selection)
             self._check_norm(delta.norm, _client_clipping_norm(self.strategy))
+            if selection:
+                numels = {spec.name: spec.numel for spec in self.replica.specs}
+                traffic.note_selection(delta.terms, self.config.min_compress_numel, numels)
             contribution = Contribution(delta=delta)
         else:  # the method's own decode (DEFT's checks, GradiVeQ's coefficients): one dense reply
             decoded = self.uplink.decode(update, self.replica.specs, self._target, server_round, node)

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fedcomp.flower.protocol import UplinkReport
+from fedcomp.flower.weighted_sum import Term as Selected
 
 __all__ = ["RoundTraffic", "metric_record", "totals"]
 
@@ -70,15 +71,33 @@ class RoundTraffic:
     # the selections) and how many entries those tensors have: the aggregate density.
     _union: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
-    def note_selection(self, delta: dict[str, torch.Tensor], min_numel: int) -> None:
+    def note_selection(
+        self, delta: Mapping[str, Selected], min_numel: int, numels: Mapping[str, int] | None = None
+    ) -> None:
+        """Add a reply's selection to the union: the non-zero entries of each tensor of at least
+        ``min_numel`` entries, given dense or as (ascending positions, their values) without a
+        dense tensor (the streaming sum's terms; ``numels`` then gives the tensors' sizes)."""
         for name, t in delta.items():
-            if t.numel() < min_numel:
+            numel = numels[name] if numels is not None else t.numel() if isinstance(t, torch.Tensor) else -1
+            if numel < 0:
+                raise ValueError(f"note_selection: the size of {name!r} is needed (numels)")
+            if numel < min_numel:
                 continue
-            mask = t.reshape(-1) != 0
+            if isinstance(t, tuple):
+                idx, values = t
+                mask = self._union.get(name)
+                if mask is None:
+                    mask = self._union[name] = torch.zeros(numel, dtype=torch.bool)
+                if isinstance(values, torch.Tensor):
+                    mask[idx[values != 0]] = True
+                elif values != 0:
+                    mask[idx] = True
+                continue
+            dense = t.reshape(-1) != 0
             if name in self._union:
-                self._union[name] |= mask
+                self._union[name] |= dense
             else:
-                self._union[name] = mask
+                self._union[name] = dense
 
     @property
     def union_nnz(self) -> int:

@@ -3,7 +3,8 @@ aggregation, described in ``strategy.py``): each reply is checked, then added in
 and dropped.
 
 A reply of the base uplink method (SBC's kept positions and one value per tensor, small tensors
-dense fp32) is read by :func:`sparse_delta` without a dense tensor of its own: with the C kernel
+dense fp32; top-k's and STC's positions and values) is read by :func:`sparse_delta` without a
+dense tensor of its own: with the C kernel
 (:class:`fedcomp.codecs.scatter_sum.ScatterSum`), one call decodes every tensor's positions into
 one scratch array and checks every dense value (finite) while it sums the squared norm, and one
 more call adds the reply into the sums (a scatter-add per SBC tensor). Measured on ResNet-50
@@ -26,12 +27,15 @@ from fedcomp.codecs import TensorSpec, scatter_sum
 from fedcomp.codecs.base import Codec
 from fedcomp.codecs.dense import DenseFP32
 from fedcomp.codecs.sbc import SBC
+from fedcomp.codecs.stc import STC
+from fedcomp.codecs.topk import TopK
 from fedcomp.errors import PayloadError
 from fedcomp.wire.payloads import DensePayload, EncodedUpdate
 
 #: One tensor of a decoded delta on the per-tensor path: dense, or (positions, the one value they
-#: share) for an SBC tensor, which is never expanded to the tensor's size.
-Term = torch.Tensor | tuple[torch.Tensor, float]
+#: share) for an SBC tensor, or (positions, their values) for a top-k or STC one: those are never
+#: expanded to the tensor's size.
+Term = torch.Tensor | tuple[torch.Tensor, float | torch.Tensor]
 
 
 @dataclass
@@ -54,7 +58,8 @@ def sparse_delta(
 ) -> ReplyDelta:
     """What the base method's ``decode`` decodes (``decode_update`` with the ``accepted`` codecs:
     the round's and dense fp32), with the same checks and errors, but SBC tensors as their kept
-    positions and one value, never expanded. ``kernel=False`` takes the per-tensor path (tests)."""
+    positions and one value, top-k and STC ones (float32) as their positions and values, never
+    expanded. ``kernel=False`` takes the per-tensor path (tests)."""
     if len(update.tensors) != len(specs):
         raise PayloadError("", f"update has {len(update.tensors)} tensors, expected {len(specs)}")
     out = ReplyDelta()
@@ -73,6 +78,10 @@ def sparse_delta(
             nnz, b, bits, value = codec.checked_positions(enc.payload, spec)
             if nnz:
                 fused.positions(spec.name, bits, nnz, b, spec.numel, value)
+        elif isinstance(codec, (TopK, STC)) and spec.dtype == torch.float32:
+            # (a dense decode would allocate and zero a tensor of the model's size per reply)
+            codec.check_envelope(enc, spec)
+            out.terms[spec.name] = codec.decode_sparse(enc.payload, spec)
         elif fused is not None and type(codec) is DenseFP32 and spec.dtype == torch.float32:
             codec.check_envelope(enc, spec)
             payload = codec.checked_payload(enc.payload, spec)
@@ -88,12 +97,17 @@ def sparse_delta(
 
 
 def _check_terms(terms: Mapping[str, Term]) -> float:
-    """The squared norm of the per-tensor terms, after checking their values are finite (an SBC
-    term's value is finite by its decoder's checks; its squared norm is ``nnz * value**2``)."""
+    """The squared norm of the per-tensor terms, after checking their values are finite (a sparse
+    term's values are finite by its decoder's checks; an SBC one's squared norm is
+    ``nnz * value**2``)."""
     squares = 0.0
     for name, term in terms.items():
         if isinstance(term, tuple):
-            squares += term[0].numel() * term[1] * term[1]
+            idx, value = term
+            if isinstance(value, torch.Tensor):
+                squares += float(value.double().pow(2).sum())
+            else:
+                squares += idx.numel() * value * value
         elif not bool(torch.isfinite(term).all()):
             raise PayloadError(name, "decoded values are not all finite")
         else:
@@ -146,7 +160,8 @@ class WeightedSum:
                 if isinstance(term, tuple):
                     idx, value = term
                     if idx.numel():  # the decoder's positions are strictly ascending, so unique:
-                        acc.view(-1).numpy()[idx.numpy()] += weight * value  # a fancy add, not add.at
+                        add = weight * (value.numpy().astype(np.float64) if isinstance(value, torch.Tensor) else value)
+                        acc.view(-1).numpy()[idx.numpy()] += add  # a fancy add, not add.at
                 else:
                     acc.add_(term.reshape(acc.shape), alpha=weight)
             self.base_weight += weight

@@ -104,8 +104,9 @@ class ErrorFeedback:
         """:meth:`encode` (as a pair, for :class:`fedcomp.methods.update.UpdateEncoder`'s jobs):
         the same encoding and residual as :meth:`encode_with_reconstruction`, bit for bit
         (tested), without its dense reconstruction where the codec can say what it keeps instead
-        (``encode_sparse``: SBC's positions and the one value there, on CPU). The residual is then
-        the accumulator less that value at those positions, where ``acc - reconstruction`` would
+        (``encode_sparse``: SBC's positions and the one value there, STC's and top-k's positions
+        and values, on CPU). The residual is then the accumulator less those values at those
+        positions, where ``acc - reconstruction`` would
         allocate, fill and subtract a tensor of each tensor's size (measured on the ResNet-50
         update with error feedback: about 5 % less time per update)."""
         return self._encode_sparse_first(tensor, name, codec)[0], None
@@ -129,12 +130,13 @@ class ErrorFeedback:
         found = sparse(acc, name) if sparse is not None and _cpu_f32(acc, acc) else None
         if found is None:
             return self._encode_dense(acc, own, name, codec)
-        enc, kept, value = found
+        enc, kept, values = found
         new = acc if own else acc.clone()  # (without a residual, acc is the caller's tensor)
         flat = new.numpy().reshape(-1)
-        flat[kept] -= np.float32(value)  # acc - reconstruction: the reconstruction is 0 elsewhere
+        # acc - reconstruction: the reconstruction is 0 elsewhere (the positions are distinct)
+        flat[kept] -= values if isinstance(values, np.ndarray) else np.float32(values)
         self._residuals[name] = new
-        return enc, KeptValues(tuple(acc.shape), kept, value)
+        return enc, KeptValues(tuple(acc.shape), kept, values)
 
     def _accumulate(self, tensor: torch.Tensor, name: str) -> tuple[torch.Tensor, bool]:
         """``tensor`` plus its residual, float32, and whether that is a new tensor of this call's

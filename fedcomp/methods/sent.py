@@ -2,12 +2,13 @@
 says what it keeps.
 
 A client keeps what it sent until the server says whether it was aggregated (protocol 2,
-:class:`fedcomp.flower.pending.PendingUpdate`). For an SBC tensor that is one value at a few
-positions; holding it as a dense tensor cost a ResNet-50 client a tensor of the model's size
-filled, subtracted from the residual, scanned for its non-zeros and checked for finiteness every
-message (about 40 ms of its 225 on the 2-core build machine, ``bench rounds``).
-:class:`KeptValues` holds the positions and the value instead; :func:`dense` gives the tensor
-where one is needed.
+:class:`fedcomp.flower.pending.PendingUpdate`). For a tensor coded by SBC, STC or top-k (DEFT's
+codec) that is a few positions and their values; holding it as a dense tensor cost a ResNet-50
+client a tensor of the model's size filled, subtracted from the residual, scanned for its
+non-zeros and checked for finiteness every message (with SBC: about 40 ms of its 225 on the
+2-core build machine, ``bench rounds``). :class:`KeptValues` holds the positions and values
+instead (what the codecs' ``encode_sparse`` returns); :func:`dense` gives the tensor where one is
+needed.
 """
 
 from __future__ import annotations
@@ -23,13 +24,14 @@ __all__ = ["KeptValues", "Sent", "dense"]
 
 @dataclass(frozen=True, eq=False)
 class KeptValues:
-    """A float32 tensor of ``shape`` that is ``value`` at ``positions`` (ascending, distinct int64
-    indices into the flattened tensor) and zero elsewhere: what SBC's receiver decodes
-    (:meth:`fedcomp.codecs.sbc.SBC.encode_sparse`)."""
+    """A float32 tensor of ``shape`` that is ``values`` at ``positions`` (ascending, distinct
+    int64 indices into the flattened tensor) and zero elsewhere: what SBC's, STC's or top-k's
+    receiver decodes. ``values``: one float32 value for every position (SBC's mean), or a float32
+    array of one value per position."""
 
     shape: tuple[int, ...]
     positions: np.ndarray
-    value: float
+    values: float | np.ndarray
 
     @property
     def numel(self) -> int:
@@ -37,22 +39,36 @@ class KeptValues:
 
     def nonzero(self) -> tuple[np.ndarray, np.ndarray]:
         """The positions of the non-zero values and those values (float32), ascending: what
-        ``flat.nonzero()`` and ``flat[nz]`` give of the dense tensor (none where the value is
-        zero, either sign; every position where it is NaN)."""
-        if self.value == 0.0:
-            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32)
-        return self.positions, np.full(self.positions.shape[0], self.value, dtype=np.float32)
+        ``flat.nonzero()`` and ``flat[nz]`` give of the dense tensor (no zero of either sign;
+        every NaN)."""
+        if not isinstance(self.values, np.ndarray):
+            if self.values == 0.0:
+                return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32)
+            return self.positions, np.full(self.positions.shape[0], self.values, dtype=np.float32)
+        keep = self.values != 0
+        if keep.all():
+            return self.positions, self.values
+        return self.positions[keep], self.values[keep]
 
     def sum_of_squares(self) -> float:
-        """``sum(x ** 2)`` over the dense tensor, in float64 (the square of a float32 is exact
-        there; NaN or inf where the value is not finite and at some position)."""
+        """``sum(x ** 2)`` over the dense tensor, in float64 (a float32's square is exact there;
+        NaN or inf where a value at some position is not finite)."""
         count = self.positions.shape[0]
-        return float(count) * float(np.float32(self.value)) ** 2 if count else 0.0
+        if not count:
+            return 0.0
+        if not isinstance(self.values, np.ndarray):
+            return float(count) * float(np.float32(self.values)) ** 2
+        wide = self.values.astype(np.float64)
+        return float(np.dot(wide, wide))
 
     def dense(self, device: torch.device | str = "cpu") -> torch.Tensor:
         out = torch.zeros(self.numel, dtype=torch.float32)
         if self.positions.shape[0]:
-            out[torch.from_numpy(self.positions)] = float(np.float32(self.value))
+            at = torch.from_numpy(self.positions)
+            if isinstance(self.values, np.ndarray):
+                out[at] = torch.from_numpy(self.values)
+            else:
+                out[at] = float(np.float32(self.values))
         return out.reshape(self.shape).to(device)
 
 

@@ -115,9 +115,10 @@ class UpdateEncoder:
         :meth:`fedcomp.methods.base.UplinkMethod.client_recover`) goes through the error feedback
         too, so the residual is sent. With ``keep_sent``, :attr:`sent` holds afterwards what the
         receiver will decode, per tensor (the client keeps it until the server says whether the
-        update was aggregated). With ``sparse_sent`` too, a tensor that SBC encodes on the CPU is
-        held there as :class:`KeptValues` (its positions and value), not as a dense tensor: the
-        same encoding and residual without a tensor of its size filled and subtracted."""
+        update was aggregated). With ``sparse_sent`` too, a tensor that SBC, STC or top-k encodes
+        on the CPU is held there as :class:`KeptValues` (its positions and values), not as a dense
+        tensor: the same encoding and residual without a tensor of its size filled and
+        subtracted."""
         codecs = codecs or {}
         unknown = set(codecs) - set(tensors)
         if unknown:
@@ -245,7 +246,7 @@ def _with_reconstruction(codec: Codec, t: torch.Tensor, name: str) -> tuple[Enco
 
 def _with_kept_values(codec: Codec, t: torch.Tensor, name: str) -> tuple[EncodedTensor, Sent]:
     """:func:`_with_reconstruction`, as :class:`KeptValues` where the codec says what it keeps
-    (SBC on a float32 CPU tensor)."""
+    (SBC, STC, top-k on a float32 CPU tensor)."""
     sparse = getattr(codec, "encode_sparse", None)
     if sparse is not None and t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous():
         found = sparse(t.detach(), name)

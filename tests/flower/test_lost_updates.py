@@ -483,14 +483,16 @@ def test_a_pending_update_is_read_only_where_it_goes_back_into_the_residual(monk
     assert read == [4]  # (read to be added back: the recovery itself is the tests' above)
 
 
-def test_the_sent_update_kept_sparsely_leaves_every_byte_and_state_record_as_dense() -> None:
-    """The mod keeps its SBC update as positions and a value (``sparse_sent``): the uplink bytes,
-    the residual and the pending record are those of the dense reconstruction, round after round,
-    and a lost update comes back into the residual the same."""
+@pytest.mark.parametrize("method", ["sbc", "stc", "topk", "deft"])
+def test_the_sent_update_kept_sparsely_leaves_every_byte_and_state_record_as_dense(method: str) -> None:
+    """The mod keeps its update as positions and values (``sparse_sent``): the uplink bytes, the
+    residual and the pending record are those of the dense reconstruction, round after round, and
+    a lost update comes back into the residual the same."""
     from fedcomp.methods.update import UpdateEncoder
 
     def run() -> list[tuple[bytes | None, dict[str, Any], dict[str, Any]]]:
-        strategy = CompressionStrategy(RecordingFedAvg(), CompressionConfig.from_run_config({}))
+        config = CompressionConfig.from_run_config({"uplink-codec": method})
+        strategy = CompressionStrategy(RecordingFedAvg(), config)
         clients = {n: LedgerClient(n) for n in (1, 2)}
         model, seen = tiny_model(), []
         for rnd in range(1, 5):

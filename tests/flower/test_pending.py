@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from flwr.app import ConfigRecord
@@ -114,13 +115,19 @@ def test_a_record_of_another_model_is_refused() -> None:
         ((30,), 5, -0.0),  # a value of -0.0: zeros, as the dense tensor's non-zeros say
         ((), 1, 2.0),  # a scalar
         ((0, 3), 0, 1.0),  # no elements
+        ((40, 100), 40, "values"),  # one value per position (STC, top-k), a few of them zero
     ],
 )
-def test_kept_values_write_the_record_of_their_dense_tensor(shape: tuple[int, ...], count: int, value: float) -> None:
+def test_kept_values_write_the_record_of_their_dense_tensor(
+    shape: tuple[int, ...], count: int, value: float | str
+) -> None:
     g = torch.Generator().manual_seed(count)
     numel = math.prod(shape)
     positions = torch.randperm(numel, generator=g)[:count].sort().values.numpy()
-    kept = KeptValues(shape, positions, value)
+    values: float | np.ndarray = float(value) if not isinstance(value, str) else torch.randn(count, generator=g).numpy()
+    if isinstance(values, np.ndarray):
+        values[::7] = 0.0  # (a float16 value that underflowed: sent, decoded as zero)
+    kept = KeptValues(shape, positions, values)
     tensors = {"before": torch.randn(20, generator=g), "kept": kept, "after": _sparse(3000, 30)}
     dense = {**tensors, "kept": to_dense(kept)}
     rec = PendingUpdate(3, tensors).to_record()

@@ -179,6 +179,7 @@ def test_kept_values_are_measured_as_their_dense_tensors() -> None:
         "s": KeptValues((50, 100), positions, 0.123456789),
         "neg": KeptValues((5000,), positions, -2.5e-3),
         "none": KeptValues((7,), np.zeros(0, dtype=np.int64), 0.0),
+        "each": KeptValues((5000,), positions, torch.randn(300, generator=g).numpy()),
     }
     dense = {k: to_dense(v) for k, v in kept.items()}
     for tensors in (kept, {**kept, "d": torch.randn(SQUARES_PIECE + 3, generator=g)}):
@@ -188,5 +189,8 @@ def test_kept_values_are_measured_as_their_dense_tensors() -> None:
     for value in (math.nan, math.inf):
         broken = {"d": torch.ones(3), "s": KeptValues((50, 100), positions, value), "t": torch.full((2,), math.nan)}
         assert not_finite_and_norm(broken)[0] == ["s", "t"]
+        each = np.ones(300, dtype=np.float32)
+        each[-1] = value
+        assert not_finite_and_norm({"e": KeptValues((5000,), positions, each)})[0] == ["e"]
     # A non-finite value at no position is no value at all.
     assert not_finite_and_norm({"x": KeptValues((4,), np.zeros(0, dtype=np.int64), math.nan)}) == ([], 0.0)

@@ -147,6 +147,7 @@ def test_neither_path_depends_on_arrival_order(streaming: bool) -> None:
     [
         {"uplink-codec": "deft", "topk-density": 0.2},
         {"uplink-codec": "topk", "topk-density": 0.2},
+        {"uplink-codec": "stc"},
         {"uplink-codec": "dense-fp16"},
         # Two dense rounds (the PCA samples), then coefficients aggregated without decompressing.
         {"uplink-codec": "gradiveq", "gradiveq-dense-rounds": 2, "gradiveq-refresh": 0},
@@ -156,9 +157,14 @@ def test_neither_path_depends_on_arrival_order(streaming: bool) -> None:
 def test_methods_with_their_own_decode_stream_to_the_same_model(uplink: dict[str, Any]) -> None:
     rounds = 4 if uplink["uplink-codec"] == "gradiveq" else ROUNDS
     s_strategy, streamed, _, _ = _run(FedAvg(**SAMPLE_ALL), streaming=True, rounds=rounds, **uplink)
-    _, materialised, _, _ = _run(FedAvg(**SAMPLE_ALL), streaming=False, rounds=rounds, **uplink)
+    m_strategy, materialised, _, _ = _run(FedAvg(**SAMPLE_ALL), streaming=False, rounds=rounds, **uplink)
     for rnd in range(rounds):
         assert max_abs_diff(streamed[rnd], materialised[rnd]) < 1e-6
+    # the selection's union (top-k: noted from positions and values when streaming) is the same
+    unions = [[(t.union_nnz, t.sparse_numel) for _, t in sorted(s.traffic.items())] for s in (s_strategy, m_strategy)]
+    assert unions[0] == unions[1]
+    if uplink["uplink-codec"] in ("topk", "deft"):
+        assert all(nnz > 0 for nnz, _ in unions[0])
     if uplink["uplink-codec"] == "gradiveq":
         assert s_strategy.uplink.round_metrics(rounds)["gradiveq_compressed"]  # the compressed domain ran
 

@@ -3,6 +3,7 @@ run totals across rounds, the ratios' zero cases, and the per-client notes the w
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from fedcomp.flower.protocol import UplinkReport
@@ -175,6 +176,26 @@ def test_note_selection_keeps_the_union_of_large_tensors() -> None:
     assert (t3.union_nnz, t3.sparse_numel) == (2, 4)
     # The note does not alias or change the caller's tensors.
     assert torch.equal(a["w"], torch.tensor([1.0, 0.0, 0.0, 2.0]))
+
+
+def test_a_selection_noted_from_positions_and_values_is_the_dense_ones() -> None:
+    """The streaming sum's terms, (positions, values) of top-k or (positions, one value) of SBC,
+    give the union their dense tensors give: a value that decoded to zero selects nothing."""
+    w1, w2 = torch.tensor([1.0, 0.0, 0.0, 2.0, 0.0]), torch.tensor([0.0, 0.0, 3.0, 0.0, 0.0])
+    dense, sparse = RoundTraffic(), RoundTraffic()
+    dense.note_selection({"w": w1, "v": torch.zeros(6), "b": torch.ones(2)}, min_numel=4)
+    dense.note_selection({"w": w2, "v": torch.tensor([0.0, 0.5, 0.5, 0.0, 0.0, 0.0]), "b": torch.ones(2)}, min_numel=4)
+    numels = {"w": 5, "v": 6, "b": 2}
+    first = {
+        "w": (torch.tensor([0, 3, 4]), torch.tensor([1.0, 2.0, 0.0])),
+        "v": (torch.tensor([2]), 0.0),
+        "b": torch.ones(2),
+    }
+    sparse.note_selection(first, min_numel=4, numels=numels)
+    sparse.note_selection({"w": (torch.tensor([2]), torch.tensor([3.0])), "v": (torch.tensor([1, 2]), 0.5)}, 4, numels)
+    assert (sparse.union_nnz, sparse.sparse_numel) == (dense.union_nnz, dense.sparse_numel) == (5, 11)
+    with pytest.raises(ValueError, match="numels"):
+        RoundTraffic().note_selection({"w": (torch.tensor([0]), 1.0)}, min_numel=1)
 
 
 # --- diagnostics ------------------------------------------------------------------------------------

@@ -12,9 +12,12 @@ import torch
 
 import fedcomp.flower.weighted_sum as ws
 from fedcomp.codecs import scatter_sum
+from fedcomp.codecs.base import Codec
 from fedcomp.codecs.dense import DenseFP32
 from fedcomp.codecs.golomb import encode_positions
 from fedcomp.codecs.sbc import SBC
+from fedcomp.codecs.stc import STC
+from fedcomp.codecs.topk import TopK
 from fedcomp.errors import PayloadError
 from fedcomp.methods.update import UpdateEncoder, specs_of
 from fedcomp.wire import serde
@@ -156,3 +159,69 @@ def test_without_the_kernel_the_per_tensor_path_is_taken(monkeypatch: pytest.Mon
     total = ws.WeightedSum(model)
     total.add(ws.Contribution(delta=delta), 1.0)
     assert set(total.mean()) == set(model)
+
+
+SPARSE_CODECS = [TopK(p=0.05), TopK(p=0.05, values="float16"), STC(p=0.05)]
+
+
+@pytest.mark.parametrize("codec", SPARSE_CODECS, ids=repr)
+def test_top_k_and_stc_replies_are_added_as_positions_and_values(codec: Codec) -> None:
+    """Never a dense tensor of their own: the same mean as adding each reply's dense decode (in
+    float64, up to rounding), the same norms, and a hostile payload gets the decoder's own error."""
+    model = _model()
+    accepted = {c.codec_id: c for c in (codec, DenseFP32())}
+    replies = []
+    for seed in range(1, 5):
+        g = torch.Generator().manual_seed(seed)
+        update = {k: torch.randn(t.shape, generator=g) * 10.0 ** (seed % 3 - 3) for k, t in model.items()}
+        data = UpdateEncoder(codec, error_feedback=False).encode_to_bytes(update)
+        replies.append(serde.update_from_bytes(data, expected=specs_of(model)))
+    total, dense_total = ws.WeightedSum(model), ws.WeightedSum(model)
+    for i, reply in enumerate(replies):
+        delta = ws.sparse_delta(reply, specs_of(model), accepted)
+        assert all(isinstance(delta.terms[k], tuple) for k in ("conv.w", "fc.w", "out.w"))
+        decoded = {
+            s.name: accepted[t.codec_id].decode(t, s) for s, t in zip(specs_of(model), reply.tensors, strict=True)
+        }
+        np.testing.assert_allclose(delta.norm, float(torch.cat([t.double().reshape(-1) for t in decoded.values()]).norm()), rtol=1e-12)  # fmt: skip
+        total.add(ws.Contribution(delta=delta), 1.0 + 0.37 * i)
+        dense_total.add(ws.Contribution(delta=ws.ReplyDelta(terms=decoded)), 1.0 + 0.37 * i)
+    got, want = total.mean(), dense_total.mean()
+    assert list(got) == list(want)
+    for name in got:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-12)
+    # hostile: a position past the end, values of the wrong length or a NaN: the decoder's words
+    out_w = next(t for t in replies[0].tensors if t.name == "out.w").payload
+    changes: list[dict[str, object]] = [{"nnz": out_w.nnz + 1}, {"golomb_b": 99}]  # type: ignore[attr-defined]
+    if isinstance(codec, TopK):
+        changes.append({"values": out_w.values[:-1]})  # type: ignore[attr-defined]
+    else:
+        changes.append({"mu": float("nan")})
+    spec = next(s for s in specs_of(model) if s.name == "out.w")
+
+    def dense_outcome(bad: EncodedUpdate) -> object:
+        try:
+            return codec.decode(next(t for t in bad.tensors if t.name == "out.w"), spec).double()
+        except PayloadError as e:
+            return str(e)
+
+    def summed_outcome(bad: EncodedUpdate) -> object:
+        try:
+            delta = ws.sparse_delta(bad, specs_of(model), accepted)
+        except PayloadError as e:
+            return str(e)
+        idx, values = delta.terms["out.w"]
+        out = torch.zeros(spec.numel, dtype=torch.float64)
+        out[idx] = values.double() if isinstance(values, torch.Tensor) else values
+        return out
+
+    refused = 0
+    for change in changes:
+        bad = _with(replies[0], "out.w", **change)
+        want_outcome, got_outcome = dense_outcome(bad), summed_outcome(bad)
+        if isinstance(want_outcome, str):
+            refused += 1
+            assert got_outcome == want_outcome, change
+        else:
+            assert isinstance(got_outcome, torch.Tensor) and torch.equal(got_outcome, want_outcome), change
+    assert refused >= 2  # (an extra position may still decode: then both paths take it)

@@ -57,15 +57,23 @@ def test_what_the_encoder_says_it_sent_is_what_the_receiver_decodes(codec_config
     decoded = decode_update(update, specs_of(model), [codec, DenseFP32()])
     for k in model:
         assert torch.equal(to_dense(enc.sent[k]), decoded[k]), k
-    # Said sparsely exactly where asked and SBC coded the tensor (the small one goes dense).
-    assert isinstance(enc.sent["w"], KeptValues) == (sparse_sent and codec_config["id"] == "sbc")
+    # Said sparsely exactly where asked and SBC or top-k coded the tensor (the small one goes dense).
+    assert isinstance(enc.sent["w"], KeptValues) == (sparse_sent and codec_config["id"] in ("sbc", "topk"))
     assert not isinstance(enc.sent["b"], KeptValues)
     enc.encode(model)
     assert enc.sent is None
 
 
 @pytest.mark.parametrize("error_feedback", [True, False])
-@pytest.mark.parametrize("codec_config", [{"id": "sbc", "p": 0.05}, {"id": "sbc", "p": 0.3, "mode": "exact"}])
+@pytest.mark.parametrize(
+    "codec_config",
+    [
+        {"id": "sbc", "p": 0.05},
+        {"id": "sbc", "p": 0.3, "mode": "exact"},
+        {"id": "stc", "p": 0.05},
+        {"id": "topk", "p": 0.3, "values": "float16"},
+    ],
+)
 def test_sent_kept_sparsely_changes_no_byte_and_no_residual(codec_config: dict, error_feedback: bool) -> None:
     """Round after round, ``sparse_sent`` gives the bytes, the residuals and (made dense) the
     reconstructions of ``keep_sent`` alone, bit for bit; the pending record written from them is
