@@ -105,6 +105,39 @@ def test_deft_rejects_a_client_selecting_outside_its_partitions() -> None:
     )
 
 
+def test_deft_checks_positions_and_values_as_it_checks_dense_tensors() -> None:
+    """What the server's running sum gives it (positions and values, never a dense tensor): the
+    same verdict and words as the dense decode's, and a value that is zero is not a selection."""
+    model, (delta,) = _model(), _deltas(1)
+    specs = specs_of(model)
+    planner = _deft()
+    allocs = planner.plan(1, [1, 2], specs, density=0.01)
+
+    def as_terms(dense: dict[str, torch.Tensor]) -> dict[str, object]:
+        out: dict[str, object] = {}
+        for name, t in dense.items():
+            flat = t.reshape(-1)
+            idx = flat.nonzero().view(-1)
+            out[name] = (idx, flat[idx])
+        return out
+
+    greedy = UpdateEncoder(TopK(p=0.01), min_numel=MIN_NUMEL).encode(delta)
+    decoded = decode_update(update_from_bytes(update_to_bytes(greedy)), specs, [TopK(p=0.01), DenseFP32()])
+    with pytest.raises(PayloadError) as dense_error:
+        planner.check(1, decoded, specs)
+    with pytest.raises(PayloadError) as terms_error:
+        planner.check(1, as_terms(decoded), specs)  # type: ignore[arg-type]
+    assert str(terms_error.value) == str(dense_error.value)
+    honest = decode_update(update_from_bytes(_encode_deft(allocs[2], delta, 1)), specs, [TopK(p=0.01), DenseFP32()])
+    terms = as_terms(honest)
+    planner.check(2, terms, specs)  # type: ignore[arg-type]
+    # a zero value anywhere (outside the allocation, even) selects nothing
+    name = next(s.name for s in specs if s.numel >= MIN_NUMEL)
+    idx, values = terms[name]  # type: ignore[misc]
+    terms[name] = (torch.cat([idx, torch.tensor([int(idx.max()) + 1])]), torch.cat([values, torch.zeros(1)]))
+    planner.check(2, terms, specs)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(
     "partitions, why",
     [

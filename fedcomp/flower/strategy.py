@@ -339,12 +339,15 @@ class CompressionStrategy(Strategy):
         update, node, t0 = self._open_reply(msg, server_round)
         traffic = self._traffic(server_round)
         base_decode = getattr(self.uplink.decode, "__func__", None) is UplinkMethod.decode
-        if base_decode:
-            # The base method's decode (W + delta, the round's codec): kept sparse, never W + delta.
+        if base_decode or self.uplink.checks_sent:
+            # The base method's decode (W + delta, the round's codec) and the method's check of what
+            # it decoded (DEFT's allocation): kept sparse, never W + delta.
             accepted = {c.codec_id: c for c in (get_codec(self.uplink.round_codec_config(server_round)), DenseFP32())}
-            # (a method reporting its selection, top-k, needs every tensor as a term: no kernel)
+            # (a method reporting its selection, top-k or DEFT, needs every tensor as a term: no kernel)
             selection = self.uplink.reports_selection
             delta = sparse_delta(update, self.replica.specs, accepted, kernel=not selection)
+            if self.uplink.checks_sent:
+                self.uplink.check_sent(node, delta.terms, self.replica.specs)
             self._check_norm(delta.norm, _client_clipping_norm(self.strategy))
             if selection:
                 numels = {spec.name: spec.numel for spec in self.replica.specs}

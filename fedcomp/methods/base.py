@@ -25,6 +25,10 @@ from fedcomp.codecs import Codec, DenseFP32, TensorSpec, get_codec
 from fedcomp.methods.update import decode_update
 from fedcomp.wire.payloads import EncodedUpdate
 
+#: One tensor of a decoded delta as :meth:`UplinkMethod.check_sent` gets it (the server's running
+#: sum's terms, ``fedcomp.flower.weighted_sum.Term``).
+SentTerm = torch.Tensor | tuple[torch.Tensor, float | torch.Tensor]
+
 if TYPE_CHECKING:
     from fedcomp.methods.config import CompressionConfig
 
@@ -84,6 +88,16 @@ class UplinkMethod:
     adapts_p: ClassVar[bool] = False
     #: Whether replies are sparse selections whose union the server reports (aggregate density).
     reports_selection: ClassVar[bool] = False
+    #: Whether :meth:`decode` is the base class's followed by :meth:`check_sent` alone: a server
+    #: summing replies then decodes them sparsely (never ``W + delta``) and calls
+    #: :meth:`check_sent` on what it decoded.
+    checks_sent: ClassVar[bool] = False
+
+    def check_sent(self, node: int, delta: Mapping[str, SentTerm], specs: Sequence[TensorSpec]) -> None:
+        """Raise :class:`~fedcomp.errors.PayloadError` when ``node``'s decoded ``delta`` breaks
+        this method's rules (with :attr:`checks_sent`). Each tensor is dense, or (its strictly
+        ascending positions, their float32 values or the one value they share): what the
+        server's running sum adds. Default: nothing to check."""
 
     def __init__(self, config: CompressionConfig, weighted_mean: bool = True) -> None:
         """Server side. ``weighted_mean``: the inner strategy aggregates by FedAvg's weighted

@@ -29,7 +29,7 @@ import torch
 
 from fedcomp.codecs import Codec, TensorSpec, TopK, get_codec
 from fedcomp.errors import PayloadError
-from fedcomp.methods.base import ClientRound, Decoded, UplinkMethod, extra_key
+from fedcomp.methods.base import ClientRound, Decoded, SentTerm, UplinkMethod, extra_key
 from fedcomp.methods.deft import check_allocation, check_selection, plan_round, plan_round_from_aggregate, ranges_for
 from fedcomp.wire.payloads import DeftAllocation, EncodedUpdate
 from fedcomp.wire.serde import allocation_from_bytes, allocation_to_bytes
@@ -50,6 +50,7 @@ class DeftUplink(UplinkMethod):
 
     method_id = "deft"
     reports_selection = True
+    checks_sent = True  # (decode is the base decode, then check)
     #: Key of the allocation bytes in the downlink extras.
     ALLOCATION_KEY = extra_key("deft", "allocation")
 
@@ -108,13 +109,24 @@ class DeftUplink(UplinkMethod):
         self.check(node, decoded.delta, specs)
         return decoded
 
-    def check(self, node: int, delta: Mapping[str, torch.Tensor], specs: Sequence[TensorSpec]) -> None:
-        """Raise :class:`PayloadError` when ``node`` sent entries outside its allocation."""
+    def check(self, node: int, delta: Mapping[str, SentTerm], specs: Sequence[TensorSpec]) -> None:
+        """Raise :class:`PayloadError` when ``node`` sent entries outside its allocation. Each
+        tensor dense (its non-zeros are checked) or as positions and values (the positions of the
+        non-zero values: the same ones)."""
         ranges = self._ranges.get(node)
         if ranges is None:
             raise PayloadError("", f"node {node} had no DEFT allocation this round")
         for i in _large(specs, self.min_numel):
-            check_selection(delta[specs[i].name].reshape(-1), ranges[i], specs[i].name)
+            t = delta[specs[i].name]
+            if isinstance(t, tuple):
+                idx, values = t
+                sent = idx[values != 0] if isinstance(values, torch.Tensor) else idx if values != 0 else idx[:0]
+                check_selection(sent, ranges[i], specs[i].name)
+            else:
+                check_selection(t.reshape(-1), ranges[i], specs[i].name)
+
+    def check_sent(self, node: int, delta: Mapping[str, SentTerm], specs: Sequence[TensorSpec]) -> None:
+        self.check(node, delta, specs)
 
     def finish(
         self, server_round: int, aggregated: Mapping[str, torch.Tensor], model: Mapping[str, torch.Tensor]
