@@ -30,12 +30,13 @@ from fedcomp.codecs.sbc import SBC
 from fedcomp.codecs.stc import STC
 from fedcomp.codecs.topk import TopK
 from fedcomp.errors import PayloadError
+from fedcomp.methods.base import SentTerm
 from fedcomp.wire.payloads import DensePayload, EncodedUpdate
 
 #: One tensor of a decoded delta on the per-tensor path: dense, or (positions, the one value they
 #: share) for an SBC tensor, or (positions, their values) for a top-k or STC one: those are never
-#: expanded to the tensor's size.
-Term = torch.Tensor | tuple[torch.Tensor, float | torch.Tensor]
+#: expanded to the tensor's size. (What :meth:`UplinkMethod.check_sent` checks.)
+Term = SentTerm
 
 
 @dataclass
