@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fedcomp.flower.protocol import UplinkReport
-from fedcomp.flower.weighted_sum import Term as Selected
+from fedcomp.methods.base import SentTerm, sent_positions
 
 __all__ = ["RoundTraffic", "metric_record", "totals"]
 
@@ -72,7 +72,7 @@ class RoundTraffic:
     _union: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def note_selection(
-        self, delta: Mapping[str, Selected], min_numel: int, numels: Mapping[str, int] | None = None
+        self, delta: Mapping[str, SentTerm], min_numel: int, numels: Mapping[str, int] | None = None
     ) -> None:
         """Add a reply's selection to the union: the non-zero entries of each tensor of at least
         ``min_numel`` entries, given dense or as (ascending positions, their values) without a
@@ -83,21 +83,10 @@ class RoundTraffic:
                 raise ValueError(f"note_selection: the size of {name!r} is needed (numels)")
             if numel < min_numel:
                 continue
-            if isinstance(t, tuple):
-                idx, values = t
-                mask = self._union.get(name)
-                if mask is None:
-                    mask = self._union[name] = torch.zeros(numel, dtype=torch.bool)
-                if isinstance(values, torch.Tensor):
-                    mask[idx[values != 0]] = True
-                elif values != 0:
-                    mask[idx] = True
-                continue
-            dense = t.reshape(-1) != 0
-            if name in self._union:
-                self._union[name] |= dense
-            else:
-                self._union[name] = dense
+            mask = self._union.get(name)
+            if mask is None:
+                mask = self._union[name] = torch.zeros(numel, dtype=torch.bool)
+            mask[sent_positions(t)] = True
 
     @property
     def union_nnz(self) -> int:

@@ -27,8 +27,6 @@ from fedcomp.codecs import TensorSpec, scatter_sum
 from fedcomp.codecs.base import Codec
 from fedcomp.codecs.dense import DenseFP32
 from fedcomp.codecs.sbc import SBC
-from fedcomp.codecs.stc import STC
-from fedcomp.codecs.topk import TopK
 from fedcomp.errors import PayloadError
 from fedcomp.methods.base import SentTerm
 from fedcomp.wire.payloads import DensePayload, EncodedUpdate
@@ -79,8 +77,8 @@ def sparse_delta(
             nnz, b, bits, value = codec.checked_positions(enc.payload, spec)
             if nnz:
                 fused.positions(spec.name, bits, nnz, b, spec.numel, value)
-        elif isinstance(codec, (TopK, STC)) and spec.dtype == torch.float32:
-            # (a dense decode would allocate and zero a tensor of the model's size per reply)
+        elif hasattr(codec, "decode_sparse") and spec.dtype == torch.float32:
+            # Top-k, STC: a dense decode would allocate and zero a tensor of the model's size per reply.
             codec.check_envelope(enc, spec)
             out.terms[spec.name] = codec.decode_sparse(enc.payload, spec)
         elif fused is not None and type(codec) is DenseFP32 and spec.dtype == torch.float32:

@@ -29,6 +29,18 @@ from fedcomp.wire.payloads import EncodedUpdate
 #: sum's terms, ``fedcomp.flower.weighted_sum.Term``).
 SentTerm = torch.Tensor | tuple[torch.Tensor, float | torch.Tensor]
 
+
+def sent_positions(term: SentTerm) -> torch.Tensor:
+    """The ascending positions (into the flattened tensor) of a term's non-zero values: what a
+    client selected, seen as the dense decode sees it (a value that is zero selects nothing)."""
+    if not isinstance(term, tuple):
+        return term.reshape(-1).nonzero().view(-1)
+    idx, values = term
+    if isinstance(values, torch.Tensor):
+        return idx[values != 0]
+    return idx if values != 0 else idx[:0]
+
+
 if TYPE_CHECKING:
     from fedcomp.methods.config import CompressionConfig
 

@@ -29,7 +29,7 @@ import torch
 
 from fedcomp.codecs import Codec, TensorSpec, TopK, get_codec
 from fedcomp.errors import PayloadError
-from fedcomp.methods.base import ClientRound, Decoded, SentTerm, UplinkMethod, extra_key
+from fedcomp.methods.base import ClientRound, Decoded, SentTerm, UplinkMethod, extra_key, sent_positions
 from fedcomp.methods.deft import check_allocation, check_selection, plan_round, plan_round_from_aggregate, ranges_for
 from fedcomp.wire.payloads import DeftAllocation, EncodedUpdate
 from fedcomp.wire.serde import allocation_from_bytes, allocation_to_bytes
@@ -117,13 +117,7 @@ class DeftUplink(UplinkMethod):
         if ranges is None:
             raise PayloadError("", f"node {node} had no DEFT allocation this round")
         for i in _large(specs, self.min_numel):
-            t = delta[specs[i].name]
-            if isinstance(t, tuple):
-                idx, values = t
-                sent = idx[values != 0] if isinstance(values, torch.Tensor) else idx if values != 0 else idx[:0]
-                check_selection(sent, ranges[i], specs[i].name)
-            else:
-                check_selection(t.reshape(-1), ranges[i], specs[i].name)
+            check_selection(sent_positions(delta[specs[i].name]), ranges[i], specs[i].name)
 
     def check_sent(self, node: int, delta: Mapping[str, SentTerm], specs: Sequence[TensorSpec]) -> None:
         self.check(node, delta, specs)

@@ -26,7 +26,7 @@ import torch
 
 from fedcomp.codecs.base import Codec
 from fedcomp.codecs.flat import Layout
-from fedcomp.methods.sent import KeptValues, Sent
+from fedcomp.methods.sent import Sent, encode_kept
 from fedcomp.wire.payloads import EncodedTensor
 
 
@@ -126,17 +126,17 @@ class ErrorFeedback:
     ) -> tuple[EncodedTensor, Sent | None]:
         codec = self.codec if codec is None else codec
         acc, own = self._accumulate(tensor, name)
-        sparse = getattr(codec, "encode_sparse", None)
-        found = sparse(acc, name) if sparse is not None and _cpu_f32(acc, acc) else None
+        found = encode_kept(codec, acc, name)
         if found is None:
             return self._encode_dense(acc, own, name, codec)
-        enc, kept, values = found
+        enc, kept = found
         new = acc if own else acc.clone()  # (without a residual, acc is the caller's tensor)
         flat = new.numpy().reshape(-1)
         # acc - reconstruction: the reconstruction is 0 elsewhere (the positions are distinct)
-        flat[kept] -= values if isinstance(values, np.ndarray) else np.float32(values)
+        values = kept.values
+        flat[kept.positions] -= values if isinstance(values, np.ndarray) else np.float32(values)
         self._residuals[name] = new
-        return enc, KeptValues(tuple(acc.shape), kept, values)
+        return enc, kept
 
     def _accumulate(self, tensor: torch.Tensor, name: str) -> tuple[torch.Tensor, bool]:
         """``tensor`` plus its residual, float32, and whether that is a new tensor of this call's

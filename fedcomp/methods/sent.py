@@ -19,7 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["KeptValues", "Sent", "dense"]
+from fedcomp.wire.payloads import EncodedTensor
+
+__all__ = ["KeptValues", "Sent", "dense", "encode_kept"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -74,6 +76,20 @@ class KeptValues:
 
 #: One tensor of what was sent: dense (float32), or :class:`KeptValues`.
 Sent = torch.Tensor | KeptValues
+
+
+def encode_kept(codec: object, tensor: torch.Tensor, name: str) -> tuple[EncodedTensor, KeptValues] | None:
+    """``codec``'s encoding of ``tensor`` and what the receiver will decode as
+    :class:`KeptValues`, where the codec says what it keeps (``encode_sparse``: SBC, STC, top-k)
+    of a contiguous float32 CPU tensor; None elsewhere (the caller encodes densely)."""
+    sparse = getattr(codec, "encode_sparse", None)
+    if sparse is None or tensor.device.type != "cpu" or tensor.dtype != torch.float32 or not tensor.is_contiguous():
+        return None
+    found = sparse(tensor.detach(), name)
+    if found is None:
+        return None
+    enc, positions, values = found
+    return enc, KeptValues(tuple(tensor.shape), positions, values)
 
 
 def dense(sent: Sent, device: torch.device | str | None = None) -> torch.Tensor:

@@ -22,7 +22,7 @@ from fedcomp.errors import PayloadError
 from fedcomp.methods.dense_device import read_on_device, write_on_device
 from fedcomp.methods.feedback import ErrorFeedback
 from fedcomp.methods.flat_update import decode_on_device, encode_on_device
-from fedcomp.methods.sent import KeptValues, Sent
+from fedcomp.methods.sent import KeptValues, Sent, encode_kept
 from fedcomp.wire.payloads import TORCH_DTYPES, DensePayload, EncodedTensor, EncodedUpdate
 from fedcomp.wire.serde import DenseFrames, update_from_bytes_deferred, update_to_bytes
 
@@ -246,14 +246,9 @@ def _with_reconstruction(codec: Codec, t: torch.Tensor, name: str) -> tuple[Enco
 
 def _with_kept_values(codec: Codec, t: torch.Tensor, name: str) -> tuple[EncodedTensor, Sent]:
     """:func:`_with_reconstruction`, as :class:`KeptValues` where the codec says what it keeps
-    (SBC, STC, top-k on a float32 CPU tensor)."""
-    sparse = getattr(codec, "encode_sparse", None)
-    if sparse is not None and t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous():
-        found = sparse(t.detach(), name)
-        if found is not None:
-            enc, kept, value = found
-            return enc, KeptValues(tuple(t.shape), kept, value)
-    return codec.encode_with_reconstruction(t, name)
+    (:func:`~fedcomp.methods.sent.encode_kept`)."""
+    found = encode_kept(codec, t, name)
+    return found if found is not None else codec.encode_with_reconstruction(t, name)
 
 
 def _encoded(enc: EncodedTensor) -> tuple[EncodedTensor, None]:
