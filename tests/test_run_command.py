@@ -466,6 +466,27 @@ def test_one_seed_samples_the_same_partitions_in_every_run_compressed_or_not(tmp
 
 @pytest.mark.slow
 @pytest.mark.flower
+def test_one_seed_gives_one_deft_run(tmp_path: Path) -> None:
+    """DEFT with every node training: two runs with the same seed end on the same models. DEFT
+    ranks its clients, and the reference app lists them in partition order; in node-id order a
+    simulation's new ids gave the partitions other bins in each run (4 nodes: 23 chances in 24)."""
+    runs = []
+    for name in ("a", "b"):
+        out_dir = tmp_path / name
+        config = "uplink-codec=deft local-iters=1 dataset=digits"
+        done, watch = fedcomp_run(["--nodes", "4", "--rounds", "2", "--run-config", config, "--out", str(out_dir)], 400)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert watch.new_alive() == [], "processes of the run still alive"
+        data = _results(out_dir)
+        assert sorted(data["summary"]["node_partitions"].values()) == list(range(4))
+        assert all(r["updates_aggregated"] == 4 for r in data["rounds"][1:])
+        runs.append([r["model_digest"] for r in data["rounds"]])
+    assert runs[0] == runs[1]
+    assert len(set(runs[0])) == 3  # the model moved every round
+
+
+@pytest.mark.slow
+@pytest.mark.flower
 @pytest.mark.parametrize("compress", ["true", "false"])
 def test_central_dp_bounds_the_servers_step_by_the_clipping_norm(compress: str, tmp_path: Path) -> None:
     """``dp-clipping-norm`` (client-side clipping, noise 0, two clients, one round): the server's

@@ -211,9 +211,9 @@ def server_main(
     wrapper: CompressionStrategy | None = None
     if comp.compress:
         strategy = wrapper = CompressionStrategy(strategy, comp)
-    sampling: SeededSampling | None = None
-    if cfg.clients_per_round:  # one seed, the same partitions every round, compressed or not
-        strategy = sampling = SeededSampling(strategy, cfg.seed)
+    # One seed, the same partitions every round, compressed or not, and the nodes listed in
+    # partition order, which is how DEFT ranks its clients: every run, not only sampled ones.
+    strategy = sampling = SeededSampling(strategy, cfg.seed)
     done = 0  # rounds finished before this process started (resume)
     if ckpt is not None:
         done = ckpt.round
@@ -445,10 +445,9 @@ def write_plots(run_dir: Path) -> list[Path]:
         return []
 
 
-def _partitions_of(sampling: SeededSampling | None) -> dict[str, Any]:
-    """The summary entry ``node_partitions`` (which partition each node id trains on) of a
-    sampled run; nothing when every node trains every round."""
-    return {} if sampling is None else {"node_partitions": _by_node(sampling.partitions)}
+def _partitions_of(sampling: SeededSampling) -> dict[str, Any]:
+    """The summary entry ``node_partitions``: which partition each node id trains on."""
+    return {"node_partitions": _by_node(sampling.partitions)}
 
 
 def _by_node(values: dict) -> dict[str, object]:

@@ -178,7 +178,11 @@ class CompressionStrategy(Strategy):
     def _traffic(self, server_round: int) -> RoundTraffic:
         return self.traffic.setdefault(server_round, RoundTraffic())
 
-    def _with_downlink(self, messages: Iterable[Message], server_round: int, train: bool = False) -> list[Message]:
+    def _with_downlink(
+        self, messages: Iterable[Message], server_round: int, train: bool = False, listed: Iterable[int] = ()
+    ) -> list[Message]:
+        """``messages`` with their downlink records. A train round's uplink extras go to its nodes
+        in the order of ``listed`` (the grid's node ids; others after them, by id)."""
         assert self.replica is not None
         messages = list(messages)
         dense = fp32_bytes(self.replica.tensors)
@@ -186,7 +190,8 @@ class CompressionStrategy(Strategy):
         downlink_codec = self.downlink_method.codec_config(self.config, server_round)
         extras: dict[int, dict[str, bytes]] = {}
         if train:
-            nodes = [m.metadata.dst_node_id for m in messages]
+            rank = {n: i for i, n in enumerate(listed)}
+            nodes = sorted((m.metadata.dst_node_id for m in messages), key=lambda n: (rank.get(n, len(rank)), n))
             extras = self.uplink.downlink_extras(server_round, nodes, self.replica.specs)
         out = []
         for msg in messages:
@@ -231,7 +236,7 @@ class CompressionStrategy(Strategy):
         config[protocol.LOCAL_ITERS] = self.config.local_iters_at(server_round)
         config[protocol.LINEAGE] = self.lineage
         msgs = self.strategy.configure_train(server_round, arrays, config, grid)
-        return self._with_downlink(msgs, server_round, train=True)
+        return self._with_downlink(msgs, server_round, train=True, listed=grid.get_node_ids())
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid

@@ -152,7 +152,10 @@ class UplinkMethod:
     def downlink_extras(
         self, server_round: int, nodes: Sequence[int], specs: Sequence[TensorSpec]
     ) -> dict[int, dict[str, bytes]]:
-        """Bytes of its own for each node of a train round (counted as downlink traffic)."""
+        """Bytes of its own for each node of a train round (counted as downlink traffic).
+        ``nodes`` come in the order the server's grid lists them (by partition under
+        :class:`~fedcomp.flower.sampling.SeededSampling`), the order a method that ranks its
+        clients follows."""
         return {}
 
     def note_node(self, node: int, status: Mapping[str, int] | None) -> None:

@@ -4,7 +4,8 @@ Server (:class:`DeftUplink`, one instance per run): before a train round it part
 each partition's k from the L2 norm of that partition in the previous round's aggregated update
 (the server has that aggregate; norms reported by the clients would cost uplink bytes; in the
 first round k is proportional to size) and bin-packs the partitions over the clients sampled for that round
-(:func:`fedcomp.methods.deft.plan_round`). Each client gets its own :class:`DeftAllocation` as protobuf
+(:func:`fedcomp.methods.deft.plan_round`), in the order the server's grid lists them (partition
+order under :class:`~fedcomp.flower.sampling.SeededSampling`, so one seed gives the same run). Each client gets its own :class:`DeftAllocation` as protobuf
 bytes in the downlink record. After decoding a reply it checks that the client selected only
 inside its partitions and no more than their k: a client that sends more is rejected like any
 corrupt payload.
@@ -77,7 +78,12 @@ class DeftUplink(UplinkMethod):
     def plan(
         self, server_round: int, nodes: Sequence[int], specs: Sequence[TensorSpec], density: float
     ) -> dict[int, bytes]:
-        """Allocation bytes for each node (sorted node ids get the bins in order)."""
+        """Allocation bytes for each node: the ``i``-th node of ``nodes`` is client ``i`` of the
+        round (bin ``(round + i) % n``). The wrapper passes them in the order its grid lists them,
+        which :class:`~fedcomp.flower.sampling.SeededSampling` makes partition order: the same
+        partition gets the same bins in every run, whatever the node ids. (In node-id order, a
+        simulation's new random ids gave each run's partitions other bins: DEFT runs with one
+        seed ended on different models.)"""
         large = _large(specs, self.min_numel)
         self._ranges = {}
         self.last_round = server_round
@@ -89,7 +95,7 @@ class DeftUplink(UplinkMethod):
             agg = [self.aggregate[specs[i].name] for i in large]
             allocations = plan_round_from_aggregate(agg, density, len(nodes), server_round)
         out: dict[int, bytes] = {}
-        for node, alloc in zip(sorted(nodes), allocations, strict=True):
+        for node, alloc in zip(nodes, allocations, strict=True):
             # plan_round numbers the compressed tensors; the wire numbers the model's tensors.
             full = DeftAllocation(alloc.round, tuple(replace(p, tensor=large[p.tensor]) for p in alloc.partitions))
             self._ranges[node] = ranges_for(full, len(specs))

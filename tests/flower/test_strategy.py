@@ -17,6 +17,7 @@ from fedcomp.codecs import SBC, DenseFP16, TopK
 from fedcomp.flower import protocol
 from fedcomp.flower.records import record_from_tensors
 from fedcomp.flower.strategy import CompressionStrategy
+from fedcomp.methods.deft_uplink import DeftUplink
 from fedcomp.methods.update import UpdateEncoder
 from fedcomp.wire.serde import update_from_bytes, update_to_bytes
 from tests.flower.helpers import (
@@ -262,6 +263,28 @@ def test_a_deft_reply_selecting_outside_its_allocation_is_rejected() -> None:
     assert max_abs_diff(w2, w1) < 0.5  # node 2's linspace delta (up to 1.0) was not aggregated
     # Honest DEFT clients are accepted in both rounds.
     assert strategy.traffic[1].rejected == {}
+
+
+def test_deft_gives_its_bins_in_the_order_the_grid_lists_the_nodes() -> None:
+    """Two runs whose nodes have other ids (a simulation draws new ones each run) but are listed in
+    the same order (partition order, under SeededSampling) give each client the same allocations
+    and end on the same model. In node-id order they gave the partitions other bins."""
+    runs = []
+    for ids in ((30, 10, 20), (5, 900, 70)):
+        strategy = make_strategy(**{"uplink-codec": "deft", "topk-density": 0.05})
+        clients = {n: Client(p) for n, p in zip(ids, (101, 102, 103), strict=True)}  # p: the partition
+        w, allocations = tiny_model(), []
+        for r in (1, 2, 3):
+            w_next, log = train_round(strategy, clients, r, w, nodes=ids)
+            assert strategy.traffic[r].rejected == {}
+            allocations.append([log.downlinks[n][DeftUplink.ALLOCATION_KEY] for n in ids])
+            assert w_next is not None
+            w = w_next
+        runs.append((allocations, w))
+    (first, w_first), (again, w_again) = runs
+    assert first == again
+    assert all(len(set(per_round)) == 3 for per_round in first)  # three clients, three bins
+    assert max_abs_diff(w_first, w_again) == 0.0
 
 
 # --- accounting ----------------------------------------------------------------------------------
