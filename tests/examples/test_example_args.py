@@ -90,6 +90,17 @@ def test_bad_options_exit_2_naming_the_option(example_main, script: str, argv: l
     assert code == 2 and message in err
 
 
+@pytest.mark.parametrize(
+    "script", ["compression_gap", "dp_table", "methods_table", "sbc_table2", "sparsity_grid", "threelc_table2"]
+)
+def test_help_prints_usage_and_exits_0(example_main, capsys, script: str) -> None:  # type: ignore[no-untyped-def]
+    """``--help`` as a newcomer's first call: methods_table's crashed on the "%" of its labels."""
+    code, err = example_main(script, "--help")
+    out = capsys.readouterr().out
+    assert code == 0 and err == ""
+    assert out.startswith("usage: ") and "--help" in out
+
+
 def test_methods_table_checks_its_choices_before_the_data_folder(example_main) -> None:  # type: ignore[no-untyped-def]
     code, err = example_main("methods_table", "--only", "foo")
     assert code == 2 and "unknown method label(s) ['foo']" in err
