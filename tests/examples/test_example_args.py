@@ -101,6 +101,19 @@ def test_help_prints_usage_and_exits_0(example_main, capsys, script: str) -> Non
     assert out.startswith("usage: ") and "--help" in out
 
 
+def test_methods_table_rows_use_the_downlink_it_documents(example_main) -> None:  # type: ignore[no-untyped-def]
+    """The table is documented with the papers' 3LC downlink (s = 1); the app's own default
+    downlink changed to "lattice", and rows that left the key out silently followed it."""
+    from fedcomp.app.config import AppConfig
+
+    module = importlib.import_module("methods_table")
+    assert "All compressed rows use the 3LC downlink at s = 1" in (module.__doc__ or "")
+    for label, extra in module.METHODS.items():
+        cfg = AppConfig.from_run_config({**module.base_config(25), **extra}).compression
+        if cfg.compress:
+            assert (cfg.downlink_codec, cfg.threelc_s.at(1)) == ("3lc", 1.0), label
+
+
 def test_methods_table_checks_its_choices_before_the_data_folder(example_main) -> None:  # type: ignore[no-untyped-def]
     code, err = example_main("methods_table", "--only", "foo")
     assert code == 2 and "unknown method label(s) ['foo']" in err
