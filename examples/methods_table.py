@@ -122,7 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", type=int_at_least(1), default=10)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument(
-        "--only", nargs="+", default=None, metavar="LABEL", help=f"method labels to run (default: all): {list(METHODS)}".replace("%", "%%")
+        "--only",
+        nargs="+",
+        default=None,
+        metavar="LABEL",
+        help=f"method labels to run (default: all): {list(METHODS)}".replace("%", "%%"),
     )
     ap.add_argument("--force", action="store_true", help="rerun cached configurations")
     ap.add_argument("--timeout", type=float_in(0.0, lo_open=True), default=3600.0, help="seconds per run")
