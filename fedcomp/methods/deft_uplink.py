@@ -4,11 +4,11 @@ Server (:class:`DeftUplink`, one instance per run): before a train round it part
 each partition's k from the L2 norm of that partition in the previous round's aggregated update
 (the server has that aggregate; norms reported by the clients would cost uplink bytes; in the
 first round k is proportional to size) and bin-packs the partitions over the clients sampled for that round
-(:func:`fedcomp.methods.deft.plan_round`), in the order the server's grid lists them (partition
-order under :class:`~fedcomp.flower.sampling.SeededSampling`, so one seed gives the same run). Each client gets its own :class:`DeftAllocation` as protobuf
-bytes in the downlink record. After decoding a reply it checks that the client selected only
-inside its partitions and no more than their k: a client that sends more is rejected like any
-corrupt payload.
+(:func:`fedcomp.methods.deft.plan_round`), taken in the order the server's grid lists them
+(partition order under :class:`~fedcomp.flower.sampling.SeededSampling`, so one seed gives one
+run). Each client gets its own :class:`DeftAllocation` as protobuf bytes in the downlink record.
+After decoding a reply it checks that the client selected only inside its partitions and no more
+than their k: a client that sends more is rejected like any corrupt payload.
 
 Client (:meth:`DeftUplink.client_codecs`): validates the allocation against its replica's shapes and encodes
 every compressed tensor with :class:`~fedcomp.codecs.TopK` restricted to its partitions
