@@ -137,6 +137,44 @@ def test_commit_equals_advancing_with_the_chosen_codec_alone() -> None:
     assert all(torch.equal(replica.tensors[k], target[k]) for k in target)  # exact
 
 
+@pytest.mark.parametrize("lag_max", [1e9, 1e-6, 0.0])
+def test_trials_keep_at_most_two_scratch_copies_and_commit_the_chosen_one(
+    monkeypatch: pytest.MonkeyPatch, lag_max: float
+) -> None:
+    """Only the best trial's scratch replica outlives the next trial (each was kept to the end:
+    one copy of the model per candidate), and the committed state is the one choose() picks."""
+    import gc
+    import weakref
+
+    import fedcomp.flower.downlink_policy as policy
+
+    replica, prev, target = _replica_and_targets(0.01)
+    twin = copy.deepcopy(replica)
+    config = _config(**{"replica-lag-max": lag_max})
+    moved = distance(target, prev)
+    scratches: list[weakref.ref] = []
+    alive: list[int] = []
+    real_trial = policy._trial
+
+    def tracked(*args: object, **kwargs: object) -> tuple[Trial, ServerReplica]:
+        gc.collect()
+        alive.append(sum(r() is not None for r in scratches))  # copies alive as this trial starts
+        trial, scratch = real_trial(*args, **kwargs)  # type: ignore[arg-type]
+        scratches.append(weakref.ref(scratch))
+        return trial, scratch
+
+    monkeypatch.setattr(policy, "_trial", tracked)
+    chosen = advance_by_policy(replica, target, moved, config, 2, CANDIDATES)
+    assert alive[0] == 0 and max(alive) == 1 and len(alive) == len(CANDIDATES)
+    expected = choose([try_candidate(twin, target, m, n, moved, config, 2) for m, n in CANDIDATES], lag_max)
+    assert chosen == expected and chosen.name == {1e9: "3lc", 1e-6: "sparse-fp32", 0.0: "sparse-fp32"}[lag_max]
+    for _ in range(expected.passes):
+        twin.advance(target, get_codec(expected.method.codec_config(config, 2)))
+    assert _same_state(_state(replica), _state(twin))
+    with pytest.raises(ValueError, match="no candidates"):
+        advance_by_policy(replica, target, moved, config, 3, [])
+
+
 def test_candidates_config() -> None:
     assert parse_candidates("3lc, 3lc*2 ,sparse-fp16") == [(ThreeLCDownlink, 1), (ThreeLCDownlink, 2),
                                                           (SparseFP16Downlink, 1)]  # fmt: skip
