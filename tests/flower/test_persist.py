@@ -115,6 +115,34 @@ def test_state_restored_under_new_node_ids_does_not_resend_an_aggregated_update(
     assert not any("goes back into the residual" in m for m in messages), messages
 
 
+def test_deft_resumed_under_new_node_ids_in_partition_order_gives_the_uninterrupted_model(tmp_path: Path) -> None:
+    """Restarted SuperNodes (or a resumed simulation) come back under new ids. Listed in partition
+    order (SeededSampling's grid), they get the bins their partitions had: the resumed DEFT run
+    ends on the uninterrupted model. (By node id, the new ids 30, 10, 20 gave other bins.)"""
+    cfg = {"uplink-codec": "deft", "topk-density": 0.05}
+
+    def clients(state_dir: Path, ids: tuple[int, ...]) -> dict[int, Client]:
+        out = _clients(state_dir, ids)
+        for partition, c in enumerate(out.values()):
+            c.node = 100 + partition  # what it trains on follows its partition, not its id
+        return out
+
+    def run(strategy: CompressionStrategy, cs: dict[int, Client], rounds: range, model: dict) -> dict:
+        for rnd in rounds:
+            new, _ = train_round(strategy, cs, rnd, model, nodes=list(cs))  # (listed in partition order)
+            assert new is not None
+            model = new
+        return model
+
+    full = run(make_strategy(**cfg), clients(tmp_path / "a", NODES), range(1, 6), tiny_model())
+    strategy = make_strategy(**cfg)
+    model = run(strategy, clients(tmp_path / "b", NODES), range(1, 4), tiny_model())
+    resumed = make_strategy(**cfg)
+    resumed.load_state_dict(_copy_state(strategy))
+    final = run(resumed, clients(tmp_path / "b", (30, 10, 20)), range(4, 6), model)
+    assert all(torch.equal(final[k], full[k]) for k in full)
+
+
 def test_a_new_run_with_the_same_name_starts_clean(tmp_path: Path) -> None:
     strategy = make_strategy()
     _run(strategy, _clients(tmp_path), range(1, 3), tiny_model())
