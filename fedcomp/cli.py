@@ -36,6 +36,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import shutil
 import sys
 import tomllib
@@ -370,18 +371,34 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
 }
 
 
+#: The package's other command lines, which ``python -m fedcomp`` names (they are modules of
+#: their own: ``bench`` imports this one, so this one does not import it).
+SIBLINGS: dict[str, str] = {
+    "deploy": "a deployment: SuperLink and SuperNodes on this machine (local) or on real hosts",
+    "bench": "benchmarks: codecs, server aggregation, rounds, links, DEFT, GradiVeQ",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m fedcomp COMMAND ...``."""
     argv = sys.argv[1:] if argv is None else argv
-    usage = "usage: python -m fedcomp {run,plot} [--help] ...\n\n" + "\n".join(
-        f"  {name:<6}{text}" for name, (_, text) in COMMANDS.items()
+    usage = (
+        "usage: python -m fedcomp {run,plot} [--help] ...\n\n"
+        + "\n".join(f"  {name:<6}{text}" for name, (_, text) in COMMANDS.items())
+        + "\n\nalso:\n"
+        + "\n".join(f"  python -m fedcomp.{name:<7} {text}" for name, text in SIBLINGS.items())
     )
     if not argv or argv[0] in ("-h", "--help"):
         print(usage)
         return EXIT_OK if argv else EXIT_CONFIG
     command = COMMANDS.get(argv[0])
     if command is None:
-        print(f"{usage}\n\nunknown command {argv[0]!r}", file=sys.stderr)
+        hint = (
+            f"; did you mean: {shlex.join(['python', '-m', f'fedcomp.{argv[0]}', *argv[1:]])}"
+            if argv[0] in SIBLINGS
+            else ""
+        )
+        print(f"{usage}\n\nunknown command {argv[0]!r}{hint}", file=sys.stderr)
         return EXIT_CONFIG
     try:
         return command[0](argv[1:])

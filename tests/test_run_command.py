@@ -158,6 +158,24 @@ def _results(out_dir: Path) -> dict:
 # --- reading the run config (fast) -------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("sibling", ["deploy", "bench"])
+def test_the_other_command_lines_are_named_and_a_sibling_typed_as_a_command_gets_its_spelling(
+    sibling: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A newcomer reads ``python -m fedcomp.deploy local`` and types ``python -m fedcomp deploy
+    local``: exit 2, with the command they meant (its arguments kept)."""
+    from fedcomp.cli import main
+
+    assert main(["--help"]) == 0
+    assert f"python -m fedcomp.{sibling} " in capsys.readouterr().out
+    assert main([sibling, "local", "--run-config", "sbc-p=0.1 lr=0.01"]) == 2
+    err = capsys.readouterr().err
+    assert err.endswith(
+        f"unknown command {sibling!r}; did you mean: python -m fedcomp.{sibling} local --run-config 'sbc-p=0.1 lr=0.01'\n"
+    )
+    assert main(["deplyo"]) == 2 and capsys.readouterr().err.endswith("unknown command 'deplyo'\n")
+
+
 def test_run_config_values_are_read_as_meant() -> None:
     got = parse_run_config("sbc-p=0.01 local-iters=5 compress=false uplink-codec=deft dataset='mnist' "
                            'data-dir="/a b/c" 3lc-s=steps:1.0@1,1.5@3 run-name=x')  # fmt: skip
