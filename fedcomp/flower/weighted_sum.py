@@ -31,11 +31,6 @@ from fedcomp.errors import PayloadError
 from fedcomp.methods.base import SentTerm
 from fedcomp.wire.payloads import DensePayload, EncodedUpdate
 
-#: One tensor of a decoded delta on the per-tensor path: dense, or (positions, the one value they
-#: share) for an SBC tensor, or (positions, their values) for a top-k or STC one: those are never
-#: expanded to the tensor's size. (What :meth:`UplinkMethod.check_sent` checks.)
-Term = SentTerm
-
 
 @dataclass
 class ReplyDelta:
@@ -43,7 +38,7 @@ class ReplyDelta:
     add: the tensors the kernel adds (``kernel``) and the others (``terms``). ``squares`` is its
     squared norm."""
 
-    terms: dict[str, Term] = field(default_factory=dict)
+    terms: dict[str, SentTerm] = field(default_factory=dict)
     kernel: scatter_sum.ScatterSum | None = None
     squares: float = 0.0
 
@@ -95,7 +90,7 @@ def sparse_delta(
     return out
 
 
-def _check_terms(terms: Mapping[str, Term]) -> float:
+def _check_terms(terms: Mapping[str, SentTerm]) -> float:
     """The squared norm of the per-tensor terms, after checking their values are finite (a sparse
     term's values are finite by its decoder's checks; an SBC one's squared norm is
     ``nnz * value**2``)."""

@@ -25,8 +25,10 @@ from fedcomp.codecs import Codec, DenseFP32, TensorSpec, get_codec
 from fedcomp.methods.update import decode_update
 from fedcomp.wire.payloads import EncodedUpdate
 
-#: One tensor of a decoded delta as :meth:`UplinkMethod.check_sent` gets it (the server's running
-#: sum's terms, ``fedcomp.flower.weighted_sum.Term``).
+#: One tensor of a decoded delta as :meth:`UplinkMethod.check_sent` gets it and the server's
+#: running sum adds it (``fedcomp.flower.weighted_sum``): dense, or (positions, the one value they
+#: share) for an SBC tensor, or (positions, their values) for a top-k or STC one, never expanded
+#: to the tensor's size.
 SentTerm = torch.Tensor | tuple[torch.Tensor, float | torch.Tensor]
 
 
