@@ -7,7 +7,16 @@ import numpy as np
 import pytest
 import torch
 
-from fedcomp.codecs.flat import Layout, concrete_device, count_device_work, to_device_many, to_host
+from fedcomp.codecs.flat import (
+    Layout,
+    concrete_device,
+    count_device_work,
+    tensors_on_host,
+    tensors_to_device,
+    to_device,
+    to_device_many,
+    to_host,
+)
 
 
 def _cases() -> list[torch.Tensor]:
@@ -83,6 +92,37 @@ def test_to_device_many_is_each_group_concatenated_in_one_copy() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_to_device_many_onto_cuda() -> None:
     _check_many(torch.device("cuda", torch.cuda.current_device()))
+
+
+def _model() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return {"w": torch.randn(3, 4, generator=g), "b": torch.randn(4, generator=g), "s": torch.tensor(2.5)}
+
+
+def test_host_tensors_stay_where_they_are() -> None:
+    """On the CPU neither helper copies: the same tensors come back (a copy per round of a whole
+    model is what these helpers exist to avoid)."""
+    model = _model()
+    for got in (tensors_to_device(model, "cpu"), tensors_on_host(model)):
+        assert list(got) == list(model)
+        assert all(got[k].data_ptr() == model[k].data_ptr() and torch.equal(got[k], model[k]) for k in model)
+    mixed = {**model, "n": torch.arange(3)}  # not all float32: copied tensor by tensor, as they are
+    assert all(torch.equal(v, mixed[k]) and v.dtype == mixed[k].dtype for k, v in tensors_on_host(mixed).items())
+    assert tensors_to_device({}, "meta") == {}
+
+
+def test_tensors_go_to_another_device_as_views_of_one_buffer() -> None:
+    """("meta" stands in for CUDA: the device is kept, each tensor a view of one allocation.)"""
+    model = _model()
+    got = tensors_to_device(model, torch.device("meta"))
+    assert list(got) == list(model)
+    assert all(
+        v.device.type == "meta" and v.shape == model[k].shape and v.dtype == torch.float32 for k, v in got.items()
+    )
+    bases = [v._base for v in got.values()]
+    assert bases[0] is not None and all(b is bases[0] for b in bases) and bases[0].numel() == 17
+    one = to_device(np.arange(6, dtype=np.int32), torch.device("meta"))
+    assert one.device.type == "meta" and one.shape == (6,) and one.dtype == torch.int32
 
 
 def test_a_device_named_without_an_index_is_resolved() -> None:

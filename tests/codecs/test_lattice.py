@@ -232,13 +232,23 @@ def test_rice_parameter_is_the_first_cheapest_of_all() -> None:
         assert _rice_k(m1) == int(np.argmin(costs)), scale
 
 
-@pytest.mark.parametrize("bad", ["nan", "inf", "wide"])
+@pytest.mark.parametrize("bad", ["nan", "inf", "wide", "at the limit"])
 def test_cpu_and_torch_paths_refuse_the_same_inputs(bad: str) -> None:
     x = torch.linspace(-1, 1, 2000)
-    x[1234] = {"nan": math.nan, "inf": -math.inf, "wide": 2.0**30}[bad]
+    x[1234] = {"nan": math.nan, "inf": -math.inf, "wide": 2.0**30, "at the limit": -K_LIMIT * 2.0**-4}[bad]
     codec = Lattice(8.0, -4)
     with pytest.raises(ValueError) as cpu:
         codec._payload_cpu(x.numpy(), "w", 2.0**-4, want_recon=False)
     with pytest.raises(ValueError) as ref:
         codec._payload_torch(x, "w", 2.0**-4)
     assert str(cpu.value) == str(ref.value)
+
+
+def test_cpu_and_torch_paths_take_the_largest_grid_point() -> None:
+    """``|K| = 2**24 - 1`` is the last grid point either path takes (one more is refused above)."""
+    x = torch.linspace(-1, 1, 2000)
+    x[1234] = -(K_LIMIT - 1) * 2.0**-4
+    codec = Lattice(8.0, -4)
+    cpu = codec._payload_cpu(x.numpy(), "w", 2.0**-4, want_recon=True)
+    ref = codec._payload_torch(x, "w", 2.0**-4)
+    assert cpu[0] == ref[0] and cpu[1] is not None and float(ref[1][1234]) == float(x[1234])

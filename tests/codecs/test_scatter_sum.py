@@ -23,8 +23,10 @@ def test_a_scatter_sum_checks_then_adds():
     s.positions("a", encode_positions(torch.tensor([0, 2, 7]), 1), 3, 1, 8, -0.5)
     s.values("b", np.array([1.0, 2.0], dtype=np.float32).tobytes(), 2)
     s.positions("c", encode_positions(torch.tensor([4]), 0), 1, 0, 5, 3.0)
-    with pytest.raises(RuntimeError, match="before a successful check"):
+    with pytest.raises(RuntimeError, match=r"^ScatterSum\.add_into before a successful check\(\)$"):
         s.add_into(1.0, [np.zeros(8), np.zeros(2), np.zeros(5)])
+    with pytest.raises(RuntimeError, match=r"^ScatterSum\.decoded_positions before a successful check\(\)$"):
+        s.decoded_positions()
     assert s.check() == 3 * 0.25 + 1 + 4 + 9
     outs = [np.zeros(8), np.ones(2), np.zeros(5)]
     s.add_into(2.0, outs)
@@ -45,6 +47,20 @@ def test_a_bad_tensor_is_named_and_nothing_can_be_added():
     s.positions("past", bits, 2, 1, 5, 1.0)  # position 6 of a 5-element tensor
     with pytest.raises(PayloadError, match="past"):
         s.check()
+
+
+@needs_kernel
+def test_a_stream_only_the_kernel_refuses_is_still_refused_and_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the kernel finds a position stream invalid, the per-tensor decoder is asked for its
+    words; should it find nothing wrong (the two disagree), the stream is refused all the same,
+    naming the tensor."""
+    monkeypatch.setattr(scatter_sum, "decode_positions", lambda *args: None)
+    s = scatter_sum.ScatterSum()
+    s.positions("fine", encode_positions(torch.tensor([1]), 0), 1, 0, 4, 1.0)
+    s.positions("past", encode_positions(torch.tensor([1, 6]), 1), 2, 1, 5, 1.0)
+    with pytest.raises(PayloadError) as err:
+        s.check()
+    assert (err.value.tensor, err.value.reason) == ("past", "invalid position stream")
 
 
 @needs_kernel

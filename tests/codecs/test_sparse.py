@@ -104,6 +104,19 @@ def test_float16_error_within_the_documented_bound(x, threshold):
     assert bool((x[sent].abs() > codec.threshold * float(x.abs().max())).all()) if x.numel() else True
 
 
+def test_float16_error_bound_is_the_documented_one_and_is_reached():
+    """``fp16_error_bound`` is ``max(t * max|x|, 2**-11 |x|, 2**-25)`` term by term (a looser bound
+    would let the round-trip test above pass whatever the codec did), and float16's rounding
+    reaches its middle term."""
+    x = torch.tensor([1024.0, -3.0, 2.0**-20, 0.0])
+    assert fp16_error_bound(x, 0.0).tolist() == [0.5, 3 * 2.0**-11, 2.0**-25, 2.0**-25]
+    assert fp16_error_bound(x, 2.0**-12).tolist() == [0.5, 0.25, 0.25, 0.25]
+    assert fp16_error_bound(torch.zeros(0)).numel() == 0
+    tie = torch.tensor([1.0 + 2.0**-11, 4.0])  # half-way between two float16 values
+    dec, _ = kit.round_trip(Sparse("float16", 0.0), tie)
+    assert float((tie - dec).abs()[0]) == 2.0**-11 <= float(fp16_error_bound(tie, 0.0)[0])
+
+
 def test_float16_threshold_keeps_rounding_residuals_from_being_resent():
     """The rounding residual that W - R keeps after a float16 round is below the next round's
     threshold when the next delta is as large: it is not resent as noise, entry by entry."""
