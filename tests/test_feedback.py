@@ -33,6 +33,18 @@ def test_sum_of_decoded_tracks_sum_of_inputs():
     torch.testing.assert_close(total_out + fb.residual("w"), total_in, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("shape", [(), (1,), (0,), (3, 1)], ids=str)
+def test_a_residual_of_any_shape_is_added(shape: tuple[int, ...]) -> None:
+    """0-d (BatchNorm's ``num_batches_tracked``), one-value and empty tensors carry a residual as
+    any other: NumPy adds two 0-d arrays into a scalar, which must not reach ``torch.from_numpy``."""
+    fb = ErrorFeedback(DenseFP16())
+    fb.load_state_dict({"t": torch.full(shape, 0.25)})
+    x = torch.full(shape, 1.0 + 2.0**-12)  # float16 rounds it to 1.0: the residual stays 0.25 + 2**-12
+    dec = DenseFP16().decode(fb.encode(x, "t"), TensorSpec("t", shape))
+    assert dec.shape == shape and torch.equal(dec, torch.full(shape, 1.25))
+    assert torch.equal(fb.residual("t"), torch.full(shape, 2.0**-12))
+
+
 def test_state_dict_round_trip():
     fb = ErrorFeedback(DenseFP16())
     fb.encode(torch.randn(10), "a")

@@ -31,6 +31,8 @@ from fedcomp.wire.payloads import (
 
 def tensor_to_le_bytes(t: torch.Tensor) -> bytes:
     """Raw little-endian bytes of a tensor (every platform torch runs on is little-endian)."""
+    if not t.numel():  # (an empty array from NumPy has stride 0, which ``view`` refuses)
+        return b""
     return t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 

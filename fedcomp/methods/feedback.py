@@ -151,9 +151,11 @@ class ErrorFeedback:
         if self.stale is not None and self.stale.active:
             residual = self.stale.apply(residual, acc, self.age)
         # A new tensor either way (addition commutes: the same bits); on CPU in NumPy, whose
-        # kernels run on the calling thread (torch's stall on a busy machine).
-        acc = torch.from_numpy(np.add(residual.numpy(), acc.numpy())) if _cpu_f32(residual, acc) else acc + residual
-        return acc, True
+        # kernels run on the calling thread (torch's stall on a busy machine). (NumPy adds two 0-d
+        # arrays into a scalar, which torch.from_numpy refuses: asarray makes it an array again.)
+        if _cpu_f32(residual, acc):
+            return torch.from_numpy(np.asarray(np.add(residual.numpy(), acc.numpy()))), True
+        return acc + residual, True
 
     def _encode_dense(
         self, acc: torch.Tensor, own: bool, name: str, codec: Codec

@@ -17,6 +17,7 @@ from fedcomp.flower.records import tensors_from_record
 from tests.flower.helpers import (
     Client,
     make_strategy,
+    num_examples,
     server_identity,  # noqa: F401 (autouse fixture)
     tiny_model,
     train_round,
@@ -73,6 +74,30 @@ def test_integer_bool_and_scalar_arrays_travel_with_the_model(config: dict[str, 
         assert torch.equal(w_next["mask"], torch.ones(7))
         assert w_next["temperature"].shape == () and float(w_next["temperature"]) != float(w["temperature"])
         w = w_next
+
+
+@pytest.mark.parametrize("config", [{}, {"uplink-codec": "topk"}, {"uplink-codec": "deft"}], ids=str)
+def test_a_lost_update_with_scalar_arrays_goes_back_into_the_residual(config: dict[str, Any]) -> None:
+    """Client 1's round-1 update never reaches the server; it goes back into that client's
+    residual, 0-d arrays (``num_batches_tracked``, a temperature) included, and the client trains
+    on in later rounds (before, adding a 0-d residual failed every round after the loss)."""
+    strategy = make_strategy(**config)
+    clients = {1: _WithBuffers(1), 2: _WithBuffers(2)}
+    n1, n2 = num_examples(1), num_examples(2)
+    # the count: round 1 client 2's alone; round 2 client 1 sends its lost count too (sent dense);
+    # round 3 both count on from the (integer) count they loaded
+    expected = [5 + STEP, 5 + STEP + (n1 * 2 * STEP + n2 * STEP) / (n1 + n2)]
+    expected.append(int(expected[-1]) + STEP)
+    w = _model()
+    for r in range(1, 4):
+        w_next, log = train_round(strategy, clients, r, w, drop={1} if r == 1 else ())
+        assert w_next is not None and strategy.traffic[r].rejected == {}
+        assert not any(reply.has_error() for reply in log.replies.values()), r
+        assert float(w_next["bn.num_batches_tracked"]) == pytest.approx(expected[r - 1], rel=1e-6)
+        w = w_next
+    # client 1's lost counts came back in its round-2 update: none left over
+    residual = tensors_from_record(clients[1].ctx.state.array_records[protocol.STATE_RESIDUAL])
+    assert float(residual.get("bn.num_batches_tracked", torch.tensor(0.0))) == 0.0
 
 
 def test_arrays_that_float32_cannot_carry_are_config_errors_naming_them() -> None:
