@@ -41,6 +41,7 @@ from fedcomp.codecs import Codec, DenseFP32, Lattice, TensorSpec
 from fedcomp.codecs.lattice import E_MAX, E_MIN, K_LIMIT, lattice_exponent
 from fedcomp.errors import ConfigError, PayloadError
 from fedcomp.flower.records import digest
+from fedcomp.methods.statistics import is_statistic
 from fedcomp.methods.update import UpdateEncoder, decode_update, specs_of
 from fedcomp.wire.serde import update_from_bytes, update_size, update_to_bytes
 
@@ -317,6 +318,11 @@ def apply_delta(
         tensors[k] += d
 
 
+#: A running statistic's lattice grid puts its largest value at ``|K| < 2**FINE_BITS``
+#: (:func:`grid_exponents`).
+FINE_BITS = 14
+
+
 def grid_exponents(
     target: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tensor], step: float, weight_step: float
 ) -> dict[str, int]:
@@ -335,9 +341,15 @@ def grid_exponents(
     those that moved (-24 when none did), within its own weight bound; a tensor whose values are
     all integers, in ``target`` and ``base`` (a counter such as BatchNorm's ``num_batches_tracked``,
     a mask: the grid of its first movement would round a counter that moves by thousands to a
-    multiple of 2**13), takes at most 0, so that its grid holds every integer; every exponent is
-    then raised as far as needed for the tensor's largest value to stay below ``2**22 * h`` (a 4x
-    margin under ``|K| < 2**24`` for the model to grow), and clamped to ``[E_MIN, E_MAX]``.
+    multiple of 2**13), takes at most 0, so that its grid holds every integer; a running statistic
+    (BatchNorm's ``running_var``: :func:`~fedcomp.methods.statistics.is_statistic`) takes at most
+    the grid that puts its largest value (now or before) at ``|K| < 2**FINE_BITS``: each value
+    within ``2**-FINE_BITS`` of that largest one, with room for the values to grow ``2**(24 -
+    FINE_BITS)``-fold. On the grid of its first movement, a ``running_var`` near 0.1 was rounded to
+    0 or 0.5, and the model went NaN (:mod:`fedcomp.methods.statistics` says why). Every
+    exponent is then raised as far as needed for the tensor's largest value to stay below
+    ``2**22 * h`` (a 4x margin under ``|K| < 2**24`` for the model to grow), and clamped to
+    ``[E_MIN, E_MAX]``.
     """
     moved: dict[str, int] = {}
     for k, t in target.items():
@@ -352,11 +364,13 @@ def grid_exponents(
         values = float(t.detach().to(torch.float64).pow(2).mean().sqrt()) if t.numel() else 0.0
         if values > 0 and math.isfinite(values):
             e = min(e, math.floor(math.log2(weight_step * values)))
-        if _integer_valued(t) and _integer_valued(base[k]):
-            e = min(e, 0)
         biggest = max(
             float(t.detach().abs().max()) if t.numel() else 0.0, float(base[k].abs().max()) if t.numel() else 0.0
         )
+        if _integer_valued(t) and _integer_valued(base[k]):
+            e = min(e, 0)
+        elif is_statistic(k) and biggest > 0 and math.isfinite(biggest):
+            e = min(e, math.frexp(biggest)[1] - FINE_BITS)
         if biggest > 0 and math.isfinite(biggest):
             e = max(e, math.frexp(biggest)[1] - 22)
         out[k] = min(E_MAX, max(E_MIN, e))

@@ -37,6 +37,7 @@ import torch
 
 from fedcomp.flower.protocol import UplinkReport
 from fedcomp.methods.base import SentTerm, sent_positions
+from fedcomp.methods.statistics import sent_dense
 
 __all__ = ["RoundTraffic", "metric_record", "totals"]
 
@@ -81,7 +82,7 @@ class RoundTraffic:
             numel = numels[name] if numels is not None else t.numel() if isinstance(t, torch.Tensor) else -1
             if numel < 0:
                 raise ValueError(f"note_selection: the size of {name!r} is needed (numels)")
-            if numel < min_numel:
+            if sent_dense(name, numel, min_numel):
                 continue
             mask = self._union.get(name)
             if mask is None:

@@ -59,6 +59,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from fedcomp.codecs.golomb import expected_bits_per_position, golomb_b
 from fedcomp.errors import ConfigError
+from fedcomp.methods.statistics import sent_dense
 from fedcomp.net.links import LinkProfile
 
 __all__ = [
@@ -93,14 +94,15 @@ def estimate_dense_bytes(tensors: Sequence[tuple[str, int]]) -> int:
 def estimate_sbc_bytes(tensors: Sequence[tuple[str, int]], p: float, min_numel: int) -> int:
     """Expected bytes of an SBC update of tensors ``(name, numel)`` at fraction ``p``.
 
-    Tensors with fewer than ``min_numel`` elements go dense fp32 (4 bytes each). Each SBC tensor
+    Tensors with fewer than ``min_numel`` elements, and running statistics, go dense fp32 (4
+    bytes each: :func:`~fedcomp.methods.statistics.sent_dense`). Each SBC tensor
     keeps ``k = max(1, round(p n))`` positions coded at Golomb's expected bits per position for
     density ``k / n`` (with the paper's optimal ``b``), plus 32 bits for its mean.
     """
     total = UPDATE_OVERHEAD_BYTES
     for name, n in tensors:
         framing = TENSOR_OVERHEAD_BYTES + len(name.encode())
-        if n < min_numel:
+        if sent_dense(name, n, min_numel):
             total += 4 * n + framing
             continue
         if n == 0:

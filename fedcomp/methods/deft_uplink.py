@@ -32,6 +32,7 @@ from fedcomp.codecs import Codec, TensorSpec, TopK, get_codec
 from fedcomp.errors import PayloadError
 from fedcomp.methods.base import ClientRound, Decoded, SentTerm, UplinkMethod, extra_key, sent_positions
 from fedcomp.methods.deft import check_allocation, check_selection, plan_round, plan_round_from_aggregate, ranges_for
+from fedcomp.methods.statistics import sent_dense
 from fedcomp.wire.payloads import DeftAllocation, EncodedUpdate
 from fedcomp.wire.serde import allocation_from_bytes, allocation_to_bytes
 
@@ -42,7 +43,8 @@ Ranges = tuple[tuple[int, int, int], ...]
 
 
 def _large(specs: Sequence[TensorSpec], min_numel: int) -> list[int]:
-    return [i for i, s in enumerate(specs) if s.numel >= min_numel]
+    """The tensors DEFT selects in (the others go dense: :func:`sent_dense`)."""
+    return [i for i, s in enumerate(specs) if not sent_dense(s.name, s.numel, min_numel)]
 
 
 class DeftUplink(UplinkMethod):
@@ -158,5 +160,7 @@ def client_codecs(
     check_allocation(alloc, numels, expected_round=server_round)
     ranges = ranges_for(alloc, len(numels))
     return {
-        name: TopK(ranges=r) for (name, t), r in zip(replica.items(), ranges, strict=True) if t.numel() >= min_numel
+        name: TopK(ranges=r)
+        for (name, t), r in zip(replica.items(), ranges, strict=True)
+        if not sent_dense(name, t.numel(), min_numel)
     }

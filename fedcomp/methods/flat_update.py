@@ -55,6 +55,7 @@ from fedcomp.codecs.scatter_sum import available as scatter_sum_available
 from fedcomp.codecs.threelc import ThreeLC
 from fedcomp.errors import PayloadError
 from fedcomp.methods.feedback import ErrorFeedback
+from fedcomp.methods.statistics import sent_dense
 from fedcomp.wire.fast_writer import DeferredDensePayload
 from fedcomp.wire.payloads import TORCH_DTYPES, DensePayload, EncodedTensor, EncodedUpdate
 
@@ -96,7 +97,7 @@ def encode_on_device(
     large: list[tuple[str, torch.Tensor]] = []
     small: list[tuple[str, torch.Tensor]] = []
     for name, t in tensors.items():
-        if t.numel() >= min_numel:
+        if not sent_dense(name, t.numel(), min_numel):
             large.append((name, t))
         elif feedback is not None and feedback.residual(name) is not None:
             return None  # a small tensor with a residual goes through the error feedback dense

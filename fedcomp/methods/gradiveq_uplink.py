@@ -29,6 +29,7 @@ from fedcomp.codecs.gradiveq import GradiVeQ, coefficients_of
 from fedcomp.errors import PayloadError
 from fedcomp.methods.base import ClientRound, Decoded, StateStore, UplinkMethod, extra_key
 from fedcomp.methods.gradiveq import Compressor, decompress, fit_compressor
+from fedcomp.methods.statistics import sent_dense
 from fedcomp.methods.update import decode_update, specs_of
 from fedcomp.wire.payloads import EncodedUpdate
 from fedcomp.wire.serde import compressor_from_bytes, compressor_to_bytes
@@ -134,7 +135,7 @@ class GradiVeQUplink(UplinkMethod):
         if not self.compressed(server_round):
             delta = decode_update(update, specs, [DenseFP32()])
             for s in specs:
-                if s.numel >= self.config.min_compress_numel:
+                if not sent_dense(s.name, s.numel, self.config.min_compress_numel):
                     self._samples.setdefault(s.name, []).append(delta[s.name].reshape(-1))
                     self._shapes[s.name] = s.shape
             self._domain[server_round] = False
@@ -247,7 +248,7 @@ class GradiVeQUplink(UplinkMethod):
         codecs: dict[str, Codec] = {
             name: GradiVeQ(comp)
             for name, t in rnd.replica.items()
-            if t.numel() >= rnd.min_numel and comp.compresses(name)
+            if not sent_dense(name, t.numel(), rnd.min_numel) and comp.compresses(name)
         }
         return DenseFP32(), codecs
 

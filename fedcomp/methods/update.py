@@ -2,7 +2,8 @@
 an untrusted update against the shapes the receiver knows.
 
 Tensors with fewer than ``min_numel`` elements (biases, batch-norm parameters) go dense: as in
-3LC, compressing them costs more time than the bytes it saves.
+3LC, compressing them costs more time than the bytes it saves. So do a model's running statistics
+(BatchNorm's ``running_var``, ...), whatever their size: :mod:`fedcomp.methods.statistics`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from fedcomp.methods.dense_device import read_on_device, write_on_device
 from fedcomp.methods.feedback import ErrorFeedback
 from fedcomp.methods.flat_update import decode_on_device, encode_on_device
 from fedcomp.methods.sent import KeptValues, Sent, encode_kept
+from fedcomp.methods.statistics import sent_dense
 from fedcomp.wire.payloads import TORCH_DTYPES, DensePayload, EncodedTensor, EncodedUpdate
 from fedcomp.wire.serde import DenseFrames, update_from_bytes_deferred, update_to_bytes
 
@@ -138,7 +140,7 @@ class UpdateEncoder:
         together: dict[Codec, list[int]] = {}  # plain encodes of a codec that does many at once
         for i, (name, t) in enumerate(tensors.items()):
             override = codecs.get(name)
-            small = override is None and numels[i] < self.min_numel
+            small = override is None and sent_dense(name, numels[i], self.min_numel)
             codec = override if override is not None else self.small_codec if small else self._codec
             chosen.append(codec)
             if fb is not None and (not small or fb.residual(name) is not None):

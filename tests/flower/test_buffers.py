@@ -14,6 +14,7 @@ from flwr.app import ArrayRecord
 from fedcomp.errors import ConfigError
 from fedcomp.flower import protocol
 from fedcomp.flower.records import tensors_from_record
+from fedcomp.flower.replica import FINE_BITS
 from tests.flower.helpers import (
     Client,
     make_strategy,
@@ -73,6 +74,63 @@ def test_integer_bool_and_scalar_arrays_travel_with_the_model(config: dict[str, 
             assert float(held["bn.num_batches_tracked"]) == 5 + (r - 1) * STEP
         assert torch.equal(w_next["mask"], torch.ones(7))
         assert w_next["temperature"].shape == () and float(w_next["temperature"]) != float(w["temperature"])
+        w = w_next
+
+
+MOMENTUM = 0.65  # what ten batches at BatchNorm's momentum 0.1 leave of the start: 1 - 0.9**10
+
+
+def _measured(node: int) -> torch.Tensor:
+    """The variance client ``node`` measures on its own batches (small: a variance near 0.1 on a
+    coarse grid rounds to 0 or a multiple of 0.5)."""
+    return torch.rand(1500, generator=torch.Generator().manual_seed(node)) * 0.2 + 0.01
+
+
+class _MeasuresStatistics(_WithBuffers):
+    """As :class:`_WithBuffers`, and overwrites ``bn.running_var`` as BatchNorm does: an average
+    that starts from the value it was handed and moves ``MOMENTUM`` of the way to its own batches'."""
+
+    def replied(self, received: dict[str, torch.Tensor], trained: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        var = received["bn.running_var"] + MOMENTUM * (_measured(self.node) - received["bn.running_var"])
+        return {**super().replied(received, trained), "bn.running_var": var}
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {},
+        {"downlink-codec": "lattice"},
+        {"downlink-codec": "lattice", "min-compress-numel": 2000},
+        {"downlink-codec": "auto"},
+        {"uplink-codec": "deft"},
+        {"uplink-codec": "gradiveq", "gradiveq-dense-rounds": 1},
+        {"uplink-codec": "stc", "downlink-codec": "sparse-fp16"},
+        {"uplink-codec": "topk"},
+    ],
+    ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "defaults",
+)
+def test_running_statistics_are_averaged_as_flower_averages_them(config: dict[str, Any]) -> None:
+    """A running statistic of 1500 values (over ``min-compress-numel``) goes dense both ways, so the
+    global one is the clients' weighted mean each round, as with plain FedAvg, whatever the
+    methods. Before, SBC sent it sparse with error feedback and the lattice put it on a grid of
+    0.5: a negative variance, then a NaN model, in the audit that found it."""
+    strategy = make_strategy(**config)
+    clients = {1: _MeasuresStatistics(1), 2: _MeasuresStatistics(2), 3: _MeasuresStatistics(3)}
+    weights = {n: float(num_examples(n)) for n in clients}
+    # the lattice's replica is the statistic on its fine grid (2**-13 here: the largest value is 1),
+    # at most half a step off; W + update carries MOMENTUM of that each round, and the rounds'
+    # shares decay by 1 - MOMENTUM: never more than half a step in all
+    tolerance = 1e-6 + (2.0**-FINE_BITS if config.get("downlink-codec") == "lattice" else 0.0)
+    w = _model()
+    expected = w["bn.running_var"].double()
+    for r in range(1, 5):
+        w_next, _ = train_round(strategy, clients, r, w)
+        assert w_next is not None and strategy.traffic[r].rejected == {}
+        expected = sum(weights[n] * (expected + MOMENTUM * (_measured(n) - expected)) for n in clients)
+        expected = expected / sum(weights.values())
+        got = w_next["bn.running_var"].double()
+        assert float((got - expected).abs().max()) <= tolerance, r
+        assert bool((got > 0).all())
         w = w_next
 
 

@@ -13,7 +13,7 @@ from fedcomp.errors import PayloadError
 from fedcomp.flower import protocol
 from fedcomp.flower.mod import make_compression_mod
 from fedcomp.flower.records import digest
-from fedcomp.flower.replica import ServerReplica, apply_delta, apply_lattice, grid_exponents
+from fedcomp.flower.replica import FINE_BITS, ServerReplica, apply_delta, apply_lattice, grid_exponents
 from fedcomp.methods.update import specs_of
 from fedcomp.wire.serde import update_from_bytes
 from tests.flower.helpers import (  # noqa: F401  (server_identity: autouse fixture)
@@ -377,3 +377,39 @@ def test_the_run_config_bounds_the_grid_of_the_strategy_and_its_clients() -> Non
             assert dict(c.ctx.state.config_records[protocol.STATE_LATTICE]) == strategy.replica.grid
         grids[weight_step] = strategy.replica.grid
     assert all(grids[0.25][k] < grids[1024.0][k] for k in ("w1", "w2"))
+
+
+def test_running_statistics_take_a_fine_grid() -> None:
+    """A running statistic (by name, any size) gets a grid that puts its largest value, before or
+    after, under ``2**FINE_BITS`` steps; an integer counter keeps the integer rule; the rest keep
+    the grid of their movement. On its movement's grid a variance near 0.1 is rounded to a
+    multiple of 0.5 (a negative variance in the audit that found it)."""
+    var = torch.rand(2048, generator=torch.Generator().manual_seed(11)) * 0.2 + 0.01
+    base = {
+        "layer.bn.running_var": torch.ones(2048),
+        "layer.bn.running_mean": torch.zeros(2048),
+        "bn/moving_variance:0": torch.ones(64),
+        "bias": torch.zeros(300),
+        "w": _normal(4000, 0.05, 12),
+        "layer.bn.num_batches_tracked": torch.tensor(0.0),
+    }
+    target = {
+        "layer.bn.running_var": var,
+        "layer.bn.running_mean": _normal(2048, 0.3, 13),
+        "bn/moving_variance:0": var[:64],
+        "bias": _normal(300, 0.01, 14),
+        "w": base["w"] + _normal(4000, 0.001, 15),
+        "layer.bn.num_batches_tracked": torch.tensor(50.0),
+    }
+    grid = grid_exponents(target, base, step=12.0, weight_step=2.0)
+    for name in ("layer.bn.running_var", "layer.bn.running_mean", "bn/moving_variance:0"):
+        biggest = max(float(target[name].abs().max()), float(base[name].abs().max()))
+        assert grid[name] == math.frexp(biggest)[1] - FINE_BITS, name
+    assert grid["bias"] == math.floor(math.log2(2.0 * _rms(target["bias"])))  # not a statistic
+    assert grid["w"] == math.floor(math.log2(12.0 * _rms(target["w"] - base["w"])))
+    assert grid["layer.bn.num_batches_tracked"] == 0
+    h = math.ldexp(1.0, grid["layer.bn.running_var"])
+    replica = torch.round(var / h) * h
+    assert float((replica - var).abs().max()) <= 2.0**-FINE_BITS and bool((replica > 0).all())  # (largest: 1)
+    coarse = math.ldexp(1.0, math.floor(math.log2(2.0 * _rms(var))))  # the bound alone: 2**-2
+    assert bool((torch.round(var / coarse) * coarse == 0).any())
