@@ -241,6 +241,8 @@ def server_main(
                 rejected={str(k): v for k, v in sorted(t.rejected.items())},
                 # Train messages that got no reply at all; evaluate replies left out (and why).
                 replies_missing=sorted(str(n) for n in t.unanswered),
+                # Train replies that were errors (the app failed, a diverged update), and why.
+                replies_failed={str(k): v for k, v in sorted(t.failed.items())},
                 rejected_evaluate={str(k): v for k, v in sorted(t.rejected_evaluate.items())},
                 payload_uplink_bytes=sum(t.uplink.values()),
                 payload_downlink_bytes=sum(t.downlink.values()),

@@ -468,6 +468,9 @@ class CompressionStrategy(Strategy):
             self._note_node(node, self._report_of(msg))
         if msg.has_error():
             self._hint_if_no_mod(msg)
+            why = f"error {msg.error.code}: {msg.error.reason}"
+            traffic.failed[node] = _reason(why)
+            log.warning("fedcomp: node %s replied an error in round %s (%s)", node, server_round, why)
             return msg
         try:
             out = decode(msg, server_round)
@@ -605,7 +608,8 @@ class CompressionStrategy(Strategy):
         figures = metric_record(t, self.traffic)
         if phase == "train":
             log.info(
-                "fedcomp: round %s: uplink %s B (x%.1f), downlink %s B (x%.1f), %s replies accepted, %s rejected",
+                "fedcomp: round %s: uplink %s B (x%.1f), downlink %s B (x%.1f), %s replies accepted, %s rejected, "
+                "%s failed",
                 server_round,
                 figures["fedcomp.uplink-bytes"],
                 figures["fedcomp.uplink-ratio"],
@@ -613,6 +617,7 @@ class CompressionStrategy(Strategy):
                 figures["fedcomp.downlink-ratio"],
                 t.accepted,
                 len(t.rejected),
+                len(t.failed),
             )
         out = MetricRecord(dict(metrics) if metrics is not None else {})
         for k, v in figures.items():

@@ -19,6 +19,8 @@ and in the ``Result`` that ``strategy.start`` returns. The keys are stable:
 ``fedcomp.replies-accepted``            train replies decoded and handed to the inner strategy
 ``fedcomp.replies-rejected``            train replies rejected (corrupt, stale, hostile)
 ``fedcomp.replies-missing``             train messages that got no reply (timed out, lost)
+``fedcomp.replies-failed``              train replies that were errors (the ClientApp failed, the
+                                        client refused its own update as not finite, a resync)
 ``fedcomp.server-codec-seconds``        server time compressing the downlink and decoding replies
 ``fedcomp.client-encode-seconds``       the clients' uplink encode time, summed
 ``fedcomp.downlink-passes``             downlink deltas made this round (``downlink-passes``)
@@ -57,6 +59,8 @@ class RoundTraffic:
     accepted: int = 0  # train replies decoded and handed to the inner strategy
     #: Nodes sent a train message that have not replied (once aggregated: those that never did).
     unanswered: set[int] = field(default_factory=set)
+    #: Train replies that were errors, and the error's reason.
+    failed: dict[int, str] = field(default_factory=dict)
     #: Diagnostics. ``replica_lag``: ||W - R|| / ||W - W_prev|| after this round's downlink (how
     #: far the model clients train from trails the server's model, in rounds of movement);
     #: ``downlink_delivered``: 1 - ||W - R_after|| / ||W - R_before||, the share of the outstanding
@@ -166,6 +170,7 @@ def metric_record(t: RoundTraffic, run: Mapping[int, RoundTraffic]) -> dict[str,
         "fedcomp.replies-accepted": t.accepted,
         "fedcomp.replies-rejected": len(t.rejected),
         "fedcomp.replies-missing": len(t.unanswered),
+        "fedcomp.replies-failed": len(t.failed),
         "fedcomp.server-codec-seconds": float(t.encode_seconds + t.decode_seconds),
         "fedcomp.client-encode-seconds": float(sum(t.client_encode_seconds.values())),
         "fedcomp.downlink-passes": t.downlink_passes,

@@ -12,6 +12,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MetricRecord, Re
 from fedcomp.codecs import DenseFP32
 from fedcomp.flower import protocol
 from fedcomp.flower.records import record_from_tensors
+from fedcomp.flower.traffic import metric_record
 from fedcomp.methods.update import UpdateEncoder
 from fedcomp.wire.serde import update_from_bytes, update_to_bytes
 from tests.flower.helpers import (  # noqa: F401  (server_identity: autouse fixture)
@@ -139,6 +140,10 @@ def test_a_diverged_client_sends_an_error_keeps_its_state_and_comes_back() -> No
     assert reply.has_error() and reply.error.code == int(protocol.ErrorCode.LOCAL_UPDATE_REJECTED)
     assert "not finite" in reply.error.reason
     assert strategy.traffic[2].accepted == 1 and new2 is not None
+    # counted and logged as a failed reply, with the client's reason (not rejected, not missing)
+    t = strategy.traffic[2]
+    assert list(t.failed) == [2] and "not finite" in t.failed[2] and not t.rejected and not t.unanswered
+    assert metric_record(t, strategy.traffic)["fedcomp.replies-failed"] == 1
     # Residual untouched by the failed round; the server still knows its replica: a chain next.
     after = clients[2].ctx.state.array_records[protocol.STATE_RESIDUAL].to_torch_state_dict()
     assert all(torch.equal(residual[k], after[k]) for k in residual)

@@ -75,7 +75,7 @@ def test_train_metrics_are_the_inner_ones_plus_this_rounds_figures(caplog: pytes
     assert lines == [
         f"fedcomp: round 2: uplink {figures['fedcomp.uplink-bytes']} B (x{figures['fedcomp.uplink-ratio']:.1f}), "
         f"downlink {figures['fedcomp.downlink-bytes']} B (x{figures['fedcomp.downlink-ratio']:.1f}), "
-        "2 replies accepted, 0 rejected"
+        "2 replies accepted, 0 rejected, 0 failed"
     ]
     assert all(r.levelno == logging.INFO for r in caplog.records if r.getMessage().startswith("fedcomp:"))
 

@@ -26,6 +26,7 @@ def test_metric_record_has_every_figure_with_its_exact_value() -> None:
         rejected={3: "bad"},
         accepted=2,
         unanswered={4, 5},
+        failed={6: "error 2: out of memory", 7: "error 2: fedcomp: the local update is not finite"},
         encode_seconds=0.5,
         decode_seconds=0.25,
         client_encode_seconds={1: 0.125, 2: 0.0625},
@@ -46,6 +47,7 @@ def test_metric_record_has_every_figure_with_its_exact_value() -> None:
         "fedcomp.replies-accepted": 1,
         "fedcomp.replies-rejected": 0,
         "fedcomp.replies-missing": 0,
+        "fedcomp.replies-failed": 0,
         "fedcomp.server-codec-seconds": 0.0,
         "fedcomp.client-encode-seconds": 0.0,
         "fedcomp.downlink-passes": 0,
@@ -56,7 +58,7 @@ def test_metric_record_has_every_figure_with_its_exact_value() -> None:
     assert got1["fedcomp.downlink-bytes"] == 500 and got1["fedcomp.downlink-dense-bytes"] == 8000
     assert got1["fedcomp.downlink-ratio"] == 16.0
     assert got1["fedcomp.replies-accepted"] == 2 and got1["fedcomp.replies-rejected"] == 1
-    assert got1["fedcomp.replies-missing"] == 2
+    assert got1["fedcomp.replies-missing"] == 2 and got1["fedcomp.replies-failed"] == 2
     assert got1["fedcomp.server-codec-seconds"] == 0.75
     assert got1["fedcomp.client-encode-seconds"] == 0.1875
     # The run totals are the same whichever round asks.
@@ -225,4 +227,4 @@ def test_diagnostic_figures_appear_only_when_measured() -> None:
     assert got["fedcomp.replica-lag"] == 1.5
     assert got["fedcomp.downlink-delivered"] == 0.75
     assert got["fedcomp.residual-ratio-mean"] == 1.0
-    assert len(got) == 18
+    assert len(got) == 19
