@@ -607,14 +607,19 @@ class CompressionStrategy(Strategy):
         t = self._traffic(server_round)
         figures = metric_record(t, self.traffic)
         if phase == "train":
+            # A train round whose clients all hold the model already (it went out with the last
+            # evaluate round) sends no downlink: say so rather than a ratio of "x0.0".
+            down = (
+                f"{figures['fedcomp.downlink-bytes']} B (x{figures['fedcomp.downlink-ratio']:.1f})"
+                if figures["fedcomp.downlink-bytes"]
+                else "0 B (clients up to date)"
+            )
             log.info(
-                "fedcomp: round %s: uplink %s B (x%.1f), downlink %s B (x%.1f), %s replies accepted, %s rejected, "
-                "%s failed",
+                "fedcomp: round %s: uplink %s B (x%.1f), downlink %s, %s replies accepted, %s rejected, %s failed",
                 server_round,
                 figures["fedcomp.uplink-bytes"],
                 figures["fedcomp.uplink-ratio"],
-                figures["fedcomp.downlink-bytes"],
-                figures["fedcomp.downlink-ratio"],
+                down,
                 t.accepted,
                 len(t.rejected),
                 len(t.failed),

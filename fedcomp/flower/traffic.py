@@ -12,7 +12,8 @@ and in the ``Result`` that ``strategy.start`` returns. The keys are stable:
 ``fedcomp.downlink-bytes``              this round's downlinks so far (train, and evaluate in the
                                         evaluate record), extras such as a DEFT allocation included
 ``fedcomp.downlink-dense-bytes``        what they would be as dense fp32 models
-``fedcomp.downlink-ratio``              dense / compressed
+``fedcomp.downlink-ratio``              dense / compressed (0 when nothing was sent: every client
+                                        held the model already, e.g. from the last evaluate round)
 ``fedcomp.total-bytes``                 both directions over the whole run so far
 ``fedcomp.total-dense-bytes``           the same as dense fp32
 ``fedcomp.total-ratio``                 dense / compressed over the whole run so far

@@ -80,6 +80,22 @@ def test_train_metrics_are_the_inner_ones_plus_this_rounds_figures(caplog: pytes
     assert all(r.levelno == logging.INFO for r in caplog.records if r.getMessage().startswith("fedcomp:"))
 
 
+def test_a_train_round_after_an_evaluate_round_sends_no_downlink_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    """The evaluate round carried round 1's model to every client, so round 2's train messages
+    carry none: 0 bytes, ratio 0 (as documented), and a log line that says why, not "x0.0"."""
+    strategy, clients = make_strategy(), _clients()
+    w1, _ = train_round(strategy, clients, 1, tiny_model())
+    assert w1 is not None
+    evaluate_round(strategy, clients, 1, w1)
+    with caplog.at_level(logging.INFO, logger="flwr.fedcomp"):
+        w2, log = train_round(strategy, clients, 2, w1)
+    assert w2 is not None and {str(rec["mode"]) for rec in log.downlinks.values()} == {"none"}
+    figures = metric_record(strategy.traffic[2], strategy.traffic)
+    assert (figures["fedcomp.downlink-bytes"], figures["fedcomp.downlink-ratio"]) == (0, 0.0)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("fedcomp: round 2:")]
+    assert len(lines) == 1 and ", downlink 0 B (clients up to date), 2 replies accepted" in lines[0]
+
+
 def test_inner_train_metrics_are_kept() -> None:
     def aggr(contents: list[RecordDict], key: str) -> MetricRecord:
         return MetricRecord({"inner-metric": 7.5, "replies": len(contents)})
