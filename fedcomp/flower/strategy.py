@@ -95,7 +95,9 @@ _MEAN_FIRST = (FedAvg, FedAvgM, FedAdam, FedYogi, FedAdagrad)
 class CompressionStrategy(Strategy):
     """Wrap ``strategy`` (FedAvg, FedProx, FedAdam, ...) so its traffic is compressed.
 
-    ``traffic[server_round]`` holds the measured bytes of each round.
+    ``traffic[server_round]`` holds the measured bytes of each round. With ``compress = false``
+    in the config the wrapper hands every call to ``strategy`` as it is (the dense baseline from
+    the same app; ``compression_mod`` passes plain messages through) and measures nothing.
     """
 
     def __init__(self, strategy: Strategy, config: CompressionConfig | None = None) -> None:
@@ -133,6 +135,7 @@ class CompressionStrategy(Strategy):
         #: replies (:func:`streams_weighted_mean`). Set False to force the materialising path.
         self.streaming: bool = streams_weighted_mean(strategy)
         self._hinted_mod = False  # (the hint of :meth:`_hint_if_no_mod`, once a run)
+        self._hinted_local_iters = False  # (the warning of configure_train, once a run)
 
     # --- downlink ------------------------------------------------------------------------------
 
@@ -230,10 +233,27 @@ class CompressionStrategy(Strategy):
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
+        if not self.config.compress:  # plain traffic (the client mod passes it through)
+            return self.strategy.configure_train(server_round, arrays, config, grid)
         self._sync_replica(arrays, server_round)
         self._start_round(server_round)
         config = ConfigRecord(dict(config))
-        config[protocol.LOCAL_ITERS] = self.config.local_iters_at(server_round)
+        scheduled = self.config.local_iters_at(server_round)
+        own = config.get(protocol.LOCAL_ITERS)
+        if own is None:
+            config[protocol.LOCAL_ITERS] = scheduled
+        elif own != scheduled and not self._hinted_local_iters:
+            # The app's own train config says how many local iterations: it is kept, never
+            # overwritten by the schedule (a user's key of the same name did nothing before).
+            self._hinted_local_iters = True
+            log.warning(
+                "fedcomp: the train config's own %r = %r is sent as it is; the run config's schedule (%r in "
+                "round %s) is not applied",
+                protocol.LOCAL_ITERS,
+                own,
+                scheduled,
+                server_round,
+            )
         config[protocol.LINEAGE] = self.lineage
         msgs = self.strategy.configure_train(server_round, arrays, config, grid)
         return self._with_downlink(msgs, server_round, train=True, listed=grid.get_node_ids())
@@ -241,6 +261,8 @@ class CompressionStrategy(Strategy):
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
+        if not self.config.compress:
+            return self.strategy.configure_evaluate(server_round, arrays, config, grid)
         config = ConfigRecord(dict(config))
         config[protocol.LINEAGE] = self.lineage
         msgs = list(self.strategy.configure_evaluate(server_round, arrays, config, grid))
@@ -419,6 +441,8 @@ class CompressionStrategy(Strategy):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        if not self.config.compress:
+            return self.strategy.aggregate_train(server_round, replies)
         traffic = self._traffic(server_round)
         # The inner strategy sums the replies in the order it gets them, and float addition is
         # not associative: in arrival order, two runs with the same seed (or a resumed run) would
@@ -557,6 +581,8 @@ class CompressionStrategy(Strategy):
         return out
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        if not self.config.compress:
+            return self.strategy.aggregate_evaluate(server_round, replies)
         replies = list(replies)
         checked = []
         for msg in replies:
@@ -708,7 +734,10 @@ class CompressionStrategy(Strategy):
         return self.uplink.round_metrics(server_round)
 
     def summary(self) -> None:
-        log.info("fedcomp: compressing both ways: %s", self.config.describe())
+        if self.config.compress:
+            log.info("fedcomp: compressing both ways: %s", self.config.describe())
+        else:
+            log.info("fedcomp: compress = false: every message passes through uncompressed (plain Flower traffic)")
         self.strategy.summary()
 
     def __repr__(self) -> str:

@@ -23,6 +23,7 @@ from fedcomp.methods.plain import SBCUplink
 from tests.flower.helpers import (
     ARRAYS,
     METRICS,
+    SAMPLE_ALL,
     Client,
     FixedGrid,
     context,
@@ -94,6 +95,40 @@ def test_a_train_round_after_an_evaluate_round_sends_no_downlink_and_says_so(cap
     assert (figures["fedcomp.downlink-bytes"], figures["fedcomp.downlink-ratio"]) == (0, 0.0)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("fedcomp: round 2:")]
     assert len(lines) == 1 and ", downlink 0 B (clients up to date), 2 replies accepted" in lines[0]
+
+
+def test_the_apps_own_local_iters_is_kept_and_the_schedule_fills_it_in_otherwise(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    strategy = make_strategy(**{"local-iters": "list:10,5"})
+    model = record_from_tensors(tiny_model())
+    with caplog.at_level(logging.WARNING, logger="flwr.fedcomp"):
+        for rnd, own, sent in ((1, None, 10), (2, None, 5), (1, 1, 1), (2, 3, 3), (2, 5, 5)):
+            config = ConfigRecord({"lr": 0.1} if own is None else {"lr": 0.1, protocol.LOCAL_ITERS: own})
+            msgs = list(strategy.configure_train(rnd, model, config, FixedGrid(NODES)))
+            assert {int(m.content.config_records["config"][protocol.LOCAL_ITERS]) for m in msgs} == {sent}  # type: ignore[arg-type]
+    warned = [r.getMessage() for r in caplog.records if "local-iters" in r.getMessage()]
+    assert len(warned) == 1 and "= 1 is sent as it is" in warned[0] and "(10 in round 1)" in warned[0]
+
+
+def test_compress_false_is_the_inner_strategy_with_the_mod_passing_through() -> None:
+    """``compress = false`` in the config makes the wrapper the inner strategy: the same
+    messages (no fedcomp records), the same model as plain FedAvg, no figures."""
+    plain, wrapped = FedAvg(**SAMPLE_ALL), make_strategy(compress=False)
+    wrapped.strategy = FedAvg(**SAMPLE_ALL)
+    clients = {n: Client(n) for n in NODES}
+    model = record_from_tensors(tiny_model())
+    msgs = list(wrapped.configure_train(1, model, ConfigRecord({"lr": 0.1}), FixedGrid(NODES)))
+    ref = list(plain.configure_train(1, model, ConfigRecord({"lr": 0.1}), FixedGrid(NODES)))
+    assert [dict(m.content.config_records) for m in msgs] == [dict(m.content.config_records) for m in ref]
+    assert all(protocol.DOWNLINK not in m.content.config_records for m in msgs)
+    replies = [clients[m.metadata.dst_node_id].handle(m) for m in msgs]  # through compression_mod
+    assert all(protocol.UPLINK not in r.content.config_records for r in replies)
+    got, _ = wrapped.aggregate_train(1, replies)
+    want, _ = plain.aggregate_train(1, replies)
+    assert got is not None and want is not None
+    assert all(torch.equal(a, b) for a, b in zip(tensors_from_record(got).values(), tensors_from_record(want).values()))
+    assert wrapped.traffic == {} and wrapped.replica is None
 
 
 def test_inner_train_metrics_are_kept() -> None:
