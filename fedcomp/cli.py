@@ -273,6 +273,8 @@ def run(argv: list[str]) -> int:
     results_path = root / name / "results.json"
     if problem is None and args.nodes < 1:
         problem = f"--nodes: must be >= 1 (got {args.nodes})"
+    if problem is None and not args.timeout > 0:  # (0 read as "could not start flower-superlink")
+        problem = f"--timeout: must be a number of seconds > 0 (got {args.timeout})"
     if problem is None:
         try:
             cfg = validate(app_dir, overrides)
@@ -314,7 +316,8 @@ def run(argv: list[str]) -> int:
         if args.verbose:
             print(str(exc), file=err)
     except KeyboardInterrupt as exc:
-        error = f"interrupted ({exc or 'Ctrl-C'}); every process of the run was stopped"
+        # (a KeyboardInterrupt's str() is empty: "interrupted ()" said nothing)
+        error = f"interrupted ({str(exc) or 'Ctrl-C'}); every process of the run was stopped"
     if error is not None:
         _finish_failed(results_path, error, overrides)
     code = _report(results_path, work, err)

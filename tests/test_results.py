@@ -219,6 +219,28 @@ def test_rounds_without_an_aggregated_update_fail_the_run(
     assert (tmp_path / "stuck" / "results.json").stat().st_mode & 0o777 == 0o644
 
 
+@pytest.mark.parametrize("compress", [True, False])
+def test_a_run_shorter_than_max_empty_rounds_that_aggregated_nothing_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, compress: bool
+) -> None:
+    """Two rounds, max-empty-rounds 3, every client failing: not "OK" with the initial model."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from fedcomp.app.apps import NoProgressError
+
+    for attr in ("_run_id", "_node_id", "_task_id"):
+        monkeypatch.setattr(TaskIdentity, attr, 1)
+    run_config = {
+        "num-server-rounds": 2, "max-empty-rounds": 3, "compress": compress,
+        "results-dir": str(tmp_path), "run-name": "short",
+    }  # fmt: skip
+    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=run_config)
+    with pytest.raises(NoProgressError, match=r"in 2 rounds in a row \(rounds 1-2; the whole run: no round"):
+        server_main(_FailingClientsGrid(), context)
+    data = json.loads((tmp_path / "short" / "results.json").read_text())
+    assert data["status"] == "failed" and [r["round"] for r in data["rounds"]] == [0, 1, 2]
+
+
 def test_errors_at_start_leave_a_failed_results_file(tmp_path: Path) -> None:
     """A bad run config under plain `flwr run .`: the ServerApp still writes results.json
     (status failed, the message naming the key) before the error reaches Flower."""

@@ -176,6 +176,33 @@ def test_the_other_command_lines_are_named_and_a_sibling_typed_as_a_command_gets
     assert main(["deplyo"]) == 2 and capsys.readouterr().err.endswith("unknown command 'deplyo'\n")
 
 
+@pytest.mark.parametrize("timeout", ["0", "-5", "nan"])
+def test_a_timeout_that_is_not_positive_is_a_config_error(
+    timeout: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Not "could not start flower-superlink" (exit 1) after a SuperLink was tried."""
+    from fedcomp.cli import main
+
+    assert main(["run", "--timeout", timeout, "--nodes", "2", "--out", str(tmp_path / "t")]) == 2
+    assert f"CONFIG ERROR: --timeout: must be a number of seconds > 0 (got {float(timeout)})" in capsys.readouterr().err
+    assert _results(tmp_path / "t")["status"] == "failed"
+
+
+def test_ctrl_c_is_named_in_the_failure(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A KeyboardInterrupt's text is empty: the failure said "interrupted ()"."""
+    import fedcomp.testing.flower as simulation
+    from fedcomp.cli import main
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(simulation, "run_simulation", interrupted)
+    assert main(["run", "--nodes", "2", "--out", str(tmp_path / "t")]) != 0
+    assert "interrupted (Ctrl-C); every process of the run was stopped" in _results(tmp_path / "t")["error"]
+
+
 def test_run_config_values_are_read_as_meant() -> None:
     got = parse_run_config("sbc-p=0.01 local-iters=5 compress=false uplink-codec=deft dataset='mnist' "
                            'data-dir="/a b/c" 3lc-s=steps:1.0@1,1.5@3 run-name=x')  # fmt: skip

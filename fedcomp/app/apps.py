@@ -112,8 +112,9 @@ _DP_WRAPPERS = (DifferentialPrivacyClientSideFixedClipping, DifferentialPrivacyS
 
 
 class NoProgressError(RuntimeError):
-    """``max-empty-rounds`` train rounds in a row aggregated no client update: the run fails
-    rather than evaluate the same model again and call it completed."""
+    """``max-empty-rounds`` train rounds in a row, or every round of a shorter run, aggregated no
+    client update: the run fails rather than evaluate the same model again and call it
+    completed."""
 
 
 class _WatchedGrid(MeteredGrid):
@@ -269,8 +270,10 @@ def server_main(
             recorder.add_metrics(**privacy_spent(privacy))
         metrics = evaluate(server_round, arrays)
         latest["arrays"] = arrays
-        if len(empty_rounds) >= cfg.max_empty_rounds:
-            raise NoProgressError(_no_progress_message(empty_rounds, recorder.rounds))
+        # (a run shorter than max-empty-rounds that aggregated nothing at all fails too)
+        all_empty = server_round == cfg.num_server_rounds and 0 < server_round <= len(empty_rounds)
+        if len(empty_rounds) >= cfg.max_empty_rounds or all_empty:
+            raise NoProgressError(_no_progress_message(empty_rounds, recorder.rounds, cfg.max_empty_rounds))
         if server_round > 0:
             _save_state(server_round, arrays)
         return metrics
@@ -417,18 +420,23 @@ def _resumed_run_dir_exists(run_config: dict[str, Any] | Any) -> bool:
     return (folder / RESULTS_FILE).is_file() or (folder / CHECKPOINT_FILE).is_file()
 
 
-def _no_progress_message(empty_rounds: list[int], rounds: list[dict[str, Any]]) -> str:
-    """Which rounds aggregated nothing, and the clients' distinct errors (most recent round's)."""
+def _no_progress_message(empty_rounds: list[int], rounds: list[dict[str, Any]], limit: int) -> str:
+    """Which rounds aggregated nothing, and the clients' distinct errors (most recent round's).
+    ``limit``: max-empty-rounds (a run that ended sooner, every round empty, names its rounds)."""
     last: dict[str, Any] = next((r for r in reversed(rounds) if r["round"] == empty_rounds[-1]), {})
     errors = last.get("client_errors") or {}
     distinct: dict[str, list[str]] = {}
     for node, text in errors.items():
         distinct.setdefault(text, []).append(node)
     why = "; ".join(f"{len(nodes)} client(s): {text}" for text, nodes in distinct.items())
+    which = (
+        f"max-empty-rounds = {limit}"
+        if len(empty_rounds) >= limit
+        else "the whole run: no round aggregated an update, its model is the initial one"
+    )
     return (
         f"no client update was aggregated in {len(empty_rounds)} rounds in a row "
-        f"(rounds {empty_rounds[0]}-{empty_rounds[-1]}; max-empty-rounds = {len(empty_rounds)}): "
-        + (why or "no client replied")
+        f"(rounds {empty_rounds[0]}-{empty_rounds[-1]}; {which}): " + (why or "no client replied")
     )
 
 
