@@ -157,6 +157,39 @@ def test_bad_configuration_exits_2_before_anything_starts(
     assert not (tmp_path / "work").exists() and not (tmp_path / "results").exists()  # nothing was started
 
 
+def test_a_refused_resume_keeps_the_crashed_runs_results_and_logs(tmp_path: Path) -> None:
+    """A resume the ServerApp refuses before it rewrites results.json (here: a ``flwr run`` that
+    exits 0 having done nothing) leaves the crashed run's results.json as it was, and its log
+    lines before this start's (both were lost: the file deleted first, the log truncated). A
+    fresh run still never mistakes an old file for its own."""
+    from fedcomp.net.deploy import _exit_hint
+
+    results, log = tmp_path / "results.json", tmp_path / "flwr-run.log"
+    results.write_text('{"status": "running"}')
+    log.write_text("the crashed run's lines\n")
+
+    def run(resume: bool) -> None:
+        run_app(
+            tmp_path, "127.0.0.1:9", {"resume": resume}, flwr_home=tmp_path / "home", timeout_s=60,
+            log_path=log, results_path=results, prefix=["true"],
+        )  # fmt: skip
+
+    with pytest.raises(DeployError, match="the resume did not start: .* was not rewritten"):
+        run(resume=True)
+    assert results.read_text() == '{"status": "running"}'
+    text = log.read_text()
+    assert text.startswith("the crashed run's lines\n\n=== fedcomp ") and text.count("=== fedcomp ") == 1
+    with pytest.raises(DeployError, match="left no readable"):
+        run(resume=False)
+    assert not results.exists() and log.read_text().count("=== fedcomp ") == 2
+    # a SuperNode's exit is explained by its own start's lines, not an earlier one's
+    node_log = tmp_path / "supernode.log"
+    node_log.write_text("=== fedcomp 1: a\nExit Code: 305\n\n=== fedcomp 2: b\nnothing\n")
+    assert _exit_hint(node_log) == ""
+    node_log.write_text("=== fedcomp 1: a\nExit Code: 305\n")
+    assert _exit_hint(node_log) == " (it could not reach the SuperLink)"
+
+
 def test_help_lists_the_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
     from fedcomp.deploy import main as deploy_main
 
@@ -249,6 +282,21 @@ def test_local_deployment_learns_records_bytes_and_stops_everything(tmp_path: Pa
     assert (tmp_path / "results" / "dep" / "final_model.pt").is_file()
     _check_clean(data)
     print(f"deployment: 2 SuperNodes, 2 rounds in {time.monotonic() - t0:.1f}s, accuracy {acc}")
+
+
+@pytest.mark.flower
+@pytest.mark.slow  # real SuperLink + SuperNodes: about 60 s on 2 cores
+def test_an_operator_without_the_results_file_gets_the_superlinks_verdict(tmp_path: Path) -> None:
+    """``deploy run`` against a remote SuperLink sees no results.json: it judges the run by
+    ``flwr ls`` (``flwr run --stream`` exits 0 either way; a failed run used to exit 0 here)."""
+    with LocalDeployment(REPO, node_specs(2), tmp_path / "work") as dep:
+        dep.start(timeout_s=120)
+        address, home = f"127.0.0.1:{dep.port}", tmp_path / "operator"
+        cfg = {"dataset": "digits", "num-server-rounds": 1, "local-iters": 2, "results-dir": str(tmp_path / "r")}
+        assert run_app(REPO, address, {**cfg, "run-name": "ok"}, flwr_home=home, timeout_s=240, insecure=True) is None
+        with pytest.raises(DeployError, match="the run did not complete: the SuperLink says finished:failed"):
+            bad = {**cfg, "run-name": "bad", "sbc-p": 0.9}  # the ServerApp refuses it at its start
+            run_app(REPO, address, bad, flwr_home=home, timeout_s=240, insecure=True)
 
 
 @pytest.mark.flower

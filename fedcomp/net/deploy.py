@@ -71,7 +71,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from fedcomp.errors import ConfigError
 from fedcomp.net.links import LinkProfile, parse_link_profiles
@@ -359,7 +359,9 @@ def run_app(
     rc_file.write_text(tomli_w.dumps(dict(run_config)))
     log_path = Path(log_path) if log_path else home / "flwr-run.log"
     results = Path(results_path) if results_path else None
-    if results is not None:
+    resuming = run_config.get("resume") is True
+    kept_stamp = _stamp(results) if results is not None and resuming else None
+    if results is not None and not resuming:
         results.unlink(missing_ok=True)  # never mistake an old run's results for this one's
     run_env = flwr_env(home, {**os.environ, **(env or {})})
     own = procs is None
@@ -369,7 +371,7 @@ def run_app(
     deadline = time.monotonic() + timeout_s
     procs = [] if procs is None else procs
     seen_rounds = 0
-    with open(log_path, "w") as log:
+    with _appended_log(log_path, cmd) as log:
         run = subprocess.Popen(
             cmd, cwd=app_dir, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             start_new_session=True, text=True, errors="replace",
@@ -398,7 +400,19 @@ def run_app(
             hint = f" (the SuperLink at {address} could not be reached)"
         raise DeployError(f"flwr run exited with code {run.returncode}{hint}\n--- flwr run ---\n{out}")
     if results is None:
+        # No results.json on this host (a remote SuperLink's): ask the SuperLink how the run
+        # ended, since ``flwr run --stream`` exits 0 whether it completed or failed.
+        status = _run_status(log_path, home, run_env, prefix)
+        if status.split(" ", 1)[0] != _COMPLETED:
+            raise DeployError(f"the run did not complete: the SuperLink says {status}\n--- flwr run ---\n{out}")
         return None
+    if kept_stamp is not None and _stamp(results) == kept_stamp:
+        # A resume the ServerApp refused before it rewrote results.json: the crashed run's file
+        # is kept as it was (it used to be deleted first), and the refusal is in the log.
+        raise DeployError(
+            f"the resume did not start: {results} was not rewritten (the crashed run's, kept as it was); "
+            f"the ServerApp's error is in the log\n--- flwr run ---\n{out}"
+        )
     data = _read_results(results)
     if data is None:
         raise DeployError(f"the run left no readable {results}\n--- flwr run ---\n{out}")
@@ -408,6 +422,56 @@ def run_app(
             results=data,
         )
     return data
+
+
+#: What :func:`_appended_log` writes before each start's lines.
+_LOG_START = "=== fedcomp "
+
+
+def _appended_log(path: Path, cmd: Sequence[str]) -> IO[str]:
+    """``path`` opened for appending, after a line that says when and what started: a resumed
+    run's processes write after the crashed run's lines (they were overwritten)."""
+    out = open(path, "a")  # noqa: SIM115 (the caller's with-block closes it)
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    gap = "\n" if out.tell() else ""
+    out.write(f"{gap}{_LOG_START}{stamp}: {' '.join(map(str, cmd))}\n")
+    out.flush()
+    return out
+
+
+#: ``flwr ls``'s status of a run that completed.
+_COMPLETED = "finished:completed"
+
+
+def _run_status(log_path: Path, home: Path, env: Mapping[str, str], prefix: Sequence[str] = ()) -> str:
+    """The status ``flwr ls`` gives the run this start of ``flwr run`` began (its id read from
+    its log lines), or a sentence saying why there is none."""
+    try:
+        text = log_path.read_text(errors="replace").rsplit(_LOG_START, 1)[-1]
+    except OSError as exc:
+        return f"nothing readable ({exc})"
+    found = re.search(r"Successfully started run (\d+)", _ANSI.sub("", text))
+    if found is None:
+        return "nothing: flwr run started no run"
+    cmd = [*prefix, flwr_bin("flwr"), "ls", CONNECTION, "--run-id", found[1], "--format", "json"]
+    try:
+        out = subprocess.run(cmd, env=dict(env), capture_output=True, text=True, timeout=60, cwd=home)
+        data = json.loads(out.stdout[out.stdout.find("{") :])
+    except (subprocess.TimeoutExpired, json.JSONDecodeError, OSError) as exc:
+        return f"nothing readable for run {found[1]} (flwr ls: {type(exc).__name__})"
+    runs = data.get("runs") or []
+    if not runs:
+        return f"nothing for run {found[1]} ({data.get('error-message', 'flwr ls listed no run')})"
+    return f"{runs[0].get('status')}" + (f" ({runs[0]['status-details']})" if runs[0].get("status-details") else "")
+
+
+def _stamp(path: Path) -> tuple[int, int] | None:
+    """The file's modification time and size (None when absent): whether a run rewrote it."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_size
 
 
 def _fire_rounds(results: Path, seen: int, on_round: Callable[[dict[str, Any]], None]) -> int:
@@ -609,7 +673,7 @@ class LocalDeployment:
         return int(data["node-id"])
 
     def _spawn(self, cmd: list[str], home: Path, log: Path, cwd: Path | None = None) -> subprocess.Popen[Any]:
-        with open(log, "w") as out:
+        with _appended_log(log, cmd) as out:
             proc = subprocess.Popen(
                 cmd, cwd=cwd or self.work_dir, env=self._env(home), stdout=out, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, start_new_session=True,
@@ -775,7 +839,7 @@ def refusal_reason(log_text: str) -> str | None:
 
 def _exit_hint(log: Path) -> str:
     try:
-        text = log.read_text(errors="replace")
+        text = log.read_text(errors="replace").rsplit(_LOG_START, 1)[-1]  # this start's lines only
     except OSError:
         return ""
     why = refusal_reason(text)
@@ -1045,9 +1109,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         args.app, args.superlink, cfg, flwr_home=home, timeout_s=args.timeout, insecure=args.insecure,
         root_certificates=args.root_certificates, echo=not args.quiet,
     )  # fmt: skip
-    print(
-        "flwr run finished; the run's results.json is on the SuperLink host (check its status there or with `flwr ls`)"
-    )
+    print("flwr run finished: the run completed (flwr ls); its results.json is on the SuperLink host")
     return 0
 
 
