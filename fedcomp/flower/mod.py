@@ -114,6 +114,10 @@ class ClientState:
         self.residual = tensors_from_record(res, device) if res is not None else {}
         #: A new update to keep until its outcome is known (written by :meth:`save`).
         self.pending: PendingUpdate | None = None
+        #: The last lattice payload applied: (base version, version it made, payload).
+        self.lattice_last: tuple[int, int, bytes] | None = protocol.lattice_last_from(
+            state.config_records.get(protocol.STATE_LATTICE_LAST)
+        )
 
     def digest(self) -> str:
         """The replica's digest, computed once per message: hashing the model costs milliseconds
@@ -147,6 +151,10 @@ class ClientState:
             state[protocol.STATE_LATTICE] = protocol.lattice_grid_record(self.grid)
         elif protocol.STATE_LATTICE in state:
             del state[protocol.STATE_LATTICE]
+        if self.lattice_last is not None and self.grid is not None and self.replica is not None:
+            state[protocol.STATE_LATTICE_LAST] = protocol.lattice_last_record(*self.lattice_last)
+        elif protocol.STATE_LATTICE_LAST in state:
+            del state[protocol.STATE_LATTICE_LAST]
         state[protocol.STATE_RESIDUAL] = record_from_tensors(self.residual)
         if self.pending is not None:
             state[protocol.STATE_PENDING] = self.pending.to_record()
@@ -264,14 +272,22 @@ def _apply_downlink(st: ClientState, dl: DownlinkHeader, initial: Mapping[str, t
 
 def _apply_lattice_chain(st: ClientState, dl: DownlinkHeader) -> None:
     """A lattice downlink: one payload from this client's version to the server's (the exact
-    merge of the deltas it missed). A client already at that version applies nothing; one the
-    server counts at an older version than it holds cannot use the merge and resyncs."""
+    merge of the deltas it missed). A client already at that version applies nothing. One the
+    server counts at the version before its last lattice payload (its reply never reached the
+    server: a timeout) takes that payload back first, exactly; one further behind resyncs."""
     assert st.replica is not None and st.version is not None
     if len(dl.payloads) != 1:
         raise PayloadError("", f"a lattice downlink carries one payload, not {len(dl.payloads)}")
     if st.version == dl.version:
         return
-    st.grid = apply_lattice(st.replica, dl.payloads[0], specs_of(st.replica), st.grid, st.version)
+    payload, specs = dl.payloads[0], specs_of(st.replica)
+    base = update_from_bytes(payload, expected=specs).base_model_version
+    last = st.lattice_last
+    if base < st.version and last is not None and (last[0], last[1]) == (base, st.version):
+        apply_lattice(st.replica, last[2], specs, st.grid, base, undo=True)
+        st.version = base
+    st.grid = apply_lattice(st.replica, payload, specs, st.grid, st.version)
+    st.lattice_last = (st.version, dl.version, payload)
 
 
 def _apply_chain(st: ClientState, dl: DownlinkHeader, codecs: list[Codec]) -> None:

@@ -85,6 +85,10 @@ STATE_PENDING = "fedcomp.pending"
 #: The lattice grid the client's replica is on (``downlink-codec = "lattice"``): tensor name ->
 #: exponent ``e`` of its step ``2**e``, adopted from the first lattice payload after a full replica.
 STATE_LATTICE = "fedcomp.lattice"
+#: The last lattice payload the client applied (``base``, ``version``, ``payload``): a client
+#: whose reply the server never got (it timed out) is counted at ``base`` while it holds
+#: ``version``; it takes the payload back and applies the merge the server sends from ``base``.
+STATE_LATTICE_LAST = "fedcomp.lattice-last"
 #: The mod's own measurements for the bandwidth policy (seconds per local iteration).
 STATE_BANDWIDTH = "fedcomp.bandwidth"
 #: The Flower node id the state was saved under (``node-id``, a string: ids are unsigned 64-bit),
@@ -536,6 +540,22 @@ def lattice_grid_from(rec: Mapping[str, Any] | None) -> dict[str, int] | None:
 
 def lattice_grid_record(grid: Mapping[str, int]) -> ConfigRecord:
     return ConfigRecord(dict(grid))
+
+
+def lattice_last_from(rec: Mapping[str, Any] | None) -> tuple[int, int, bytes] | None:
+    """The ``STATE_LATTICE_LAST`` record as (base, version, payload) (None: absent or unreadable)."""
+    if rec is None:
+        return None
+    base, version, payload = rec.get("base"), rec.get("version"), rec.get("payload")
+    ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (base, version))
+    if not ints or not isinstance(payload, bytes):
+        return None
+    assert isinstance(base, int) and isinstance(version, int)
+    return base, version, payload
+
+
+def lattice_last_record(base: int, version: int, payload: bytes) -> ConfigRecord:
+    return ConfigRecord({"base": base, "version": version, "payload": payload})
 
 
 def measured_seconds_per_iter(state_record: Mapping[str, Any] | None) -> float:

@@ -428,9 +428,12 @@ def apply_lattice(
     specs: list[TensorSpec],
     grid: Mapping[str, int] | None,
     base_version: int,
+    undo: bool = False,
 ) -> dict[str, int]:
     """Apply one lattice payload (made against ``base_version``) to ``tensors`` in place:
     ``R = h * (round(R / h) + dK)``, exact in float32. Returns the payload's grid exponents.
+    ``undo``: take it back instead (``- dK``; ``tensors`` hold the version it made, and
+    ``base_version`` is the one it was made against), exact as well.
 
     ``grid``: the exponents the receiver holds (None: it holds none yet and adopts the payload's).
     Server and client run this same code. Raises :class:`PayloadError` on a malformed payload,
@@ -443,6 +446,8 @@ def apply_lattice(
         raise PayloadError("", f"delta is against version {update.base_model_version}, replica is at {base_version}")
     per_tensor = {k: Lattice(exponent=e) for k, e in grid.items()} if grid is not None else None
     decoded = decode_update(update, specs, [Lattice()], device, per_tensor=per_tensor)
+    if undo:
+        decoded = {k: d.neg_() for k, d in decoded.items()}
     exponents = {enc.name: lattice_exponent(enc) for enc in update.tensors}
     on_device: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}
     for k, d in decoded.items():

@@ -12,7 +12,7 @@ from fedcomp.codecs import Lattice, get_codec
 from fedcomp.errors import PayloadError
 from fedcomp.flower import protocol
 from fedcomp.flower.mod import make_compression_mod
-from fedcomp.flower.records import digest
+from fedcomp.flower.records import digest, tensors_from_record
 from fedcomp.flower.replica import FINE_BITS, ServerReplica, apply_delta, apply_lattice, grid_exponents
 from fedcomp.methods.update import specs_of
 from fedcomp.wire.serde import update_from_bytes
@@ -413,3 +413,30 @@ def test_running_statistics_take_a_fine_grid() -> None:
     assert float((replica - var).abs().max()) <= 2.0**-FINE_BITS and bool((replica > 0).all())  # (largest: 1)
     coarse = math.ldexp(1.0, math.floor(math.log2(2.0 * _rms(var))))  # the bound alone: 2**-2
     assert bool((torch.round(var / coarse) * coarse == 0).any())
+
+
+def test_a_client_whose_reply_timed_out_takes_its_last_payload_back_and_applies_the_merge() -> None:
+    """Node 2's round-2 reply never reaches the server (a timeout): the server still counts it at
+    the version before round 2's payload, which the client applied. Round 3's merge from that
+    version is applied after the client takes its last payload back, exactly (the digest checks
+    it): no resync, no round lost (before: "delta is against version 1, replica is at 2"). Missed
+    replies in a row work too: the payload the client keeps always starts at the version the
+    server counts."""
+    strategy = make_strategy(**LATTICE)
+    clients = {1: Client(1), 2: Client(2)}
+    model = MODEL
+    for rnd in range(1, 6):
+        new, log = train_round(strategy, clients, rnd, model, drop={2} if rnd in (2, 4) else ())
+        assert new is not None
+        if rnd in (3, 5):
+            assert mode_of(log.downlinks[2]) == "chain" and not log.replies[2].has_error(), rnd
+            assert strategy.traffic[rnd].accepted == 2 and not strategy.traffic[rnd].failed
+        model = new
+    for rnd in (6, 7, 8):  # two missed replies in a row, then one that arrives
+        new, log = train_round(strategy, clients, rnd, model, drop={2} if rnd < 8 else ())
+        assert new is not None and not log.replies[2].has_error(), rnd
+        model = new
+    assert mode_of(log.downlinks[2]) == "chain" and strategy.traffic[8].accepted == 2
+    assert strategy.replica is not None
+    held = tensors_from_record(clients[2].ctx.state.array_records[protocol.STATE_REPLICA])
+    assert all(torch.equal(held[k], strategy.replica.tensors[k]) for k in held)
