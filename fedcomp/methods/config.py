@@ -6,6 +6,7 @@ the run at start with a message naming the key.
 
 from __future__ import annotations
 
+import difflib
 import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
@@ -237,9 +238,18 @@ class CompressionConfig(BaseModel):
 
     @classmethod
     def from_run_config(cls, run_config: Mapping[str, Any]) -> CompressionConfig:
-        """Validate this model's keys of a Flower run config (others are ignored); raise
-        :class:`ConfigError` naming the bad key(s)."""
+        """Validate this model's keys of a Flower run config (others are ignored, the app's own;
+        one that looks like a misspelt compression key gets a warning naming the key it resembles);
+        raise :class:`ConfigError` naming the bad key(s)."""
         keys = cls.keys()
+        for key in run_config:
+            close = [] if key in keys else difflib.get_close_matches(key, sorted(keys), n=1, cutoff=0.8)
+            if close:
+                log.warning(
+                    "fedcomp: run config key %r is not a compression key and is ignored here; did you mean %r?",
+                    key,
+                    close[0],
+                )
         try:
             config = cls.model_validate({k: v for k, v in run_config.items() if k in keys})
         except ValidationError as exc:

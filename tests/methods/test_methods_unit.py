@@ -396,3 +396,16 @@ def test_a_deft_allocation_for_another_round_is_refused() -> None:
 def test_gradiveq_clients_send_dense_until_the_server_fits() -> None:
     assert GradiVeQUplink.codec_config(_config(), 1) == {"id": "dense-fp32"}
     assert GradiVeQUplink.codec_config(_config(), 7) == {"id": "dense-fp32"}
+
+
+def test_a_misspelt_compression_key_in_an_own_app_is_named_with_the_key_it_resembles(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A run config also holds the app's own keys, so an unknown key is no error in library use;
+    but one close to a compression key ("sbc-pp") says which (it was ignored silently)."""
+    with caplog.at_level(logging.WARNING, logger="flwr.fedcomp"):
+        cfg = CompressionConfig.from_run_config({"sbc-pp": 0.01, "lr": 0.1, "local-epochs": 1, "batch-size": 32})
+    assert cfg.sbc_p.at(1) == CompressionConfig().sbc_p.at(1)
+    assert [r.getMessage() for r in caplog.records] == [
+        "fedcomp: run config key 'sbc-pp' is not a compression key and is ignored here; did you mean 'sbc-p'?"
+    ]
