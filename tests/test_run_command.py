@@ -301,6 +301,8 @@ def _cuda() -> bool:
         ),
         ("compress=yes", "compress: must be true or false (got 'yes')"),
         ("clients-per-round=3", "clients-per-round: 3 clients per round, but --nodes is 2"),
+        # the data, before a simulation whose every client would fail on it (40 s later)
+        ("dataset='shakespeare' data-dir='/nonexistent'", "dataset: /nonexistent/tinyshakespeare/input.txt: not found"),
     ],
 )  # fmt: skip
 def test_bad_config_exits_2_within_10s_naming_the_key(run_config: str, message: str, tmp_path: Path) -> None:

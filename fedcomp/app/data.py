@@ -274,6 +274,28 @@ def _load_shakespeare_cached(root: str) -> Dataset:
     return Dataset(name="shakespeare", train=train, test=test, num_classes=SHAKESPEARE_CLASSES)
 
 
+def check_dataset_files(name: str, data_dir: str | Path | None = None) -> None:
+    """Raise :class:`DataError` (the message names the folder, file or setting) when ``name``'s
+    files are not there, without reading them: what a command checks before it starts a run
+    whose clients would each fail on it."""
+    if name == "digits":
+        return
+    root = resolve_data_dir(data_dir).expanduser()
+    if name in IDX_DATASETS:
+        folder = root / name
+        if not folder.is_dir():
+            raise DataError(f"{folder}: dataset folder not found (expected the four IDX .gz files)")
+        for fname in _IDX_FILES.values():
+            if not (folder / fname).is_file():
+                raise DataError(f"{folder / fname}: not found")
+    elif name == "shakespeare":
+        path = root / "tinyshakespeare" / "input.txt"
+        if not path.is_file():
+            raise DataError(f"{path}: not found (tiny Shakespeare's input.txt)")
+    else:
+        raise DataError(f"dataset: unknown dataset {name!r}; known: {list(DATASETS)}")
+
+
 def load_dataset(name: str, data_dir: str | Path | None = None) -> Dataset:
     """Any of :data:`DATASETS`. ``data_dir`` is only used (and only needed) for the ones read from
     files (all but digits)."""
