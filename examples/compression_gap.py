@@ -361,7 +361,8 @@ def run(task: Task, data_dir: str | None) -> dict[str, Any]:
     try:
         for rnd in range(1, task.rounds + 1):
             nodes = sorted(sampler.sample(range(task.clients), task.per_round))
-            config = ConfigRecord({"local-iters": task.local_iters})
+            # (the wrapper adds its own schedule's local-iters; an own value would be kept)
+            config = ConfigRecord({"local-iters": task.local_iters} if wrapper is None else {})
             msgs = list(strategy.configure_train(rnd, arrays, config, _Grid(nodes)))
             replies, per_client = [], {}
             timing.clear()

@@ -596,3 +596,12 @@ def publish_figures(figs: Sequence[Path], figures_to: Path | None) -> None:
         for f in figs:
             shutil.copy(f, figures_to / f.name)
     print("\nplots: " + ", ".join(str(f) for f in figs))
+
+
+if __name__ == "__main__":  # (a module of the examples: run as a script it did nothing, silently)
+    import sys as _sys
+
+    _sys.exit(
+        f"{__file__.rsplit('/', 1)[-1]} is a module of the example scripts, not a command: run "
+        "examples/sbc_table2.py, examples/sparsity_grid.py or examples/threelc_table2.py (each takes --help)"
+    )

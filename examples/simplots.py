@@ -151,3 +151,12 @@ def heatmap(
     fig.colorbar(im, ax=ax)
     ax.set_title(title)
     return _save(fig, path)
+
+
+if __name__ == "__main__":  # (a module of the examples: run as a script it did nothing, silently)
+    import sys as _sys
+
+    _sys.exit(
+        f"{__file__.rsplit('/', 1)[-1]} is a module of the example scripts, not a command: run "
+        "examples/sbc_table2.py, examples/sparsity_grid.py or examples/threelc_table2.py (each takes --help)"
+    )

@@ -358,7 +358,8 @@ def _report(results_path: Path, work: Path | None, err: IO[str]) -> int:
     eps, delta = summary.get("dp_epsilon"), summary.get("dp_delta")
     if isinstance(eps, float) and isinstance(delta, float):
         acc_text += f", privacy spent: epsilon {eps:.3g} at delta {delta:.3g}"
-    print(f"OK: {len(rounds) - 1} rounds{acc_text}\n{where}")
+    done = len(rounds) - 1
+    print(f"OK: {done} round{'' if done == 1 else 's'}{acc_text}\n{where}")
     return EXIT_OK
 
 

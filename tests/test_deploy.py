@@ -404,6 +404,14 @@ def test_the_summary_prints_only_the_figures_the_results_hold(capsys: pytest.Cap
         "OK: run completed, 2 rounds, accuracy 0.1000 -> 0.7500, uplink 15 B, downlink 27 B, wall 3.2s\nresults: R\nlogs:    W\n"
     )
     _print_summary({"rounds": [{"round": 0, "accuracy": 0.1066}, {"round": 1, "loss": 0.2}], **where})
-    assert capsys.readouterr().out.splitlines()[0] == "OK: run completed, 1 rounds"
+    assert capsys.readouterr().out.splitlines()[0] == "OK: run completed, 1 round"
     _print_summary({"rounds": [{"round": 0, "accuracy": 0.1}, {"round": 1, "accuracy": 0.9}], **where})
-    assert capsys.readouterr().out.splitlines()[0] == "OK: run completed, 1 rounds, accuracy 0.1000 -> 0.9000"
+    assert capsys.readouterr().out.splitlines()[0] == "OK: run completed, 1 round, accuracy 0.1000 -> 0.9000"
+
+
+def test_a_supernodes_bad_config_names_its_partition(capsys: pytest.CaptureFixture[str]) -> None:
+    """One host's SuperNode: the error names its partition, not "node 0" whatever it is."""
+    code = main(["supernode", "--superlink", "127.0.0.1:9092", "--insecure", "--partition-id", "3",
+                 "--num-partitions", "2"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and "node 3 (partition-id 3): partition-id: must be in [0, num-partitions = 2) (got 3)" in err

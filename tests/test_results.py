@@ -186,6 +186,43 @@ class _FailingClientsGrid(_LostSuperLinkGrid):
         return Message(*args, **kwargs)
 
 
+class _SeenConfigsGrid(_FailingClientsGrid):
+    """As :class:`_FailingClientsGrid`, keeping the train configs each round sends."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.local_iters: list[set[object]] = []
+
+    def send_and_receive(self, messages, *, timeout=None):
+        messages = list(messages)
+        train = [m for m in messages if m.metadata.message_type == "train"]
+        if train:
+            self.local_iters.append({m.content.config_records["config"].get("local-iters") for m in train})
+        return super().send_and_receive(messages, timeout=timeout)
+
+
+def test_the_reference_app_sends_each_rounds_scheduled_local_iters(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The wrapper fills in each round's local-iters from the schedule; the app's own train config
+    holds none (it would be kept, the round-1 value every round)."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from fedcomp.app.apps import NoProgressError
+
+    for attr in ("_run_id", "_node_id", "_task_id"):
+        monkeypatch.setattr(TaskIdentity, attr, 1)
+    run_config = {
+        "num-server-rounds": 3, "max-empty-rounds": 3, "local-iters": "list:3,5,7",
+        "results-dir": str(tmp_path), "run-name": "sched",
+    }  # fmt: skip
+    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=run_config)
+    grid = _SeenConfigsGrid()
+    with pytest.raises(NoProgressError):  # (its clients all fail: what is checked is what went out)
+        server_main(grid, context)
+    assert grid.local_iters == [{3}, {5}, {7}]
+
+
 @pytest.mark.parametrize("compress", [True, False])
 def test_rounds_without_an_aggregated_update_fail_the_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, compress: bool

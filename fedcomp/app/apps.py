@@ -325,6 +325,11 @@ def server_main(
             return None  # round `done` was evaluated and recorded before the crash
         return evaluate_fn(server_round + done, arrays)
 
+    # The wrapper sends each round's local-iters from the schedule (an own value would be kept as
+    # it is); without it, the dense baseline's clients read the round-1 value from here.
+    train_config = ConfigRecord({"lr": cfg.lr})
+    if wrapper is None:
+        train_config[protocol.LOCAL_ITERS] = comp.local_iters_at(done + 1)
     try:
         runner = _FromRound(strategy, done) if done else strategy
         runner.start(
@@ -332,7 +337,7 @@ def server_main(
             initial_arrays=arrays,
             num_rounds=cfg.num_server_rounds - done,
             timeout=cfg.round_timeout,
-            train_config=ConfigRecord({protocol.LOCAL_ITERS: comp.local_iters_at(done + 1), "lr": cfg.lr}),
+            train_config=train_config,
             evaluate_fn=shifted_evaluate_fn,
         )
     except BaseException as err:

@@ -354,7 +354,11 @@ def main(argv: list[str] | None = None) -> int:
         from fedcomp.bench.rounds import main as rounds_main
 
         return rounds_main(argv[1:])
-    ap = argparse.ArgumentParser(prog="python -m fedcomp.bench", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m fedcomp.bench",
+        description="fedcomp's benchmarks, one command each (`python -m fedcomp.bench COMMAND --help` says what "
+        "it measures; README.md, Benchmarks, gives the figures).",
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("links", help="dense FedAvg vs SBC+3LC on emulated 10M/100M/1G links (see --help after it)")
     sub.add_parser("netns", help="dense FedAvg vs SBC+3LC over real tc-shaped links in network namespaces (root)")

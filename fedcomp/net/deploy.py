@@ -944,7 +944,8 @@ def _print_summary(data: dict[str, Any]) -> None:
     own need not record accuracy, bytes or wall time: none is then printed as 0)."""
     rounds = data.get("rounds") or [{}]
     first, last = rounds[0], rounds[-1]
-    parts = [f"OK: run completed, {len(rounds) - 1} rounds"]
+    done = len(rounds) - 1
+    parts = [f"OK: run completed, {done} round{'' if done == 1 else 's'}"]
     if isinstance(first.get("accuracy"), float) and isinstance(last.get("accuracy"), float):
         parts.append(f"accuracy {first['accuracy']:.4f} -> {last['accuracy']:.4f}")
     for key, label in (("uplink_bytes", "uplink"), ("downlink_bytes", "downlink")):
@@ -1010,7 +1011,8 @@ def _cmd_supernode(args: argparse.Namespace) -> int:
         if value is not None:
             cfg[key] = value
     cfg.update(_parse_run_config(args.node_config))
-    spec = NodeSpec(0, cfg)
+    pid = cfg.get("partition-id")
+    spec = NodeSpec(pid if isinstance(pid, int) and not isinstance(pid, bool) else 0, cfg)  # (errors name it)
     _check_node(spec)
     if args.insecure and not _is_loopback(args.superlink):
         raise ConfigError(

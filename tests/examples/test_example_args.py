@@ -151,3 +151,10 @@ def test_compression_gap_inner_specs_name_their_cache_files_and_titles(example_m
     assert "stale-residual-decay" not in off["compression"] and "inner" not in off
     on = module.Task("d", {"sbc-p": 0.05, "stale-residual-decay": 0.8}).key_fields()
     assert on["compression"]["stale-residual-decay"] == 0.8
+
+
+@pytest.mark.parametrize("module", ["fedsim", "simplots"])
+def test_the_examples_modules_say_what_to_run_instead(module: str) -> None:
+    proc = _script(module, "--help")
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert f"{module}.py is a module of the example scripts, not a command: run examples/sbc_table2.py" in proc.stderr
