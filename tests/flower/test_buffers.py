@@ -46,19 +46,23 @@ def _model() -> dict[str, torch.Tensor]:
     }
 
 
-@pytest.mark.parametrize(
-    "config",
-    [
-        {},
-        {"downlink-codec": "lattice"},
-        {"downlink-codec": "auto"},
-        {"uplink-codec": "deft"},
-        {"uplink-codec": "gradiveq", "gradiveq-dense-rounds": 1},
-        {"uplink-codec": "stc", "downlink-codec": "sparse-fp16"},
-        {"uplink-codec": "topk"},
-    ],
-    ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "defaults",
-)
+#: Every uplink and downlink method, in the settings these tests run them with.
+METHODS: list[dict[str, Any]] = [
+    {},
+    {"downlink-codec": "lattice"},
+    {"downlink-codec": "auto"},
+    {"uplink-codec": "deft"},
+    {"uplink-codec": "gradiveq", "gradiveq-dense-rounds": 1},
+    {"uplink-codec": "stc", "downlink-codec": "sparse-fp16"},
+    {"uplink-codec": "topk"},
+]
+
+
+def _ids(config: dict[str, Any]) -> str:
+    return ",".join(f"{k}={v}" for k, v in config.items()) or "defaults"
+
+
+@pytest.mark.parametrize("config", METHODS, ids=_ids)
 def test_integer_bool_and_scalar_arrays_travel_with_the_model(config: dict[str, Any]) -> None:
     strategy = make_strategy(**config)
     clients = {1: _WithBuffers(1), 2: _WithBuffers(2)}
@@ -95,20 +99,7 @@ class _MeasuresStatistics(_WithBuffers):
         return {**super().replied(received, trained), "bn.running_var": var}
 
 
-@pytest.mark.parametrize(
-    "config",
-    [
-        {},
-        {"downlink-codec": "lattice"},
-        {"downlink-codec": "lattice", "min-compress-numel": 2000},
-        {"downlink-codec": "auto"},
-        {"uplink-codec": "deft"},
-        {"uplink-codec": "gradiveq", "gradiveq-dense-rounds": 1},
-        {"uplink-codec": "stc", "downlink-codec": "sparse-fp16"},
-        {"uplink-codec": "topk"},
-    ],
-    ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "defaults",
-)
+@pytest.mark.parametrize("config", [*METHODS, {"downlink-codec": "lattice", "min-compress-numel": 2000}], ids=_ids)
 def test_running_statistics_are_averaged_as_flower_averages_them(config: dict[str, Any]) -> None:
     """A running statistic of 1500 values (over ``min-compress-numel``) goes dense both ways, so the
     global one is the clients' weighted mean each round, as with plain FedAvg, whatever the
