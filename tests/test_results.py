@@ -196,6 +196,25 @@ def _server_context(monkeypatch: pytest.MonkeyPatch, run_config: dict[str, Any])
     return Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=run_config)
 
 
+class _InterruptedGrid(_FailingClientsGrid):
+    """A SIGTERM (Python raises KeyboardInterrupt for it under Flower) while round 1 runs."""
+
+    def send_and_receive(self, messages, *, timeout=None):
+        raise KeyboardInterrupt
+
+
+def test_an_interrupted_run_says_so_in_results(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A KeyboardInterrupt's text is empty: results.json said "KeyboardInterrupt: " and nothing more."""
+    context = _server_context(monkeypatch, {"num-server-rounds": 2, "results-dir": str(tmp_path), "run-name": "int"})
+    with pytest.raises(KeyboardInterrupt):
+        server_main(_InterruptedGrid(), context)
+    data = json.loads((tmp_path / "int" / "results.json").read_text())
+    assert data["status"] == "failed"
+    assert data["error"] == (
+        "KeyboardInterrupt: interrupted (SIGINT or SIGTERM); resume=true continues from the last checkpoint"
+    )
+
+
 class _SeenConfigsGrid(_FailingClientsGrid):
     """As :class:`_FailingClientsGrid`, keeping the train configs each round sends."""
 

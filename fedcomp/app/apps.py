@@ -341,9 +341,7 @@ def server_main(
             evaluate_fn=shifted_evaluate_fn,
         )
     except BaseException as err:
-        recorder.finish(
-            "failed", error=f"{type(err).__name__}: {err}", **_partitions_of(sampling), **privacy_spent(privacy)
-        )
+        recorder.finish("failed", error=_error_text(err), **_partitions_of(sampling), **privacy_spent(privacy))
         write_plots(recorder.run_dir)
         raise
     # The model after the last round (the one evaluate_fn saw last: Result.arrays stays unset
@@ -423,6 +421,14 @@ def _resumed_run_dir_exists(run_config: dict[str, Any] | Any) -> bool:
 
     folder = resolve_results_root(root if isinstance(root, str) else None) / name
     return (folder / RESULTS_FILE).is_file() or (folder / CHECKPOINT_FILE).is_file()
+
+
+def _error_text(err: BaseException) -> str:
+    """What results.json says of the error that ended a run (a KeyboardInterrupt, which SIGINT or
+    the SIGTERM of a stopping deployment raises, has no text of its own: it said "KeyboardInterrupt: ")."""
+    if isinstance(err, KeyboardInterrupt) and not str(err):
+        return "KeyboardInterrupt: interrupted (SIGINT or SIGTERM); resume=true continues from the last checkpoint"
+    return f"{type(err).__name__}: {err}"
 
 
 def _no_progress_message(empty_rounds: list[int], rounds: list[dict[str, Any]], limit: int) -> str:
