@@ -76,6 +76,7 @@ from typing import IO, Any
 from fedcomp.errors import ConfigError
 from fedcomp.net.links import LinkProfile, parse_link_profiles
 from fedcomp.net.netns import SUPERLINK_PORT, SUPERNODE_PORT, NetnsLab, NetnsUnavailable
+from fedcomp.net.reaper import start_reaper
 from fedcomp.net.superlink import (
     TOKEN_ENV,
     FlowerProcessError,
@@ -538,6 +539,8 @@ class LocalDeployment:
     auth: bool = False
     #: Node index -> the node id ``flwr supernode register`` gave its public key (``auth`` only).
     registered: dict[int, int] = field(default_factory=dict)
+    #: The process that stops the deployment should this one die without :meth:`stop`.
+    reaper: subprocess.Popen[Any] | None = None
 
     def __post_init__(self) -> None:
         self.app_dir = Path(self.app_dir).resolve()
@@ -567,8 +570,13 @@ class LocalDeployment:
     # --- start ---------------------------------------------------------------------------------
 
     def start(self, timeout_s: float = 90.0) -> None:
-        """Start the SuperLink and every SuperNode; return once all are listed online."""
+        """Start the SuperLink and every SuperNode; return once all are listed online. A reaper
+        (:mod:`fedcomp.net.reaper`) goes first: should this process die without :meth:`stop`
+        (SIGKILL), it stops them."""
         deadline = time.monotonic() + timeout_s
+        if self.reaper is None:
+            self.reaper = start_reaper(self.token, {**os.environ, **self.env})
+            self.procs.append(self.reaper)
         lab = self.lab
         link_prefix = lab.exec_prefix(lab.link_ns) if lab else []
         for attempt in range(3):  # a probed port can be taken before the SuperLink binds it
