@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from fedcomp.app.config import DATA_DIR_ENV
+from fedcomp.net.reaper import start_reaper
 from fedcomp.net.superlink import (
     TOKEN_ENV,
     FlowerProcessError,
@@ -167,6 +168,8 @@ def run_simulation(
         on_output = _stdout_line
     with _sigterm_interrupts():
         try:
+            # First, a reaper: should this process be SIGKILLed, it stops the run's processes.
+            procs.append(start_reaper(token, run_env))
             for attempt in range(3):  # a free port can be taken between probing and binding
                 port = free_port()
                 link = subprocess.Popen(
