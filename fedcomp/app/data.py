@@ -178,11 +178,25 @@ def _normalize(images_u8: np.ndarray, mean: float, std: float) -> torch.Tensor:
     return x.sub_(mean).div_(std).unsqueeze(1)
 
 
-@lru_cache(maxsize=4)
-def _load_idx_cached(name: str, root: str) -> Dataset:
-    folder = Path(root) / name
+def _idx_folder(root: Path, name: str) -> Path:
+    """``root/name``, the folder of an IDX dataset (raises :class:`DataError` when it is not one)."""
+    folder = root / name
     if not folder.is_dir():
         raise DataError(f"{folder}: dataset folder not found (expected the four IDX .gz files)")
+    return folder
+
+
+def _shakespeare_file(root: Path) -> Path:
+    """Tiny Shakespeare's ``input.txt`` under ``root`` (raises :class:`DataError` when absent)."""
+    path = root / "tinyshakespeare" / "input.txt"
+    if not path.is_file():
+        raise DataError(f"{path}: not found (tiny Shakespeare's input.txt)")
+    return path
+
+
+@lru_cache(maxsize=4)
+def _load_idx_cached(name: str, root: str) -> Dataset:
+    folder = _idx_folder(Path(root), name)
     raw: dict[tuple[str, str], np.ndarray] = {}
     for (split, kind), fname in _IDX_FILES.items():
         magic = _IMAGE_MAGIC if kind == "images" else _LABEL_MAGIC
@@ -254,9 +268,7 @@ def load_shakespeare_dataset(data_dir: str | Path | None = None) -> Dataset:
 
 @lru_cache(maxsize=2)
 def _load_shakespeare_cached(root: str) -> Dataset:
-    path = Path(root) / "tinyshakespeare" / "input.txt"
-    if not path.is_file():
-        raise DataError(f"{path}: not found (tiny Shakespeare's input.txt)")
+    path = _shakespeare_file(Path(root))
     text = np.frombuffer(path.read_bytes(), dtype=np.uint8)
     cut = int(len(text) * (1.0 - SHAKESPEARE_TEST_SHARE))
     if cut - SHAKESPEARE_SEQ < 1 or len(text) - cut <= SHAKESPEARE_SEQ:
@@ -282,16 +294,12 @@ def check_dataset_files(name: str, data_dir: str | Path | None = None) -> None:
         return
     root = resolve_data_dir(data_dir).expanduser()
     if name in IDX_DATASETS:
-        folder = root / name
-        if not folder.is_dir():
-            raise DataError(f"{folder}: dataset folder not found (expected the four IDX .gz files)")
+        folder = _idx_folder(root, name)
         for fname in _IDX_FILES.values():
             if not (folder / fname).is_file():
                 raise DataError(f"{folder / fname}: not found")
     elif name == "shakespeare":
-        path = root / "tinyshakespeare" / "input.txt"
-        if not path.is_file():
-            raise DataError(f"{path}: not found (tiny Shakespeare's input.txt)")
+        _shakespeare_file(root)
     else:
         raise DataError(f"dataset: unknown dataset {name!r}; known: {list(DATASETS)}")
 

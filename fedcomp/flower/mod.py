@@ -281,12 +281,12 @@ def _apply_lattice_chain(st: ClientState, dl: DownlinkHeader) -> None:
     if st.version == dl.version:
         return
     payload, specs = dl.payloads[0], specs_of(st.replica)
-    base = update_from_bytes(payload, expected=specs).base_model_version
-    last = st.lattice_last
+    update = update_from_bytes(payload, expected=specs)  # (parsed once: its base decides the undo)
+    base, last = update.base_model_version, st.lattice_last
     if base < st.version and last is not None and (last[0], last[1]) == (base, st.version):
         apply_lattice(st.replica, last[2], specs, st.grid, base, undo=True)
         st.version = base
-    st.grid = apply_lattice(st.replica, payload, specs, st.grid, st.version)
+    st.grid = apply_lattice(st.replica, update, specs, st.grid, st.version)
     st.lattice_last = (st.version, dl.version, payload)
 
 

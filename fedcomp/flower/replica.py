@@ -43,6 +43,7 @@ from fedcomp.errors import ConfigError, PayloadError
 from fedcomp.flower.records import digest
 from fedcomp.methods.statistics import is_statistic
 from fedcomp.methods.update import UpdateEncoder, decode_update, specs_of
+from fedcomp.wire.payloads import EncodedUpdate
 from fedcomp.wire.serde import update_from_bytes, update_size, update_to_bytes
 
 
@@ -424,7 +425,7 @@ def _within_grid(k: np.ndarray) -> bool:
 
 def apply_lattice(
     tensors: dict[str, torch.Tensor],
-    data: bytes,
+    data: bytes | EncodedUpdate,
     specs: list[TensorSpec],
     grid: Mapping[str, int] | None,
     base_version: int,
@@ -433,7 +434,8 @@ def apply_lattice(
     """Apply one lattice payload (made against ``base_version``) to ``tensors`` in place:
     ``R = h * (round(R / h) + dK)``, exact in float32. Returns the payload's grid exponents.
     ``undo``: take it back instead (``- dK``; ``tensors`` hold the version it made, and
-    ``base_version`` is the one it was made against), exact as well.
+    ``base_version`` is the one it was made against), exact as well. ``data``: the payload's
+    bytes, or the update they parse to (checked against ``specs`` when parsed).
 
     ``grid``: the exponents the receiver holds (None: it holds none yet and adopts the payload's).
     Server and client run this same code. Raises :class:`PayloadError` on a malformed payload,
@@ -441,7 +443,7 @@ def apply_lattice(
     """
     first = next(iter(tensors.values()), None)
     device = first.device if first is not None else torch.device("cpu")
-    update = update_from_bytes(data, expected=specs)
+    update = update_from_bytes(data, expected=specs) if isinstance(data, bytes) else data
     if update.base_model_version != base_version:
         raise PayloadError("", f"delta is against version {update.base_model_version}, replica is at {base_version}")
     per_tensor = {k: Lattice(exponent=e) for k, e in grid.items()} if grid is not None else None

@@ -429,6 +429,11 @@ def run_app(
 _LOG_START = "=== fedcomp "
 
 
+def _this_start(log: Path) -> str:
+    """The lines of a log (:func:`_appended_log`) its latest start wrote (raises OSError)."""
+    return log.read_text(errors="replace").rsplit(_LOG_START, 1)[-1]
+
+
 def _appended_log(path: Path, cmd: Sequence[str]) -> IO[str]:
     """``path`` opened for appending, after a line that says when and what started: a resumed
     run's processes write after the crashed run's lines (they were overwritten)."""
@@ -448,7 +453,7 @@ def _run_status(log_path: Path, home: Path, env: Mapping[str, str], prefix: Sequ
     """The status ``flwr ls`` gives the run this start of ``flwr run`` began (its id read from
     its log lines), or a sentence saying why there is none."""
     try:
-        text = log_path.read_text(errors="replace").rsplit(_LOG_START, 1)[-1]
+        text = _this_start(log_path)
     except OSError as exc:
         return f"nothing readable ({exc})"
     found = re.search(r"Successfully started run (\d+)", _ANSI.sub("", text))
@@ -847,7 +852,7 @@ def refusal_reason(log_text: str) -> str | None:
 
 def _exit_hint(log: Path) -> str:
     try:
-        text = log.read_text(errors="replace").rsplit(_LOG_START, 1)[-1]  # this start's lines only
+        text = _this_start(log)
     except OSError:
         return ""
     why = refusal_reason(text)

@@ -21,7 +21,7 @@ import sys
 import time
 from collections.abc import Mapping
 
-from fedcomp.net.superlink import TOKEN_ENV, terminate
+from fedcomp.net.superlink import TOKEN_ENV, start_time, terminate
 
 __all__ = ["POLL_S", "start_reaper", "watch"]
 
@@ -29,21 +29,10 @@ __all__ = ["POLL_S", "start_reaper", "watch"]
 POLL_S = 0.5
 
 
-def _start_time(pid: int) -> str | None:
-    """The process's start time since boot (field 22 of /proc/PID/stat), which tells a process
-    from a later one given the same PID; None when it is gone or a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return None if fields[0] == b"Z" else fields[19].decode()
-
-
 def watch(parent: int, token: str, poll_s: float = POLL_S) -> None:
     """Wait while ``parent`` lives, then stop every process marked with ``token``."""
-    born = _start_time(parent)
-    while born is not None and _start_time(parent) == born:
+    born = start_time(parent)
+    while born is not None and start_time(parent) == born:
         time.sleep(poll_s)
     terminate([], token, grace_s=5.0)
 

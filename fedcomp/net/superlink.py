@@ -31,6 +31,7 @@ __all__ = [
     "is_alive",
     "proc_table",
     "run_pids",
+    "start_time",
     "tail",
     "terminate",
     "wait_healthy",
@@ -168,12 +169,19 @@ def alive_pids(pids: list[int] | set[int]) -> list[int]:
 
 
 def is_alive(pid: int) -> bool:
+    return start_time(pid) is not None
+
+
+def start_time(pid: int) -> str | None:
+    """The process's start time since boot (field 22 of /proc/PID/stat), which tells a process
+    from a later one given the same PID; None when it is gone or a zombie (dead, waiting for its
+    parent to reap it)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-        return state != b"Z"  # a zombie is dead, waiting for its parent to reap it
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return None if fields[0] == b"Z" else fields[19].decode()
     except (OSError, IndexError):
-        return False
+        return None
 
 
 def wait_healthy(port: int, proc: subprocess.Popen[Any], timeout_s: float) -> None:
