@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+
 
 class PayloadError(ValueError):
     """A payload could not be decoded: truncated, corrupted, hostile, or not the expected tensor.
@@ -20,3 +23,20 @@ class PayloadError(ValueError):
 
 class ConfigError(ValueError):
     """A codec or run configuration is invalid; the message names the bad key."""
+
+
+def check_number(
+    key: str, value: object, *, low: float, high: float, low_open: bool = True, high_open: bool = False
+) -> float:
+    """``value`` as a float when it is a real number (Python's or NumPy's, not a bool) in the
+    interval from ``low`` to ``high``; else :class:`ConfigError` naming ``key`` and saying which was
+    wrong, the type (``p="0.1"``: a string) or the range."""
+    interval = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ConfigError(f"{key}: must be a number in {interval}, got {type(value).__name__} {value!r}")
+    v = float(value)
+    above = v > low if low_open else v >= low
+    below = v < high if high_open else v <= high
+    if not (above and below and math.isfinite(v)):
+        raise ConfigError(f"{key}: must be in {interval}, got {value!r}")
+    return v

@@ -61,7 +61,7 @@ import torch
 from fedcomp import _native
 from fedcomp.codecs.base import Codec, TensorSpec, check_wire_dtype, expect_payload
 from fedcomp.codecs.golomb import LN_PHI_MINUS_1, check_stream, decode_positions, encode_positions, golomb_b
-from fedcomp.errors import ConfigError, PayloadError
+from fedcomp.errors import ConfigError, PayloadError, check_number
 from fedcomp.wire.payloads import EncodedTensor, Payload, SBCPayload, filled
 
 MODES = ("exact", "fast")

@@ -36,7 +36,7 @@ import torch
 
 from fedcomp.codecs.base import Codec, TensorSpec, expect_payload
 from fedcomp.codecs.topk import decode_sparse_payload, sparse_payload
-from fedcomp.errors import ConfigError, PayloadError
+from fedcomp.errors import ConfigError, PayloadError, check_number
 from fedcomp.wire.payloads import Payload, SparsePayload
 
 VALUE_ENCODINGS = ("float32", "float16")
@@ -64,8 +64,7 @@ class Sparse(Codec):
             raise ConfigError(f"values: must be one of {list(VALUE_ENCODINGS)}, got {values!r}")
         if threshold is None:
             threshold = FP16_THRESHOLD if values == "float16" else 0.0
-        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 <= threshold < 1.0:
-            raise ConfigError(f"threshold: must be a number in [0, 1), got {threshold!r}")
+        threshold = check_number("threshold", threshold, low=0.0, high=1.0, low_open=False, high_open=True)
         self.values = values
         self.threshold = float(threshold)
 

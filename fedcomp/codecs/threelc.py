@@ -100,7 +100,7 @@ import torch
 from fedcomp import _native
 from fedcomp.codecs.base import Codec, TensorSpec, check_wire_dtype, expect_payload
 from fedcomp.codecs.sbc import split_run
-from fedcomp.errors import ConfigError, PayloadError
+from fedcomp.errors import ConfigError, PayloadError, check_number
 from fedcomp.wire.payloads import EncodedTensor, Payload, ThreeLCPayload
 
 #: Weights of the five parts in one byte.
@@ -791,11 +791,7 @@ class ThreeLC(Codec):
     zero_run: bool
 
     def __init__(self, s: float = 1.0, zero_run: bool = True) -> None:
-        if isinstance(s, bool) or not isinstance(s, numbers.Real):
-            raise ConfigError(f"s: must be a number in [1, 2), got {s!r}")
-        s = float(s)
-        if not (1.0 <= s < 2.0):
-            raise ConfigError(f"s: must be in [1, 2), got {s!r}")
+        s = check_number("s", s, low=1.0, high=2.0, low_open=False, high_open=True)
         if not isinstance(zero_run, bool):
             raise ConfigError(f"zero_run: must be true or false, got {zero_run!r}")
         self.s = s

@@ -29,7 +29,7 @@ import torch
 
 from fedcomp.codecs.base import Codec, TensorSpec, check_wire_dtype, expect_payload
 from fedcomp.codecs.golomb import decode_positions, encode_positions, golomb_b
-from fedcomp.errors import ConfigError, PayloadError
+from fedcomp.errors import ConfigError, PayloadError, check_number
 from fedcomp.wire.payloads import DTYPE_SIZES, TORCH_DTYPES, EncodedTensor, Payload, SparsePayload
 
 VALUE_ENCODINGS = ("float32", "float16")
@@ -220,8 +220,8 @@ class TopK(Codec):
     ) -> None:
         if (p is None) == (ranges is None):
             raise ConfigError("p: give exactly one of p and ranges")
-        if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 < float(p) <= 1.0):
-            raise ConfigError(f"p: must be in (0, 1], got {p!r}")
+        if p is not None:
+            p = check_number("p", p, low=0.0, high=1.0)
         if values not in VALUE_ENCODINGS:
             raise ConfigError(f"values: must be one of {list(VALUE_ENCODINGS)}, got {values!r}")
         self.p = None if p is None else float(p)

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import torch
 
 from fedcomp.codecs.topk import Range, check_positions
-from fedcomp.errors import ConfigError, PayloadError
+from fedcomp.errors import ConfigError, PayloadError, check_number
 from fedcomp.wire.payloads import DeftAllocation, DeftPartition
 
 #: Most partitions a client accepts in one allocation (a guard against floods; a real allocation
@@ -102,8 +102,7 @@ def partition_layers(numels: Sequence[int], n: int) -> list[Partition]:
 
 def target_k(total: int, density: float) -> int:
     """The round's budget ``round(density * total)``."""
-    if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0.0 < density <= 1.0:
-        raise ConfigError(f"density: must be in (0, 1], got {density!r}")
+    density = check_number("density", density, low=0.0, high=1.0)
     return round(density * total)
 
 

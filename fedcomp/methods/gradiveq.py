@@ -71,7 +71,7 @@ from fedcomp.codecs.pca import (
     decompress,
     num_slices,
 )
-from fedcomp.errors import ConfigError
+from fedcomp.errors import ConfigError, check_number
 
 __all__ = [
     "DEFAULT_MAX_SAMPLES",
@@ -116,8 +116,7 @@ def fit_compressor(
     At most ``max_samples`` slices per tensor are used (drawn without replacement by a
     generator seeded with ``seed``, afresh for each tensor): the fit costs ``O(max_samples d^2 + d^3)`` per tensor.
     """
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0.0 <= float(eps) < 1.0:
-        raise ConfigError(f"eps: must be in [0, 1), got {eps!r}")
+    eps = check_number("eps", eps, low=0.0, high=1.0, low_open=False, high_open=True)
     if max_dim is not None and (isinstance(max_dim, bool) or not isinstance(max_dim, int) or max_dim < 1):
         raise ConfigError(f"max_dim: must be a positive integer or None, got {max_dim!r}")
     if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 0:
