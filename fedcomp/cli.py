@@ -83,7 +83,8 @@ def parse_run_config(text: str) -> dict[str, Any]:
 
     Values are TOML scalars as in ``flwr run --run-config``; one that is not valid TOML (an
     unquoted word, ``steps:0.01@1,0.001@20``) is taken as a string, which is what its writer
-    meant. Raise :class:`ConfigError` for text that is not ``key=value`` pairs.
+    meant. Raise :class:`ConfigError` for text that is not ``key=value`` pairs, or that gives a
+    key twice (repeated ``--run-config`` options may override one another; one text may not).
     """
     out: dict[str, Any] = {}
     pos, text = 0, text.strip()
@@ -97,7 +98,10 @@ def parse_run_config(text: str) -> dict[str, Any]:
         key, raw = m.group(1), m.group(2)
         if not raw:
             raise ConfigError(f"{key}: no value after '=' (strings may be quoted: {key}='...')")
-        out[key] = _scalar(key, raw)
+        value = _scalar(key, raw)
+        if key in out:
+            raise ConfigError(f"{key}: given twice in one --run-config ({out[key]!r}, then {value!r})")
+        out[key] = value
         pos = m.end()
         while pos < len(text) and text[pos].isspace():
             pos += 1
@@ -307,6 +311,13 @@ def run(argv: list[str]) -> int:
     show = OutputFilter(sys.stdout, verbose=args.verbose, color=args.verbose and sys.stdout.isatty())
     error: str | None = None
     work: Path | None = None
+    # (the table's first line comes only after Flower and Ray have started: seconds of silence)
+    print(
+        f"[fedcomp] starting a Flower simulation: {args.nodes} client{'' if args.nodes == 1 else 's'}, "
+        f"{cfg.num_server_rounds} round{'' if cfg.num_server_rounds == 1 else 's'} "
+        "(Flower and Ray take about 10 s to start)",
+        flush=True,
+    )
     try:
         run_simulation(
             app_dir,

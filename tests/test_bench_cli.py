@@ -129,7 +129,7 @@ def test_links_reports_the_speedup_beside_the_issue_target(tmp_path: Path, capsy
             "--codec-seconds", "0"]  # fmt: skip
     assert main(argv) == 0  # below 20x: still a report, exit 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert last.startswith("speedup at 8 Mbit/s: ") and last.endswith("x (issue target 20x)")
+    assert last.startswith("speedup at 8 Mbit/s: ") and last.endswith("x (project target 20x)")
     assert 1 < float(last.split(": ")[1].split("x")[0]) < 20
     # --target-speedup is an explicit gate for scripts.
     assert main([*argv, "--target-speedup", "1000"]) == 1

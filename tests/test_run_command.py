@@ -214,7 +214,14 @@ def test_run_config_values_are_read_as_meant() -> None:
     assert parse_run_config("") == {}
 
 
-@pytest.mark.parametrize("text, message", [("sbc-p 0.01", "cannot read 'sbc-p'"), ("sbc-p=", "sbc-p: no value")])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("sbc-p 0.01", "cannot read 'sbc-p'"),
+        ("sbc-p=", "sbc-p: no value"),
+        ("rounds=3 sbc-p=0.1 rounds=5", r"rounds: given twice in one --run-config \(3, then 5\)"),
+    ],
+)
 def test_run_config_that_is_not_key_value_pairs_is_refused(text: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         parse_run_config(text)

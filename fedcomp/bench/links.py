@@ -507,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     slowest = min(rows, key=lambda r: r["link_mbps"])
     issue = [(r, ISSUE_TARGETS[r["link_mbps"]]) for r in rows if r["link_mbps"] in ISSUE_TARGETS]
     if issue and not args.initial_model_free and codec_arg is None:
-        print("issue #13 targets (codec time and initial model counted): " + "; ".join(
+        print("project targets (codec time and initial model counted): " + "; ".join(
             f"{r['link_mbps']:g} Mbit/s >= {t:g}x: " + ("not reached" if r["speedup"] is None else
             f"{r['speedup']:.2f}x, " + ("met" if r["speedup"] >= t else "NOT met")) for r, t in issue))  # fmt: skip
     print(_target_line(slowest, dense, comp, name))
@@ -553,7 +553,7 @@ def _target_line(slowest: dict[str, Any], dense: dict[str, Any], comp: dict[str,
     over its last rounds (on a small test set one round's accuracy, the default target, is noisy)."""
     where = f"{slowest['link_mbps']:g} Mbit/s"
     if slowest["speedup"] is not None:
-        return f"speedup at {where}: {slowest['speedup']:.1f}x (issue target {REPORTED_TARGET_SPEEDUP:g}x)"
+        return f"speedup at {where}: {slowest['speedup']:.1f}x (project target {REPORTED_TARGET_SPEEDUP:g}x)"
     which, run = (name, comp) if slowest["compressed_time_s"] is None else ("dense", dense)
     best = max(_scored(run), key=lambda a: (a[0], -a[1]), default=None)
     tail = [accuracy for accuracy, _ in _scored(dense)][-20:]
