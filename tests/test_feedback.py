@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from fedcomp.codecs import DenseFP16, DenseFP32, Identity, TensorSpec
+from fedcomp.codecs import SBC, STC, DenseFP16, DenseFP32, Identity, TensorSpec, ThreeLC, TopK
 from fedcomp.errors import PayloadError
 from fedcomp.methods.feedback import ErrorFeedback, StaleResidual
 from fedcomp.methods.sent import KeptValues
@@ -43,6 +43,34 @@ def test_a_residual_of_any_shape_is_added(shape: tuple[int, ...]) -> None:
     dec = DenseFP16().decode(fb.encode(x, "t"), TensorSpec("t", shape))
     assert dec.shape == shape and torch.equal(dec, torch.full(shape, 1.25))
     assert torch.equal(fb.residual("t"), torch.full(shape, 2.0**-12))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize(
+    "codec",
+    [SBC(p=0.01), ThreeLC(), TopK(p=0.01), STC(p=0.01), DenseFP16(), Identity()],
+    ids=lambda c: c.codec_id,
+)
+def test_a_non_float32_model_decodes_with_its_own_specs(codec, dtype) -> None:
+    """Error feedback computes in float32 but encodes in the model's dtype, so the update says
+    that dtype for every tensor (large ones through the residual, small ones plain) and decodes
+    with ``specs_of(model)``; what was sent plus the residual is what was fed in."""
+    gen = torch.Generator().manual_seed(5)
+    enc = UpdateEncoder(codec, min_numel=100)
+    total_in = {"a.weight": torch.zeros(5000, dtype=torch.float64)}
+    total_out = torch.zeros(5000, dtype=torch.float64)
+    for _ in range(3):
+        model = {
+            "a.weight": torch.randn(5000, generator=gen).to(dtype),
+            "c.bias": torch.randn(10, generator=gen).to(dtype),
+        }
+        specs = specs_of(model)
+        out = decode_update(update_from_bytes(enc.encode_to_bytes(model), specs), specs, [codec, DenseFP32()])
+        assert {k: v.dtype for k, v in out.items()} == {k: dtype for k in model}
+        total_in["a.weight"] += model["a.weight"].to(torch.float64)
+        total_out += out["a.weight"].to(torch.float64)
+    residual = enc.feedback.residual("a.weight").to(torch.float64)
+    torch.testing.assert_close(total_out + residual, total_in["a.weight"], rtol=0, atol=1e-4)
 
 
 def test_state_dict_round_trip():

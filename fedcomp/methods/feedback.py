@@ -17,6 +17,7 @@ docs/compression_gap.md for the measurement.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ import torch
 from fedcomp.codecs.base import Codec
 from fedcomp.codecs.flat import Layout
 from fedcomp.methods.sent import Sent, encode_kept
-from fedcomp.wire.payloads import EncodedTensor
+from fedcomp.wire.payloads import WIRE_DTYPES, EncodedTensor
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,7 @@ class ErrorFeedback:
         """:meth:`encode`, also returning what the receiver will decode (float32)."""
         codec = self.codec if codec is None else codec
         acc, own = self._accumulate(tensor, name)
-        return self._encode_dense(acc, own, name, codec)
+        return self._encode_dense(acc, own, name, codec, tensor.dtype)
 
     def encode_without_reconstruction(
         self, tensor: torch.Tensor, name: str, codec: Codec | None = None
@@ -126,10 +127,14 @@ class ErrorFeedback:
     ) -> tuple[EncodedTensor, Sent | None]:
         codec = self.codec if codec is None else codec
         acc, own = self._accumulate(tensor, name)
-        found = encode_kept(codec, acc, name)
+        # (float64 says a float32 accumulator exactly: the same encoding but for its dtype)
+        exact = tensor.dtype in (torch.float32, torch.float64)
+        found = encode_kept(codec, acc, name) if exact else None
         if found is None:
-            return self._encode_dense(acc, own, name, codec)
+            return self._encode_dense(acc, own, name, codec, tensor.dtype)
         enc, kept = found
+        if tensor.dtype != torch.float32:
+            enc = dataclasses.replace(enc, dtype=WIRE_DTYPES[tensor.dtype])
         new = acc if own else acc.clone()  # (without a residual, acc is the caller's tensor)
         flat = new.numpy().reshape(-1)
         # acc - reconstruction: the reconstruction is 0 elsewhere (the positions are distinct)
@@ -158,12 +163,17 @@ class ErrorFeedback:
         return acc + residual, True
 
     def _encode_dense(
-        self, acc: torch.Tensor, own: bool, name: str, codec: Codec
+        self, acc: torch.Tensor, own: bool, name: str, codec: Codec, dtype: torch.dtype
     ) -> tuple[EncodedTensor, torch.Tensor]:
         """Encode ``acc`` and keep ``acc - reconstruction`` as the residual (in place when ``acc``
-        is this call's ``own``)."""
-        enc, recon = codec.encode_with_reconstruction(acc, name)
-        recon = recon.to(torch.float32)
+        is this call's ``own``).
+
+        The codec sees ``acc`` in the input's float ``dtype``, so the message says that dtype (a
+        float16 model's update decodes with the model's own specs, :func:`specs_of`, as it does
+        without error feedback) and the residual, kept in float32, also holds what the cast lost."""
+        cast = dtype != torch.float32 and dtype.is_floating_point  # (integers travel as float32)
+        enc, recon = codec.encode_with_reconstruction(acc.to(dtype) if cast else acc, name)
+        recon = recon.to(dtype).to(torch.float32) if cast else recon.to(torch.float32)  # (as decoded)
         if own and _cpu_f32(acc, recon) and not _same_storage(acc, recon):
             # The accumulator is this call's own: it becomes the new residual in place (no
             # full-size temporary). Not when it is the caller's tensor, nor the reconstruction's
