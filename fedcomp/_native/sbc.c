@@ -97,9 +97,11 @@ typedef struct {
     Py_ssize_t cap; /* entries each side's buffers hold */
 } scan_out;
 
-/* Blocks of BLOCK elements: MASKS sets bit j of mh (ml) when x[i + j] >= hi (<= lo); most blocks
- * select nothing and cost only the compares. Returns 1 when more than `limit` are found. */
-#define SCAN_BODY(BLOCK, MASKS)                                                          \
+/* Blocks of BLOCK elements: MASKS sets bit j of mh (ml) when x[i + j] >= hi (<= lo), and notes a
+ * NaN where NAN_SEEN (read at the end) can tell; most blocks select nothing and cost only the
+ * compares. Returns 1 when more than `limit` are found, or a NaN was: a NaN is neither >= hi nor
+ * <= lo, so it would stay behind unseen (the caller's exact mode then names it). */
+#define SCAN_BODY(BLOCK, MASKS, NAN_SEEN)                                                \
     Py_ssize_t i = begin;                                                                \
     for (; i + (BLOCK) <= end; i += (BLOCK)) {                                           \
         uint32_t mh = 0, ml = 0;                                                         \
@@ -117,9 +119,11 @@ typedef struct {
             o->lval[o->nlo++] = x[j];                                                    \
         }                                                                                \
     }                                                                                    \
+    if (NAN_SEEN) return 1;                                                              \
     for (; i < end; i++) { /* the tail of fewer than BLOCK */                           \
         float v = x[i];                                                                  \
         int h = v >= hi, l = v <= lo;                                                    \
+        if (v != v) return 1;                                                            \
         if (o->nhi + o->nlo + h + l > limit) return 1;                                   \
         if (h) {                                                                         \
             o->hpos[o->nhi] = i;                                                         \
@@ -139,16 +143,20 @@ static int scan_base(const float *restrict x, Py_ssize_t begin, Py_ssize_t end, 
                      Py_ssize_t limit, scan_out *o) {
 #ifdef HAVE_SSE2
     const __m128 vh = _mm_set1_ps(hi), vl = _mm_set1_ps(lo);
+    __m128 nan = _mm_setzero_ps();
     SCAN_BODY(16, for (int q = 0; q < 16; q += 4) {
         __m128 v = _mm_loadu_ps(x + i + q);
+        nan = _mm_or_ps(nan, _mm_cmpunord_ps(v, v));
         mh |= (uint32_t)_mm_movemask_ps(_mm_cmpge_ps(v, vh)) << q;
         ml |= (uint32_t)_mm_movemask_ps(_mm_cmple_ps(v, vl)) << q;
-    })
+    }, _mm_movemask_ps(nan))
 #else
+    int nan = 0;
     SCAN_BODY(16, for (int q = 0; q < 16; q++) {
+        nan |= x[i + q] != x[i + q];
         mh |= (uint32_t)(x[i + q] >= hi) << q;
         ml |= (uint32_t)(x[i + q] <= lo) << q;
-    })
+    }, nan)
 #endif
 }
 
@@ -179,6 +187,7 @@ static inline void append_bits(uint32_t m, Py_ssize_t base, const float *restric
         uint32_t mh = 0, ml = 0;                                                                     \
         for (int q = 0; q < 32; q += 8) {                                                            \
             __m256 v = _mm256_loadu_ps(x + i + q);                                                   \
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));                               \
             mh |= (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(v, vh, _CMP_GE_OQ)) << q;               \
             ml |= (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(v, vl, _CMP_LE_OQ)) << q;               \
         }                                                                                            \
@@ -197,6 +206,7 @@ static inline void append_bits(uint32_t m, Py_ssize_t base, const float *restric
 __attribute__((target("avx2"))) static int scan_avx2(const float *restrict x, Py_ssize_t begin, Py_ssize_t end,
                                                      float hi, float lo, Py_ssize_t limit, scan_out *o) {
     const __m256 vh = _mm256_set1_ps(hi), vl = _mm256_set1_ps(lo);
+    __m256 nan = _mm256_setzero_ps(); /* (any NaN of the blocks: see SCAN_BODY) */
     int64_t *restrict hpos = o->hpos, *restrict lpos = o->lpos;
     float *restrict hval = o->hval, *restrict lval = o->lval;
     Py_ssize_t nhi = o->nhi, nlo = o->nlo, cap = o->cap, i = begin;
@@ -206,6 +216,7 @@ __attribute__((target("avx2"))) static int scan_avx2(const float *restrict x, Py
     } else {
         AVX2_BLOCKS(0)
     }
+    if (_mm256_movemask_ps(nan)) return 1;
     o->nhi = nhi;
     o->nlo = nlo;
     return scan_base(x, i, end, hi, lo, limit, o);

@@ -109,8 +109,7 @@ def default_sample_size(p: float) -> int:
 def check_selection_params(p: float, mode: str, sample_size: int | None, p_max: float) -> tuple[float, str, int]:
     """Validated ``(p, mode, sample_size)`` of a codec that keeps a fraction ``p`` of a tensor by
     magnitude, exactly or from a sampled threshold (SBC, STC); raise :class:`ConfigError`."""
-    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 < float(p) <= p_max:
-        raise ConfigError(f"p: must be in (0, {p_max:g}], got {p!r}")
+    p = check_number("p", p, low=0.0, high=p_max)
     if mode not in MODES:
         raise ConfigError(f"mode: must be one of {list(MODES)}, got {mode!r}")
     if sample_size is None:
@@ -683,12 +682,14 @@ def _scan_values(
     a: np.ndarray, begin: int, end: int, thr_hi: np.float32, thr_lo: np.float32, limit: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
     """Positions and values in ``[begin, end)`` of ``a >= thr_hi`` and of ``a <= thr_lo`` (None
-    past ``limit``); the values are taken from each chunk while it is in cache."""
+    past ``limit`` or for a NaN); the values are taken from each chunk while it is in cache."""
     mask = np.empty(min(_CPU_CHUNK, end - begin), dtype=bool)
     out: tuple[list[np.ndarray], ...] = ([np.zeros(0, dtype=np.int64)], [a[:0]], [np.zeros(0, dtype=np.int64)], [a[:0]])
     count = 0
     for start in range(begin, end, _CPU_CHUNK):
         part = a[start : min(start + _CPU_CHUNK, end)]
+        if math.isnan(float(part.sum(dtype=np.float64))):  # (a NaN selects on neither side)
+            return None
         m = mask[: part.shape[0]]
         np.greater_equal(part, thr_hi, out=m)
         hi = m.nonzero()[0]  # flatnonzero's wrappers cost more than the call on a chunk
@@ -870,7 +871,10 @@ def serial_torch_thread() -> None:
 def _threshold_select_torch(
     flat: torch.Tensor, thr_hi: np.float32, thr_lo: np.float32, limit: int
 ) -> tuple[torch.Tensor, np.ndarray, torch.Tensor, np.ndarray] | None:
-    """:func:`_threshold_select_cpu` for any device: positions stay on it, values come back."""
+    """:func:`_threshold_select_cpu` for any device: positions stay on it, values come back
+    (None for a NaN, which selects on neither side: exact mode names it)."""
+    if bool(torch.isnan(flat).any()):
+        return None
     hi = (flat >= float(thr_hi)).nonzero().view(-1)
     lo = (flat <= float(thr_lo)).nonzero().view(-1)
     if hi.numel() + lo.numel() > limit:

@@ -414,6 +414,33 @@ def test_non_finite_input_is_rejected():
                 SBC(0.01, mode).encode_with_reconstruction(x, "w")
 
 
+@pytest.mark.parametrize("where", [0, 12_345, 999_999], ids=lambda w: f"at-{w}")
+@pytest.mark.parametrize("path", ["native-one-part", "native-parts", "numpy", "torch"])
+def test_fast_mode_names_a_nan_outside_its_sample(monkeypatch, path: str, where: int) -> None:
+    """A NaN is neither above nor below the thresholds: fast mode's scan used to pass it by, the
+    encode went through and the NaN stayed in the residual for good. Every scan now notes it,
+    and exact mode (which fast mode falls back to) names the tensor. For SBC and STC alike."""
+    from fedcomp.codecs import STC
+    from fedcomp.codecs import sbc as sbc_module
+
+    x = seeded(1_000_000, 4)
+    sampled = set(_sample_positions(1_000_000, SBC(0.01).sample_size, "cpu").tolist())
+    assert where not in sampled
+    x[where] = math.nan
+    if path == "native-parts":
+        monkeypatch.setattr(sbc_module, "_split_parts", lambda n, per=0: 2)
+    elif path == "numpy":
+        monkeypatch.setattr(sbc_module, "_KERNEL", None)
+    if path == "torch":  # (the scan of other devices, run here on the CPU)
+        scan = sbc_module._threshold_select_torch
+        assert scan(x, np.float32(2.5), np.float32(-2.5), 400_000) is None
+        assert scan(x.nan_to_num(), np.float32(2.5), np.float32(-2.5), 400_000) is not None
+        return
+    for codec in (SBC(0.01), STC(0.01)):
+        with pytest.raises(ValueError, match=r"'w'.*cannot encode NaN or infinite"):
+            codec.encode(x, "w")
+
+
 def test_sample_positions():
     pos = _sample_positions(1_000_003, 25_600, "cpu")
     assert pos.dtype == torch.int64 and pos.numel() == 25_600
