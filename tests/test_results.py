@@ -61,6 +61,19 @@ def test_recorder_writes_rounds_and_prints_a_table(tmp_path: Path) -> None:
     assert "round" in table[1] and table[2].split()[0] == "0" and table[3].split()[0] == "1"
 
 
+def test_a_diverged_models_nan_loss_is_recorded_not_a_crash(tmp_path: Path) -> None:
+    """A NaN evaluation loss (a diverged or poisoned model) is null in results.json and 'nan' in
+    the table; it raised 'Out of range float values are not JSON compliant' and left the run's
+    results.json saying 'running'."""
+    out = io.StringIO()
+    rec = RunRecorder({}, tmp_path, "run1", stream=out)
+    rec.end_round(0, accuracy=0.1, loss=float("nan"))
+    rec.end_round(1, accuracy=0.1, loss=float("inf"))
+    data = json.loads(rec.finish().read_text())
+    assert data["status"] == "completed" and [r["loss"] for r in data["rounds"]] == [None, None]
+    assert out.getvalue().splitlines()[2].split()[:3] == ["0", "0.1000", "nan"]
+
+
 def test_timestamped_run_names_do_not_collide(tmp_path: Path) -> None:
     a = RunRecorder({}, tmp_path, stream=None)
     b = RunRecorder({}, tmp_path, stream=None)

@@ -190,7 +190,7 @@ class RunRecorder:
         entry: dict[str, Any] = {
             "round": int(round),
             "accuracy": float(accuracy),
-            "loss": float(loss),
+            "loss": _jsonable(float(loss)),  # (a diverged model's NaN: null, not a crash of the run)
             **totals,
             "uplink_compression": _ratio(totals["dense_uplink_bytes"], totals["uplink_bytes"]),
             "downlink_compression": _ratio(totals["dense_downlink_bytes"], totals["downlink_bytes"]),
@@ -249,7 +249,7 @@ class RunRecorder:
         cells = (
             str(e["round"]),
             f"{e['accuracy']:.4f}",
-            f"{e['loss']:.4f}",
+            "nan" if e["loss"] is None else f"{e['loss']:.4f}",
             _fmt_bytes(e["uplink_bytes"]),
             _fmt_bytes(e["downlink_bytes"]),
             _fmt_bytes(e["dense_uplink_bytes"]),
