@@ -355,6 +355,7 @@ class CompressionStrategy(Strategy):
         traffic.decode_seconds += time.perf_counter() - t0
         content = RecordDict({k: v for k, v in msg.content.items() if k != protocol.UPLINK})
         self._check_structure(content)
+        self.uplink.accept(server_round, node)
         content[self._arrays_key] = record_from_tensors(decoded.arrays)
         msg.content = content
 
@@ -389,6 +390,7 @@ class CompressionStrategy(Strategy):
         traffic.decode_seconds += time.perf_counter() - t0
         content = RecordDict({k: v for k, v in msg.content.items() if k != protocol.UPLINK})
         self._check_structure(content)
+        self.uplink.accept(server_round, node)
         msg.content = content  # the payload is not needed any more: let it go
         return contribution
 
@@ -419,9 +421,13 @@ class CompressionStrategy(Strategy):
 
     def _check_structure(self, content: RecordDict) -> None:
         """What the inner strategy will read: no ArrayRecord of the client's own (the wrapper puts
-        the decoded model in), exactly one MetricRecord, and a weight in (0, max-num-examples]."""
+        the decoded model in), no record of any kind under the model's key (a MetricRecord there
+        would be overwritten by the model, or overwrite it in the streaming path's one reply),
+        exactly one MetricRecord, and a weight in (0, max-num-examples]."""
         if content.array_records:
             raise PayloadError("", f"reply carries ArrayRecord(s) {sorted(content.array_records)} beside its update")
+        if self._arrays_key in content:
+            raise PayloadError("", f"reply carries a record named {self._arrays_key!r}, the key the model goes under")
         self._check_metrics(content)
 
     def _check_metrics(self, content: RecordDict) -> None:

@@ -182,6 +182,11 @@ class UplinkMethod:
         delta = decode_update(update, specs, [codec, DenseFP32()])
         return Decoded({k: model[k] + delta[k] for k in model}, delta)
 
+    def accept(self, server_round: int, node: int) -> None:
+        """The reply of ``node`` that :meth:`decode` read in ``server_round`` passed every check of
+        the server's (finite values, norm bound, structure): a method that learns from replies
+        (GradiVeQ's samples) takes it only now, so a rejected reply teaches it nothing."""
+
     def finish(
         self, server_round: int, aggregated: Mapping[str, torch.Tensor], model: Mapping[str, torch.Tensor]
     ) -> Tensors | None:

@@ -19,6 +19,7 @@ Tensors under ``min-compress-numel``, and those the fit gives no dimension, go d
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +34,8 @@ from fedcomp.methods.statistics import sent_dense
 from fedcomp.methods.update import decode_update, specs_of
 from fedcomp.wire.payloads import EncodedUpdate
 from fedcomp.wire.serde import compressor_from_bytes, compressor_to_bytes
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from fedcomp.methods.config import CompressionConfig
@@ -58,7 +61,10 @@ class GradiVeQUplink(UplinkMethod):
         self.version = 0
         self._wire: bytes = b""
         self._samples: dict[str, list[torch.Tensor]] = {}
+        #: A dense round's decoded replies, (round, node) -> samples, until the server accepts them.
+        self._pending: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
+        self._specs: tuple[TensorSpec, ...] = ()  # the model's, as a dense round last saw them
         self._nodes: dict[int, int] = {}  # node -> compressor version it reported holding
         self._domain: dict[int, bool] = {}  # round -> aggregated in the compressed domain
 
@@ -134,10 +140,17 @@ class GradiVeQUplink(UplinkMethod):
         ``W + delta``, or in compressed-domain rounds the coefficients (dense tensors: delta)."""
         if not self.compressed(server_round):
             delta = decode_update(update, specs, [DenseFP32()])
+            # samples of the next fit once the server accepted the reply (accept): one it rejects
+            # (NaN, over max-update-norm) would make every client's next basis NaN or useless
+            self._pending[(server_round, node)] = {
+                s.name: delta[s.name].reshape(-1)
+                for s in specs
+                if not sent_dense(s.name, s.numel, self.config.min_compress_numel)
+            }
             for s in specs:
                 if not sent_dense(s.name, s.numel, self.config.min_compress_numel):
-                    self._samples.setdefault(s.name, []).append(delta[s.name].reshape(-1))
                     self._shapes[s.name] = s.shape
+            self._specs = tuple(specs)
             self._domain[server_round] = False
             return Decoded({k: model[k] + delta[k] for k in model}, delta)
         assert self.compressor is not None
@@ -174,6 +187,10 @@ class GradiVeQUplink(UplinkMethod):
         self._domain[server_round] = compressed_domain
         return Decoded(out, model_delta)
 
+    def accept(self, server_round: int, node: int) -> None:
+        for name, sample in self._pending.pop((server_round, node), {}).items():
+            self._samples.setdefault(name, []).append(sample)
+
     def finish(
         self, server_round: int, aggregated: Mapping[str, torch.Tensor], model: Mapping[str, torch.Tensor]
     ) -> dict[str, torch.Tensor] | None:
@@ -188,6 +205,7 @@ class GradiVeQUplink(UplinkMethod):
                 if self.compressor.compresses(name):
                     agg = decompress(self.compressor, name, agg, w.numel(), weight_sum=1.0).reshape(w.shape)
                 out[name] = w + agg
+        self._pending = {k: v for k, v in self._pending.items() if k[0] > server_round}  # (rejected ones)
         if self._cycle_position(server_round) == self.config.gradiveq_dense_rounds - 1 and self._samples:
             self._fit()
         return out
@@ -198,18 +216,31 @@ class GradiVeQUplink(UplinkMethod):
         return {name: fan_in(shape) for name, shape in self._shapes.items()}
 
     def _fit(self) -> None:
-        self.version += 1
+        """A new compressor from the cycle's samples; where it comes out unusable (a basis that is
+        not finite: accepted samples so large that their covariance overflows, possible without
+        ``max-update-norm``), the one before stays, with a warning, and the clients go on."""
+        samples, self._samples = self._samples, {}
         c = self.config
-        self.compressor = fit_compressor(
-            self._samples,
-            version=self.version,
-            slice_size=self._slice_sizes(),
-            eps=c.gradiveq_eps,
-            max_dim=c.gradiveq_max_dim or None,
-            min_numel=c.min_compress_numel,
-        )
-        self._wire = compressor_to_bytes(self.compressor.to_wire())
-        self._samples = {}
+        try:
+            compressor = fit_compressor(
+                samples,
+                version=self.version + 1,
+                slice_size=self._slice_sizes(),
+                eps=c.gradiveq_eps,
+                max_dim=c.gradiveq_max_dim or None,
+                min_numel=c.min_compress_numel,
+            )
+            wire = compressor_to_bytes(compressor.to_wire())
+            Compressor.from_wire(compressor_from_bytes(wire), self._specs)  # (the clients' check)
+        except (PayloadError, ValueError, RuntimeError) as exc:  # (torch's linalg errors are RuntimeErrors)
+            log.warning(
+                "fedcomp: GradiVeQ: no new compressor from this cycle's samples (%s); keeping version %d",
+                exc,
+                self.version,
+            )
+            return
+        self.version += 1
+        self.compressor, self._wire = compressor, wire
 
     # --- client ----------------------------------------------------------------------------------
 

@@ -48,6 +48,16 @@ def _nan_payload(reply: Message) -> Message:
     return _replace_content(reply, **{protocol.UPLINK: with_fields(up, payload=update_to_bytes(enc))})
 
 
+def _huge_payload(reply: Message, magnitude: float = 1e30) -> Message:
+    """``reply`` with an update of random values ``magnitude`` in size."""
+    up = reply.content.config_records[protocol.UPLINK]
+    update = update_from_bytes(up["payload"])  # type: ignore[arg-type]
+    gen = torch.Generator().manual_seed(7)
+    tensors = {t.name: torch.randn(t.shape, generator=gen) * magnitude for t in update.tensors}
+    enc = UpdateEncoder(DenseFP32(), min_numel=0, error_feedback=False).encode(tensors, update.base_model_version)
+    return _replace_content(reply, **{protocol.UPLINK: with_fields(up, payload=update_to_bytes(enc))})
+
+
 def _metrics(value: Any) -> Any:
     def tamper(reply: Message) -> Message:
         return _replace_content(reply, metrics=None if value is None else MetricRecord({"num-examples": value}))
@@ -320,3 +330,79 @@ def test_a_malformed_evaluate_reply_is_left_out_and_the_round_goes_on(case: str)
     metrics = strategy.aggregate_evaluate(1, replies)
     assert metrics is not None and "loss" in metrics
     assert list(strategy.traffic[1].rejected_evaluate) == [2] and why in strategy.traffic[1].rejected_evaluate[2]
+
+
+@pytest.mark.parametrize("inner", ["fedavg", "fedmedian"])  # streaming; materialising
+def test_a_record_under_the_models_key_is_rejected_and_the_round_goes_on(inner: str) -> None:
+    """A reply whose MetricRecord is named like the inner strategy's ArrayRecord key ("arrays"):
+    the model overwrote it (materialising) or it overwrote the model (streaming), and the round
+    ended with a StopIteration or an 'exactly one ArrayRecord' error (hostile-replies audit)."""
+    from flwr.serverapp.strategy import FedAvg, FedMedian
+
+    from fedcomp.flower.settings import CompressionConfig
+    from fedcomp.flower.strategy import CompressionStrategy
+
+    every = {"fraction_train": 1.0, "fraction_evaluate": 1.0, "min_train_nodes": 1, "min_available_nodes": 1}
+
+    def tamper(node: int, reply: Message) -> Message:
+        if node != 2:
+            return reply
+        return _replace_content(reply, metrics=None, arrays=MetricRecord({"num-examples": 10}))
+
+    for nodes in ((1, 2, 3), (2,)):  # (alone: nothing to aggregate)
+        strategy = CompressionStrategy(
+            (FedAvg if inner == "fedavg" else FedMedian)(**every),
+            CompressionConfig.from_run_config({"uplink-codec": "dense-fp32"}),
+        )
+        assert strategy.streaming == (inner == "fedavg")
+        new, _ = train_round(strategy, {n: Client(n) for n in nodes}, 1, tiny_model(), tamper=tamper)
+        t = strategy.traffic[1]
+        assert list(t.rejected) == [2] and "the key the model goes under" in t.rejected[2], t.rejected
+        assert (new is not None) == (len(nodes) == 3)
+
+
+@pytest.mark.parametrize("poison", ["nan", "over-the-norm-bound"])
+def test_gradiveqs_compressor_learns_nothing_from_a_rejected_reply(poison: str) -> None:
+    """GradiVeQ fits its compressor on the dense rounds' replies. It took a reply's samples before
+    the server's checks, so a rejected NaN (or, without a norm bound, a huge) update made the
+    next basis NaN and every honest client fail for a whole refresh cycle."""
+    strategy = make_strategy(**{"uplink-codec": "gradiveq", "gradiveq-dense-rounds": 2, "max-update-norm": 100.0})
+    clients, model = {n: Client(n) for n in (1, 2, 3)}, tiny_model()
+
+    bad = _nan_payload if poison == "nan" else _huge_payload
+    for rnd in range(1, 5):  # rounds 1-2 dense (node 2 hostile), 3-4 compressed
+        hostile = bad if rnd <= 2 else (lambda r: r)
+        new, log = train_round(strategy, clients, rnd, model, tamper=lambda n, r, f=hostile: f(r) if n == 2 else r)
+        t = strategy.traffic[rnd]
+        assert list(t.rejected) == ([2] if rnd <= 2 else []), (rnd, t.rejected)
+        assert t.accepted == (2 if rnd <= 2 else 3), (
+            rnd,
+            t.accepted,
+            {n: r.has_error() for n, r in log.replies.items()},
+        )
+        assert new is not None and all(bool(torch.isfinite(v).all()) for v in new.values())
+        model = new
+    assert strategy.uplink.version == 1  # type: ignore[attr-defined]
+
+
+def test_a_gradiveq_fit_that_comes_out_unusable_keeps_the_compressor_before(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fit that fails, or whose compressor the clients would refuse (a basis that is not
+    finite), is not sent: the run stays on the compressor it had (none yet: dense rounds) and
+    says so, where it ended the run before."""
+    from fedcomp.methods import gradiveq_uplink
+
+    def overflowed(*args: Any, **kwargs: Any) -> Any:
+        raise ValueError("basis or whitening holds NaN or infinite values")
+
+    monkeypatch.setattr(gradiveq_uplink, "fit_compressor", overflowed)
+    strategy = make_strategy(**{"uplink-codec": "gradiveq", "gradiveq-dense-rounds": 2})
+    clients, model = {n: Client(n) for n in (1, 2, 3)}, tiny_model()
+    for rnd in (1, 2, 3):
+        new, _ = train_round(strategy, clients, rnd, model)
+        assert strategy.traffic[rnd].accepted == 3 and new is not None
+        model = new
+    assert strategy.uplink.version == 0 and strategy.uplink.compressor is None  # type: ignore[attr-defined]
+    assert "GradiVeQ: no new compressor from this cycle's samples (basis or whitening" in caplog.text
+    assert strategy.uplink.round_codec_config(3) == {"id": "dense-fp32"}
