@@ -387,7 +387,8 @@ def _integer_valued(t: torch.Tensor) -> bool:
 def _off_grid(name: str, e: int) -> ConfigError:
     return ConfigError(
         f"lattice-step: tensor {name!r} does not fit its grid 2**{e} (|W / h| >= 2**24 or not finite); "
-        "a larger lattice-step gives a coarser grid"
+        "a larger lattice-step gives a coarser grid (a model that moved this far in one round may "
+        "also be one client's doing: max-update-norm bounds each update)"
     )
 
 

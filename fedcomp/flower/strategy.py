@@ -39,6 +39,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
@@ -471,20 +472,32 @@ class CompressionStrategy(Strategy):
                     accepted.append(msg)
             accepted = self._consistent(accepted, reject)
             arrays, metrics = self.strategy.aggregate_train(server_round, accepted)
-        for msg in accepted:
-            if not msg.has_error():
-                self._last_update[msg.metadata.src_node_id] = (
-                    (server_round, UpdateStatus.AGGREGATED, "")
-                    if arrays is not None
-                    else (server_round, UpdateStatus.REJECTED, "the inner strategy aggregated nothing this round")
-                )
-        self._settled = max(self._settled, server_round)
         if arrays is not None and self._target is not None and _overrides(self.uplink, "finish"):
             t0 = time.perf_counter()
             model = self.uplink.finish(server_round, tensors_from_record(arrays), self._target)
             self._traffic(server_round).decode_seconds += time.perf_counter() - t0
             if model is not None:
                 arrays = record_from_tensors(model)
+        nothing = "the inner strategy aggregated nothing this round"
+        bad = _not_finite(arrays) if arrays is not None else None
+        if bad is not None:
+            # Every reply was finite, but their mean overflowed float32 (or the inner strategy's
+            # own step did): Flower keeps the model it had when it gets no arrays.
+            nothing = f"the round's aggregate is not finite (tensor {bad!r}); the model stays as it was"
+            log.error(
+                "fedcomp: round %s: %s (an update far larger than the others? max-update-norm bounds them)",
+                server_round,
+                nothing,
+            )
+            arrays = None
+        for msg in accepted:
+            if not msg.has_error():
+                self._last_update[msg.metadata.src_node_id] = (
+                    (server_round, UpdateStatus.AGGREGATED, "")
+                    if arrays is not None
+                    else (server_round, UpdateStatus.REJECTED, _reason(nothing))
+                )
+        self._settled = max(self._settled, server_round)
         return arrays, self._with_figures(server_round, metrics, "train")
 
     def _admit(self, msg: Message, server_round: int, decode: Callable[[Message, int], _T]) -> _T | Message | None:
@@ -748,6 +761,15 @@ class CompressionStrategy(Strategy):
 
     def __repr__(self) -> str:
         return f"CompressionStrategy({self.strategy!r})"
+
+
+def _not_finite(arrays: ArrayRecord) -> str | None:
+    """The name of the first float array of ``arrays`` that holds a NaN or an infinity, or None."""
+    for name, arr in arrays.items():
+        a = arr.numpy()
+        if a.dtype.kind == "f" and not np.isfinite(a).all():
+            return name
+    return None
 
 
 def _reply_order(msg: Message) -> tuple[int, str, int]:

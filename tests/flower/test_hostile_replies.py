@@ -49,11 +49,11 @@ def _nan_payload(reply: Message) -> Message:
 
 
 def _huge_payload(reply: Message, magnitude: float = 1e30) -> Message:
-    """``reply`` with an update of random values ``magnitude`` in size."""
+    """``reply`` with an update of random values in ``[magnitude / 2, magnitude)``."""
     up = reply.content.config_records[protocol.UPLINK]
     update = update_from_bytes(up["payload"])  # type: ignore[arg-type]
     gen = torch.Generator().manual_seed(7)
-    tensors = {t.name: torch.randn(t.shape, generator=gen) * magnitude for t in update.tensors}
+    tensors = {t.name: (1 + torch.rand(t.shape, generator=gen)) * (magnitude / 2) for t in update.tensors}
     enc = UpdateEncoder(DenseFP32(), min_numel=0, error_feedback=False).encode(tensors, update.base_model_version)
     return _replace_content(reply, **{protocol.UPLINK: with_fields(up, payload=update_to_bytes(enc))})
 
@@ -406,3 +406,40 @@ def test_a_gradiveq_fit_that_comes_out_unusable_keeps_the_compressor_before(
     assert strategy.uplink.version == 0 and strategy.uplink.compressor is None  # type: ignore[attr-defined]
     assert "GradiVeQ: no new compressor from this cycle's samples (basis or whitening" in caplog.text
     assert strategy.uplink.round_codec_config(3) == {"id": "dense-fp32"}
+
+
+@pytest.mark.parametrize("inner", ["fedavg", "fedmedian"])  # streaming; materialising
+def test_an_aggregate_that_overflows_leaves_the_model_as_it_was(inner: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Finite replies whose ``W + delta`` overflows float32 (one client's update near float32's
+    largest value, twice, without max-update-norm): the aggregate held infinities, and the next
+    round's downlink encoder ended the run. Now the round aggregates nothing (Flower keeps the
+    model), its clients hear why, and the next round goes on from the finite model."""
+    from flwr.serverapp.strategy import FedAvg, FedMedian
+
+    from fedcomp.flower.settings import CompressionConfig
+    from fedcomp.flower.strategy import CompressionStrategy
+
+    every = {"fraction_train": 1.0, "fraction_evaluate": 1.0, "min_train_nodes": 1, "min_available_nodes": 1}
+    strategy = CompressionStrategy(
+        (FedAvg if inner == "fedavg" else FedMedian)(**every),
+        CompressionConfig.from_run_config({"uplink-codec": "dense-fp32", "downlink-codec": "dense-fp32"}),
+    )
+    # (FedMedian's median of three is the attacker's when two send it: nodes 2 and 3 attack)
+    attackers = (2,) if inner == "fedavg" else (2, 3)
+
+    def tamper(node: int, reply: Message) -> Message:
+        if node not in attackers:
+            return reply
+        reply = _huge_payload(reply, 3e38)
+        return _replace_content(reply, metrics=MetricRecord({"num-examples": 10**9}))
+
+    clients, model = {n: Client(n) for n in (1, 2, 3)}, tiny_model()
+    new, _ = train_round(strategy, clients, 1, model, tamper=tamper)
+    assert new is not None and all(bool(torch.isfinite(v).all()) for v in new.values())  # huge, finite
+    again, _ = train_round(strategy, clients, 2, new, tamper=tamper)
+    assert again is None, "an aggregate that is not finite must not become the model"
+    assert "round 2: the round's aggregate is not finite" in caplog.text
+    status = strategy._last_update[1]
+    assert status[0] == 2 and status[1] == protocol.UpdateStatus.REJECTED and "not finite" in status[2]
+    after, _ = train_round(strategy, clients, 3, new)  # Flower hands the model it kept back
+    assert after is not None and all(bool(torch.isfinite(v).all()) for v in after.values())
