@@ -450,27 +450,20 @@ class CompressionStrategy(Strategy):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         if not self.config.compress:
             return self.strategy.aggregate_train(server_round, replies)
-        traffic = self._traffic(server_round)
+        self._traffic(server_round)  # (the round's figures, even when every reply failed)
         # The inner strategy sums the replies in the order it gets them, and float addition is
         # not associative: in arrival order, two runs with the same seed (or a resumed run) would
         # end with different models. Sorted by content, the aggregate is reproducible.
         ordered = sorted(replies, key=_reply_order)
 
-        def reject(msg: Message, why: str) -> None:
-            node = msg.metadata.src_node_id
-            traffic.accepted -= 1
-            traffic.rejected[node] = f"payload: {why}"
-            self._last_update[node] = (server_round, UpdateStatus.REJECTED, _reason(f"payload: {why}"))
-            log.warning("fedcomp: rejected the update of node %s in round %s: %s", node, server_round, why)
-
         if self.streaming:
-            accepted, arrays, metrics = self._aggregate_streaming(server_round, ordered, reject)
+            accepted, arrays, metrics = self._aggregate_streaming(server_round, ordered)
         else:
             accepted = []
             for msg in ordered:
                 if self._admit(msg, server_round, self._decode_reply) is not None:
                     accepted.append(msg)
-            accepted = self._consistent(accepted, reject)
+            self._conform(accepted, server_round, "train")
             arrays, metrics = self.strategy.aggregate_train(server_round, accepted)
         if arrays is not None and self._target is not None and _overrides(self.uplink, "finish"):
             t0 = time.perf_counter()
@@ -532,22 +525,17 @@ class CompressionStrategy(Strategy):
         return msg if out is None else out
 
     def _aggregate_streaming(
-        self, server_round: int, ordered: list[Message], reject: Callable[[Message, str], None]
+        self, server_round: int, ordered: list[Message]
     ) -> tuple[list[Message], ArrayRecord | None, MetricRecord | None]:
         """The replies the inner strategy aggregated (content and error replies), its arrays and
         the metrics, with each reply summed as it is decoded (see the module docstring).
 
-        The round's MetricRecord shape (:meth:`_consistent`) is decided before decoding, by the
-        replies whose records are well formed, since a reply cannot be taken out of the sum
-        afterwards; the materialising path decides it after decoding, by the replies that
-        decoded. The two differ only when replies that fail to decode would have swung it."""
+        Their MetricRecords are made alike afterwards (:meth:`_conform`), as the materialising
+        path does."""
         key: str = self.strategy.weighted_by_key  # type: ignore[attr-defined]  # FedAvg's family
         assert self._target is not None
-        shapes = Counter(_metric_shape(m) for m in ordered if _well_formed(m, self._check_structure))
-        common = shapes.most_common(1)[0][0] if len(shapes) > 1 else None
         total = WeightedSum(self._target)
         kept: list[Message] = []
-        contents: list[RecordDict] = []
         errors: list[Message] = []
         for msg in ordered:
             got = self._admit(msg, server_round, self._stream_reply)
@@ -556,13 +544,11 @@ class CompressionStrategy(Strategy):
             if isinstance(got, Message):
                 errors.append(msg)
                 continue
-            if common is not None and _metric_shape(msg) != common:
-                reject(msg, _shape_differs(msg, common))
-                continue
             weight = float(next(iter(msg.content.metric_records.values()))[key])  # type: ignore[arg-type]
             total.add(got, weight)
             kept.append(msg)
-            contents.append(msg.content)
+        self._conform(kept, server_round, "train")
+        contents = [msg.content for msg in kept]
         if not kept:  # nothing to aggregate: the inner strategy sees the errors, as it would
             arrays, metrics = self.strategy.aggregate_train(server_round, errors)
             return errors, arrays, metrics
@@ -580,24 +566,41 @@ class CompressionStrategy(Strategy):
         metrics = self.strategy.train_metrics_aggr_fn(contents, key)  # type: ignore[attr-defined]
         return [*kept, *errors], arrays, metrics
 
-    def _consistent(self, replies: list[Message], reject: Callable[[Message, str], None]) -> list[Message]:
-        """The replies whose MetricRecord has the round's common shape (record name, keys, list
-        lengths): Flower's strategies require one shape of all replies and raise otherwise, so a
-        single odd reply would end the run. The shape most replies share wins (ties: the first
-        seen); ``reject`` is told of each other one. Error replies pass through."""
+    def _conform(self, replies: list[Message], server_round: int, what: str) -> None:
+        """Make the content replies' MetricRecords alike, in place: Flower's strategies require one
+        record name and one key set (with list lengths) of all replies and raise otherwise. A reply
+        whose record differs keeps its update: its record is renamed to the name most replies use
+        and holds the keys every reply has (the weight key always: each reply was checked for it),
+        and a warning names the keys left out. Neither the order of the replies nor the name a
+        sender picks decides what another reply keeps (rejecting the odd reply out did: a sender
+        could grind its payload's hash to be seen first and win a tie)."""
         if _through_wrappers(self.strategy, "weighted_by_key") is None:
-            return replies
-        shapes = Counter(_metric_shape(m) for m in replies if not m.has_error())
-        if len(shapes) <= 1:
-            return replies
-        (name, keys), _ = shapes.most_common(1)[0]
-        out = []
-        for msg in replies:
-            if msg.has_error() or _metric_shape(msg) == (name, keys):
-                out.append(msg)
-            else:
-                reject(msg, _shape_differs(msg, (name, keys)))
-        return out
+            return
+        content = [m for m in replies if not m.has_error() and m.has_content()]
+        shapes = [_metric_shape(m) for m in content]
+        if len(set(shapes)) <= 1:
+            return
+        names = Counter(name for name, _ in shapes)
+        name = min(names, key=lambda n: (-names[n], n))
+        keys = set.intersection(*(set(k) for _, k in shapes))
+        dropped: dict[int, list[str]] = {}
+        for msg, (got_name, got_keys) in zip(content, shapes, strict=True):
+            if (got_name, got_keys) == (name, tuple(sorted(keys))):
+                continue
+            rec = msg.content.metric_records[got_name]
+            kept = {k: rec[k] for k, _ in sorted(keys)}
+            msg.content = RecordDict(
+                {**{k: v for k, v in msg.content.items() if k != got_name}, name: MetricRecord(kept)}
+            )
+            dropped[msg.metadata.src_node_id] = sorted(k for k, _ in set(got_keys) - keys)
+        log.warning(
+            "fedcomp: round %s (%s): the replies' MetricRecords differ; metrics aggregated over the keys all "
+            "share, under the name %r (keys left out, by node: %s)",
+            server_round,
+            what,
+            name,
+            {n: ks[:8] for n, ks in sorted(dropped.items())},
+        )
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         if not self.config.compress:
@@ -615,7 +618,7 @@ class CompressionStrategy(Strategy):
                     self._reject_evaluate(msg, str(exc), server_round)
                     continue
             checked.append(msg)
-        checked = self._consistent(checked, lambda m, why: self._reject_evaluate(m, why, server_round))
+        self._conform(checked, server_round, "evaluate")
         metrics = self.strategy.aggregate_evaluate(server_round, checked)
         return None if metrics is None else self._with_figures(server_round, metrics, "evaluate")
 
@@ -783,39 +786,10 @@ def _reply_order(msg: Message) -> tuple[int, str, int]:
     return (0 if msg.has_error() else 1, hashlib.sha256(payload).hexdigest(), int(msg.metadata.src_node_id))
 
 
-def _well_formed(msg: Message, check: Callable[[RecordDict], None]) -> bool:
-    """Whether ``msg`` is a content reply whose records pass ``check`` (the structure checks)."""
-    if msg.has_error() or not msg.has_content():
-        return False
-    try:
-        check(msg.content)
-    except PayloadError:
-        return False
-    return True
-
-
-def _shape_differs(msg: Message, shape: tuple[str, tuple[tuple[str, int], ...]]) -> str:
-    """Why a reply whose MetricRecord shape is not the round's ``shape`` is rejected."""
-    got_name, got_keys = _metric_shape(msg)
-    name, keys = shape
-    return (
-        f"MetricRecord {got_name!r} {_describe(got_keys)} differs from the round's "
-        f"other replies ({name!r} {_describe(keys)})"
-    )
-
-
 def _metric_shape(msg: Message) -> tuple[str, tuple[tuple[str, int], ...]]:
     """A reply's MetricRecord name and its keys with their list lengths (-1: a number)."""
     name, rec = next(iter(msg.content.metric_records.items()))
     return name, tuple(sorted((k, len(v) if isinstance(v, list) else -1) for k, v in rec.items()))
-
-
-def _describe(keys: tuple[tuple[str, int], ...]) -> str:
-    return (
-        "with keys ["
-        + ", ".join(k if n < 0 else f"{k}[{n}]" for k, n in keys[:8])
-        + (", ...]" if len(keys) > 8 else "]")
-    )
 
 
 def _reason(text: str) -> str:

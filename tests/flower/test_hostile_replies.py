@@ -282,35 +282,70 @@ SHAPE_TAMPERS = {
 }
 
 
+@pytest.mark.parametrize("streaming", [True, False])
 @pytest.mark.parametrize("case", sorted(SHAPE_TAMPERS))
-def test_a_train_reply_whose_metrics_differ_from_the_others_is_rejected(case: str) -> None:
+def test_a_train_reply_whose_metrics_differ_from_the_others_keeps_its_update(
+    case: str, streaming: bool, caplog: pytest.LogCaptureFixture
+) -> None:
     """Flower's strategies require every reply's MetricRecord to have one name and one key set
-    (InconsistentMessageReplies otherwise): the odd reply out is rejected, the round goes on, and
-    its client hears so (its update goes back into its residual)."""
-    strategy = make_strategy()
+    (InconsistentMessageReplies otherwise). The odd reply out was rejected, update and all; now
+    every update is aggregated, the metrics over the keys all replies share, with a warning."""
+    from flwr.serverapp.strategy import FedAvg, FedMedian
+
+    from fedcomp.flower.settings import CompressionConfig
+    from fedcomp.flower.strategy import CompressionStrategy
+
+    every = {"fraction_train": 1.0, "fraction_evaluate": 1.0, "min_train_nodes": 1, "min_available_nodes": 1}
+    strategy = CompressionStrategy((FedAvg if streaming else FedMedian)(**every), CompressionConfig())
+    assert strategy.streaming == streaming
     clients = {n: Client(n) for n in (1, 2, 3)}
     new, _ = train_round(
         strategy, clients, 1, tiny_model(), tamper=lambda n, r: SHAPE_TAMPERS[case](r) if n == 3 else r
     )
     t = strategy.traffic[1]
-    assert new is not None and t.accepted == 2 and list(t.rejected) == [3], t.rejected
-    assert "differs from the round's other replies ('metrics' with keys [num-examples])" in t.rejected[3]
-    assert strategy.outcome_state()["last-update"]["3"][:2] == [1, "rejected"]
+    assert new is not None and t.accepted == 3 and not t.rejected, t.rejected
+    assert strategy.outcome_state()["last-update"]["3"][:2] == [1, "aggregated"]
+    assert "round 1 (train): the replies' MetricRecords differ" in caplog.text
 
 
-def test_the_shape_most_replies_share_wins_whoever_replies_first() -> None:
-    strategy = make_strategy()
-    clients = {n: Client(n) for n in (1, 2, 3)}
-    new, _ = train_round(strategy, clients, 1, tiny_model(), tamper=lambda n, r: _renamed(r) if n == 1 else r)
-    assert new is not None and list(strategy.traffic[1].rejected) == [1]
+def _honest_metrics(strategy: Any, clients: dict[int, Client], tamper: Any) -> tuple[Any, Any]:
+    """The aggregated train metrics of one round, tampered by ``tamper(node, reply)``."""
+    out = strategy.strategy.train_metrics_aggr_fn
+    seen: list[Any] = []
+
+    def spy(contents: Any, key: str) -> Any:
+        seen.append(out(contents, key))
+        return seen[-1]
+
+    strategy.strategy.train_metrics_aggr_fn = spy
+    new, _ = train_round(strategy, clients, 1, tiny_model(), tamper=tamper)
+    return new, seen[0]
+
+
+def test_what_a_reply_keeps_does_not_depend_on_who_is_seen_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sender picks its payload's bytes, so the order the replies are read in (by the payload's
+    hash) is its to choose. With two replies of different shapes the first used to win the tie
+    and the other was rejected: whatever the order now, both are aggregated, over the shared keys."""
+    import fedcomp.flower.strategy as strategy_module
+
+    order = strategy_module._reply_order
+    results = []
+    for first in (1, 2):
+        strategy = make_strategy()
+        clients = {n: Client(n) for n in (1, 2)}
+        with monkeypatch.context() as m:
+            m.setattr(strategy_module, "_reply_order", lambda msg, f=first: (msg.metadata.src_node_id != f, order(msg)))
+            new, metrics = _honest_metrics(strategy, clients, lambda n, r: _extra_key(r) if n == 2 else r)
+        assert new is not None and strategy.traffic[1].accepted == 2 and not strategy.traffic[1].rejected
+        results.append((sorted(metrics), {k: v.tolist() for k, v in new.items()}))
+    assert results[0] == results[1]
+    assert "extra" not in results[0][0]
 
 
 EVALUATE_TAMPERS = {
     "num-examples-missing": (_metrics(None), "MetricRecords, expected 1"),
     "num-examples-nan": (_metrics(float("nan")), "not a number"),
     "extra-metric-record": (lambda r: _replace_content(r, more=MetricRecord({"x": 1.0})), "2 MetricRecords"),
-    "renamed-metric-record": (_renamed, "differs from the round's other replies"),
-    "list-metric-length": (_list_metric(2), "differs from the round's other replies"),
 }
 
 
@@ -330,6 +365,23 @@ def test_a_malformed_evaluate_reply_is_left_out_and_the_round_goes_on(case: str)
     metrics = strategy.aggregate_evaluate(1, replies)
     assert metrics is not None and "loss" in metrics
     assert list(strategy.traffic[1].rejected_evaluate) == [2] and why in strategy.traffic[1].rejected_evaluate[2]
+
+
+@pytest.mark.parametrize("case", ["renamed-metric-record", "list-metric-length"])
+def test_evaluate_replies_whose_metrics_differ_are_all_aggregated(case: str) -> None:
+    strategy = make_strategy()
+    clients = {n: Client(n) for n in (1, 2, 3)}
+    new, _ = train_round(strategy, clients, 1, tiny_model())
+    assert new is not None
+    msgs = list(strategy.configure_evaluate(1, record_from_tensors(new), ConfigRecord({}), FixedGrid([1, 2, 3])))
+    honest = {m.metadata.dst_node_id: clients[m.metadata.dst_node_id].handle(m) for m in msgs}
+    if case == "list-metric-length":  # two report lists of length 3, node 2 one of length 2
+        honest = {n: _list_metric(3)(r) if n != 2 else _list_metric(2)(r) for n, r in honest.items()}
+    else:
+        honest[2] = _renamed(honest[2])
+    metrics = strategy.aggregate_evaluate(1, list(honest.values()))
+    assert metrics is not None and "loss" in metrics and "curve" not in metrics
+    assert not strategy.traffic[1].rejected_evaluate
 
 
 @pytest.mark.parametrize("inner", ["fedavg", "fedmedian"])  # streaming; materialising
