@@ -17,7 +17,8 @@ class PayloadError(ValueError):
     def __init__(self, tensor: str, reason: str) -> None:
         self.tensor = tensor
         self.reason = reason
-        where = f"tensor {tensor!r}" if tensor else "payload"
+        shown = tensor if len(tensor) <= 200 else tensor[:200] + "..."  # (a hostile name may be long)
+        where = f"tensor {shown!r}" if tensor else "payload"
         super().__init__(f"{where}: {reason}")
 
 

@@ -51,3 +51,63 @@ def test_the_interval_ends(low_open: bool, high_open: bool, value: float, ok: bo
     else:
         with pytest.raises(ConfigError, match="^x: must be in "):
             check_number("x", value, low=0.0, high=1.0, low_open=low_open, high_open=high_open)
+
+
+# --- library entry points: wrong arguments get typed errors that say what is needed -------------
+
+
+def test_a_numpy_array_is_named_as_not_a_tensor() -> None:
+    from fedcomp.methods.update import UpdateEncoder
+
+    with pytest.raises(TypeError, match=r"^tensor 'w': a torch.Tensor is needed, got numpy.ndarray \(torch.from_numpy"):
+        SBC().encode(np.zeros(3, np.float32), "w")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^tensor 'w': a torch.Tensor is needed"):  # (not AttributeError)
+        UpdateEncoder(SBC()).encode_to_bytes({"w": np.zeros(3, np.float32)})  # type: ignore[dict-item]
+
+
+def test_a_rank_the_wire_cannot_carry_is_refused_when_encoding() -> None:
+    """Rank 9 encoded fine and every receiver refused it; the sender hears it now."""
+    import torch
+
+    from fedcomp.codecs import DenseFP32
+
+    for codec in (SBC(p=0.1), DenseFP32()):
+        with pytest.raises(ValueError, match=r"^tensor 'w': rank 9 exceeds 8"):
+            codec.encode(torch.zeros([2] * 9), "w")
+    assert DenseFP32().encode(torch.zeros([2] * 8), "w").shape == (2,) * 8
+
+
+def test_a_spec_of_a_dtype_the_wire_does_not_carry_says_so() -> None:
+    import torch
+
+    from fedcomp.codecs import TensorSpec
+    from fedcomp.errors import PayloadError
+
+    enc = SBC(p=0.1).encode(torch.randn(72), "w")
+    with pytest.raises(PayloadError, match="spec says dtype torch.int64, which the wire format does not carry"):
+        SBC(p=0.1).decode(enc, TensorSpec("w", (72,), torch.int64))
+
+
+def test_codecs_where_codecs_are_needed() -> None:
+    from fedcomp.codecs import get_codec
+    from fedcomp.methods.feedback import ErrorFeedback
+    from fedcomp.methods.update import UpdateEncoder
+
+    with pytest.raises(TypeError, match=r"^codec: a Codec is needed .* got 'sbc'"):
+        UpdateEncoder("sbc")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^small_codec: a Codec is needed"):
+        UpdateEncoder(SBC(), small_codec="dense-fp32")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^min_numel: must be an integer >= 0, got '10'"):
+        UpdateEncoder(SBC(), min_numel="10")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^codec: a Codec is needed"):
+        ErrorFeedback("sbc")  # type: ignore[arg-type]
+    for bad in (None, ["sbc"], 3):
+        with pytest.raises(ConfigError, match=r"^codec config: a codec id or a mapping"):
+            get_codec(bad)  # type: ignore[arg-type]
+
+
+def test_a_long_tensor_name_is_shortened_in_the_message_only() -> None:
+    from fedcomp.errors import PayloadError
+
+    err = PayloadError("n" * 70_000, "bad")
+    assert err.tensor == "n" * 70_000 and len(str(err)) < 250 and str(err).endswith("...': bad")

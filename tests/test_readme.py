@@ -98,3 +98,18 @@ def test_the_short_run_completes(cmd: str, tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, *words[1:]], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "OK: 2 rounds" in done.stdout and str(tmp_path / "results") in done.stdout
+
+
+def test_the_library_example_runs_as_written() -> None:
+    """The "Codecs as a library" block, copied and pasted: it used a `tensor` it never made."""
+    section = README.read_text().split("## Codecs as a library", 1)[1].split("\n## ", 1)[0]
+    (block,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    names: dict[str, object] = {}
+    exec(compile(block, "README.md (Codecs as a library)", "exec"), names)
+    import torch
+
+    back, update, decoded = names["back"], names["update"], names["decoded"]
+    assert isinstance(back, torch.Tensor) and back.shape == (64, 3, 7, 7)
+    assert isinstance(decoded, dict) and decoded.keys() == update.keys()  # type: ignore[attr-defined]
+    assert 0 < int((decoded["weight"] != 0).sum()) <= 2 * 78  # SBC kept about 1 % of 7,840 (one side)
+    assert torch.equal(decoded["bias"], update["bias"])  # type: ignore[index]

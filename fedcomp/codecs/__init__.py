@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from fedcomp.codecs.base import Codec, TensorSpec
@@ -40,6 +41,8 @@ CODECS: dict[str, type[Codec]] = {
 
 def get_codec(config: dict[str, Any] | str) -> Codec:
     """Build a codec from its config (``{"id": ..., **params}``) or bare id."""
+    if not isinstance(config, str | Mapping):
+        raise ConfigError(f"codec config: a codec id or a mapping with 'id' is needed, got {config!r}")
     cfg: dict[str, Any] = {"id": config} if isinstance(config, str) else dict(config)
     cid = cfg.get("id")
     if cid not in CODECS:

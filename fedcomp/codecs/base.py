@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import torch
 
 from fedcomp.errors import ConfigError, PayloadError
-from fedcomp.wire.payloads import WIRE_DTYPES, EncodedTensor, Payload, filled
+from fedcomp.wire.payloads import MAX_RANK, WIRE_DTYPES, EncodedTensor, Payload, filled
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,8 @@ class Codec(ABC):
     # --- the contract -------------------------------------------------------------------------
 
     def encode(self, tensor: torch.Tensor, name: str = "") -> EncodedTensor:
-        """Compress ``tensor`` (any float dtype, any device)."""
+        """Compress ``tensor`` (any float dtype, any device). The dense codecs' payload reads
+        ``tensor`` only when it is serialised (no copy): do not change it in place before."""
         return self.encode_with_reconstruction(tensor, name)[0]
 
     def encode_with_reconstruction(self, tensor: torch.Tensor, name: str = "") -> tuple[EncodedTensor, torch.Tensor]:
@@ -123,8 +124,12 @@ class Codec(ABC):
             )
         if tuple(enc.shape) != tuple(spec.shape):
             raise PayloadError(name, f"shape {list(enc.shape)} where {list(spec.shape)} was expected")
-        if enc.dtype != WIRE_DTYPES.get(spec.dtype):
-            raise PayloadError(name, f"dtype {enc.dtype} where {WIRE_DTYPES.get(spec.dtype)} was expected")
+        if spec.dtype not in WIRE_DTYPES:
+            raise PayloadError(
+                name, f"the receiver's spec says dtype {spec.dtype}, which the wire format does not carry"
+            )
+        if enc.dtype != WIRE_DTYPES[spec.dtype]:
+            raise PayloadError(name, f"dtype {enc.dtype} where {WIRE_DTYPES[spec.dtype]} was expected")
 
     def get_config(self) -> dict[str, Any]:
         """JSON-safe settings, including ``id``; ``from_config`` of it gives an equal codec."""
@@ -212,9 +217,21 @@ class Codec(ABC):
 
 
 def check_wire_dtype(tensor: torch.Tensor, name: str) -> None:
-    """Raise TypeError unless ``tensor``'s dtype has a wire name (what every encoder checks first)."""
+    """What every encoder checks first: raise TypeError unless ``tensor`` is a torch tensor whose
+    dtype has a wire name, ValueError when its rank is more than the wire format carries (its
+    receiver would refuse the message)."""
+    if not isinstance(tensor, torch.Tensor):
+        kind = type(tensor)
+        raise TypeError(
+            f"tensor {name!r}: a torch.Tensor is needed, got {kind.__module__}.{kind.__qualname__}"
+            + (" (torch.from_numpy makes one of a NumPy array)" if kind.__module__ == "numpy" else "")
+        )
     if tensor.dtype not in WIRE_DTYPES:
         raise TypeError(f"tensor {name!r}: dtype {tensor.dtype} is not supported")
+    if tensor.dim() > MAX_RANK:
+        raise ValueError(
+            f"tensor {name!r}: rank {tensor.dim()} exceeds {MAX_RANK}, the most the wire format carries (reshape it)"
+        )
 
 
 def expect_payload(payload: Payload, kind: type, name: str) -> None:

@@ -76,6 +76,8 @@ class ErrorFeedback:
     """
 
     def __init__(self, codec: Codec, stale: StaleResidual | None = None) -> None:
+        if not isinstance(codec, Codec):
+            raise TypeError(f"codec: a Codec is needed (e.g. SBC(p=0.01), get_codec('sbc')), got {codec!r}")
         self.codec = codec
         self._residuals: dict[str, torch.Tensor] = {}
         #: The buffer :meth:`keep_flat` kept last: its layout, itself, and the views handed out.

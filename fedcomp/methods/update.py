@@ -15,7 +15,7 @@ from typing import TypeVar
 
 import torch
 
-from fedcomp.codecs.base import Codec, TensorSpec
+from fedcomp.codecs.base import Codec, TensorSpec, check_wire_dtype
 from fedcomp.codecs.dense import DenseFP16, DenseFP32, Identity
 from fedcomp.codecs.flat import concrete_device
 from fedcomp.codecs.sbc import run_jobs
@@ -85,8 +85,11 @@ class UpdateEncoder:
         small_codec: Codec | None = None,
         error_feedback: bool = True,
     ) -> None:
-        if min_numel < 0:
-            raise ValueError("min_numel: must be >= 0")
+        for key, value in (("codec", codec), ("small_codec", small_codec)):
+            if not (isinstance(value, Codec) or (key == "small_codec" and value is None)):
+                raise TypeError(f"{key}: a Codec is needed (e.g. SBC(p=0.01), get_codec('sbc')), got {value!r}")
+        if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 0:
+            raise ValueError(f"min_numel: must be an integer >= 0, got {min_numel!r}")
         self.min_numel = min_numel
         self.small_codec = small_codec or DenseFP32()
         self._codec = codec
@@ -109,7 +112,9 @@ class UpdateEncoder:
         keep_sent: bool = False,
         sparse_sent: bool = False,
     ) -> EncodedUpdate:
-        """Encode ``tensors`` in order. A tensor named in ``codecs`` uses that codec instead of
+        """Encode ``tensors`` in order (a tensor a dense codec encodes is read when the update is
+        serialised: change none in place before, or use :meth:`encode_to_bytes`, which does both).
+        A tensor named in ``codecs`` uses that codec instead of
         the default, whatever its size, and goes through the error feedback when it is on (DEFT
         gives each client per-tensor ranges every round: :mod:`fedcomp.methods.deft`).
 
@@ -121,6 +126,9 @@ class UpdateEncoder:
         on the CPU is held there as :class:`KeptValues` (its positions and values), not as a dense
         tensor: the same encoding and residual without a tensor of its size filled and
         subtracted."""
+        for name, t in tensors.items():
+            if not isinstance(t, torch.Tensor):
+                check_wire_dtype(t, name)  # (its error names the type, and NumPy's way out)
         codecs = codecs or {}
         unknown = set(codecs) - set(tensors)
         if unknown:

@@ -20,6 +20,8 @@ WIRE_DTYPES: dict[torch.dtype, str] = {
 }
 TORCH_DTYPES: dict[str, torch.dtype] = {v: k for k, v in WIRE_DTYPES.items()}
 DTYPE_SIZES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+#: Upper bound on tensor rank the wire format carries (the decoders refuse more; the encoders too).
+MAX_RANK = 8
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,7 @@ from fedcomp.v1 import wire_pb2 as pb
 from fedcomp.wire import fast_writer
 from fedcomp.wire.payloads import (
     FORMAT_VERSION,
+    MAX_RANK,
     TORCH_DTYPES,
     DeftAllocation,
     DeftPartition,
@@ -72,8 +73,6 @@ from fedcomp.wire.payloads import (
     filled,
 )
 
-#: Upper bound on tensor rank accepted from the wire.
-MAX_RANK = 8
 #: Most tensors an update may hold when the receiver does not pass its model's tensors.
 MAX_TENSORS = 65_536
 #: With the model known, a tensor of ``n`` elements may take at most ``16 n + TENSOR_SLACK`` bytes
