@@ -385,6 +385,12 @@ def _integer_valued(t: torch.Tensor) -> bool:
 
 
 def _off_grid(name: str, e: int) -> ConfigError:
+    if is_statistic(name):  # (its grid is set by its own largest value, not by lattice-step)
+        return ConfigError(
+            f"lattice-step: running statistic {name!r} grew past its grid 2**{e} (over 2**{24 - FINE_BITS} "
+            "times its largest value when the grid was set, or not finite); another downlink-codec "
+            "(3lc, the default) sends it dense"
+        )
     return ConfigError(
         f"lattice-step: tensor {name!r} does not fit its grid 2**{e} (|W / h| >= 2**24 or not finite); "
         "a larger lattice-step gives a coarser grid (a model that moved this far in one round may "

@@ -285,6 +285,9 @@ def test_cpu_lattice_step_equals_the_device_generic_lines(e: int) -> None:
         off[3, 4] = bad
         with pytest.raises(ConfigError, match="does not fit its grid"):
             _lattice_step_cpu(off, r, h, "w", e)
+        # a running statistic's grid is its own, not lattice-step's: the message says what helps
+        with pytest.raises(ConfigError, match=r"running statistic 'bn.running_var' grew past its grid .*\(3lc"):
+            _lattice_step_cpu(off, r, h, "bn.running_var", e)
 
 
 def test_the_server_merges_its_own_delta_to_the_bits_a_client_decodes() -> None:
