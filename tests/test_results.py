@@ -134,6 +134,22 @@ def test_metered_grid_reports_both_directions(tmp_path: Path) -> None:
     assert entry["dense_downlink_bytes"] == 3 * model_bytes
 
 
+def test_a_downlink_to_an_up_to_date_client_has_no_dense_counterpart(tmp_path: Path) -> None:
+    """DEFT's round 1: the clients build the seeded initial model (mode ``none``), and the message
+    carries only their allocation. Dense FedAvg would have sent nothing: its bytes count, but no
+    dense model beside them (a whole one was charged, DEFT's downlink factor 1/rounds too good)."""
+    from fedcomp.flower import protocol
+
+    rec = RunRecorder({}, tmp_path, "g", stream=None)
+    grid = MeteredGrid(_FakeGrid(), rec, dense_nbytes=1000)  # type: ignore[arg-type]
+    for mode, node in (("none", 5), ("chain", 9)):
+        down = ConfigRecord({"mode": mode, "a.allocation": b"x" * 40})
+        list(grid.send_and_receive([_Msg(RecordDict({protocol.DOWNLINK: down}), dst=node)]))
+    entry = rec.end_round(1, accuracy=0.5, loss=1.0)
+    assert entry["clients"]["downlink_bytes"] == [40, 40]
+    assert entry["clients"]["dense_downlink_bytes"] == [0, 1000]
+
+
 class _LostSuperLinkGrid(Grid):
     """Two SuperNodes are connected, but every message the ServerApp sends fails, as when the
     SuperLink goes away mid-run."""

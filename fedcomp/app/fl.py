@@ -30,6 +30,7 @@ from fedcomp.app.models import evaluate
 from fedcomp.app.results import RunRecorder
 from fedcomp.errors import ConfigError
 from fedcomp.flower.grids import DelegatingGrid
+from fedcomp.flower.protocol import DOWNLINK, DownlinkMode
 
 __all__ = [
     "MeteredGrid",
@@ -77,7 +78,8 @@ class MeteredGrid(DelegatingGrid):
     Outgoing messages count as downlink to ``dst_node_id``, replies as uplink from
     ``src_node_id`` (replies that carry an error count nothing). ``dense_nbytes`` is the
     uncompressed fp32 size of what each message stands for (the model); it is added as
-    ``dense_*`` for every message that carries a payload. Traffic goes to the recorder's
+    ``dense_*`` for every message that carries a payload, but a downlink that says its client is
+    up to date (:func:`_up_to_date`). Traffic goes to the recorder's
     current round, i.e. the round that the next ``end_round`` closes. Query messages (e.g.
     :class:`~fedcomp.flower.sampling.SeededSampling` asking the nodes their partition) are not a
     round's traffic and count nothing.
@@ -106,7 +108,7 @@ class MeteredGrid(DelegatingGrid):
             self._recorder.add_traffic(
                 m.metadata.dst_node_id,
                 downlink_bytes=n,
-                dense_downlink_bytes=self._dense if n else 0,
+                dense_downlink_bytes=self._dense if n and not _up_to_date(m) else 0,
             )
         return messages
 
@@ -131,6 +133,15 @@ class MeteredGrid(DelegatingGrid):
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
         return self._in(self._grid.send_and_receive(self._out(messages), timeout=timeout))
+
+
+def _up_to_date(m: Message) -> bool:
+    """Whether ``m`` tells its client it holds the model already (downlink mode ``none``): dense
+    FedAvg would have sent nothing either, so whatever else it carries (DEFT's round-1 allocation)
+    has no dense counterpart. It was charged a whole dense model, which made DEFT's downlink factor
+    about 1/rounds too good."""
+    rec = m.content.config_records.get(DOWNLINK)
+    return rec is not None and rec.get("mode") == DownlinkMode.NONE
 
 
 def _is_query(m: Message) -> bool:

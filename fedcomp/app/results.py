@@ -87,7 +87,9 @@ def _fmt_bytes(n: int) -> str:
 
 
 def _ratio(dense: int, actual: int) -> float | None:
-    return dense / actual if actual > 0 else None
+    """Compression factor dense / actual; None when either is 0 (nothing sent, or only what a
+    dense run would not have sent at all: DEFT's round-1 allocation)."""
+    return dense / actual if actual > 0 and dense > 0 else None
 
 
 def _jsonable(value: Any) -> Any:
