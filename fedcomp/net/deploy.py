@@ -371,6 +371,8 @@ def run_app(
     cmd = [*prefix, flwr_bin("flwr"), "run", str(app_dir), CONNECTION, "--stream", "--run-config", str(rc_file)]
     deadline = time.monotonic() + timeout_s
     procs = [] if procs is None else procs
+    if own:  # (`deploy run`: should this process be SIGKILLed, the reaper stops `flwr run`)
+        procs.append(start_reaper(run_env[TOKEN_ENV], run_env))
     seen_rounds = 0
     with _appended_log(log_path, cmd) as log:
         run = subprocess.Popen(

@@ -54,3 +54,40 @@ def test_a_killed_command_leaves_nothing_running_and_a_live_one_is_left_alone() 
         for pid in started:
             if is_alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+# `deploy run`'s own processes: run_app with a stand-in `flwr` that writes its PID and waits.
+_DEPLOY_RUN = """
+import sys
+from pathlib import Path
+import fedcomp.net.deploy as deploy
+work = Path(sys.argv[1])
+deploy.flwr_bin = lambda name: str(work / "flwr")
+deploy.run_app(work / "app", "127.0.0.1:9093", {}, flwr_home=work / "home", timeout_s=120, insecure=True)
+"""
+
+
+def test_a_killed_deploy_run_leaves_no_flwr_run_behind(tmp_path) -> None:
+    """``python -m fedcomp.deploy run`` (a remote SuperLink) starts ``flwr run`` in a session of
+    its own; killed with SIGKILL, it left that process streaming on. Its reaper now stops it."""
+    (tmp_path / "app").mkdir()
+    fake = tmp_path / "flwr"
+    fake.write_text(f"#!/bin/sh\necho $$ > {tmp_path / 'pid'}\nexec sleep 120\n")
+    fake.chmod(0o755)
+    cmd = subprocess.Popen([sys.executable, "-c", _DEPLOY_RUN, str(tmp_path)])
+    flwr = 0
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "pid").is_file() or not (tmp_path / "pid").read_text().strip():
+            assert time.monotonic() < deadline, "the stand-in flwr never started"
+            time.sleep(0.2)
+        flwr = int((tmp_path / "pid").read_text())
+        time.sleep(1.5)  # (polls of a live parent: nothing is stopped)
+        assert is_alive(flwr)
+        os.kill(cmd.pid, signal.SIGKILL)
+        cmd.wait(timeout=10)
+        assert _wait_gone([flwr], timeout_s=20.0) == []
+    finally:
+        cmd.kill()
+        if flwr and is_alive(flwr):
+            os.kill(flwr, signal.SIGKILL)
