@@ -383,7 +383,7 @@ def test_scan_pool_is_built_once_per_process(monkeypatch):
     assert child is not pool and sbc._pool() is child
 
 
-def test_pool_threads_run_torch_operators_alone_and_leave_the_callers_threads_be():
+def test_pool_threads_run_torch_operators_alone_and_leave_the_callers_threads_be(monkeypatch):
     # A pool thread with an OpenMP team of its own made libgomp stop every idle worker spinning
     # (more OpenMP threads than cores): each small operator of the main thread then waited for
     # its workers to wake, several times slower (sbc.serial_torch_thread).
@@ -391,6 +391,9 @@ def test_pool_threads_run_torch_operators_alone_and_leave_the_callers_threads_be
 
     if torch.get_num_threads() < 2:
         pytest.skip("torch runs on one thread here: nothing to keep apart")
+    # A pool of its own: threads another test started while it stood in for torch.get_num_threads
+    # (tests/native) were set up by the stand-in, not by torch (this test failed after those).
+    monkeypatch.setattr(sbc, "_POOL", None)
     before = torch.get_num_threads()
 
     def job() -> tuple[int, float]:
