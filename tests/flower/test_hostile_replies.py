@@ -349,18 +349,20 @@ EVALUATE_TAMPERS = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(EVALUATE_TAMPERS))
-def test_a_malformed_evaluate_reply_is_left_out_and_the_round_goes_on(case: str) -> None:
-    tamper, why = EVALUATE_TAMPERS[case]
+def _evaluate_round() -> tuple[Any, dict[int, Message]]:
+    """A strategy after one train round of nodes 1-3, and their honest evaluate replies."""
     strategy = make_strategy()
     clients = {n: Client(n) for n in (1, 2, 3)}
     new, _ = train_round(strategy, clients, 1, tiny_model())
     assert new is not None
     msgs = list(strategy.configure_evaluate(1, record_from_tensors(new), ConfigRecord({}), FixedGrid([1, 2, 3])))
-    honest = {m.metadata.dst_node_id: clients[m.metadata.dst_node_id].handle(m) for m in msgs}
-    # The two honest clients report lists of length 3 when the case is about list lengths.
-    if case == "list-metric-length":
-        honest = {n: _list_metric(3)(r) if n != 2 else r for n, r in honest.items()}
+    return strategy, {m.metadata.dst_node_id: clients[m.metadata.dst_node_id].handle(m) for m in msgs}
+
+
+@pytest.mark.parametrize("case", sorted(EVALUATE_TAMPERS))
+def test_a_malformed_evaluate_reply_is_left_out_and_the_round_goes_on(case: str) -> None:
+    tamper, why = EVALUATE_TAMPERS[case]
+    strategy, honest = _evaluate_round()
     replies = [tamper(r) if n == 2 else r for n, r in honest.items()]
     metrics = strategy.aggregate_evaluate(1, replies)
     assert metrics is not None and "loss" in metrics
@@ -369,12 +371,7 @@ def test_a_malformed_evaluate_reply_is_left_out_and_the_round_goes_on(case: str)
 
 @pytest.mark.parametrize("case", ["renamed-metric-record", "list-metric-length"])
 def test_evaluate_replies_whose_metrics_differ_are_all_aggregated(case: str) -> None:
-    strategy = make_strategy()
-    clients = {n: Client(n) for n in (1, 2, 3)}
-    new, _ = train_round(strategy, clients, 1, tiny_model())
-    assert new is not None
-    msgs = list(strategy.configure_evaluate(1, record_from_tensors(new), ConfigRecord({}), FixedGrid([1, 2, 3])))
-    honest = {m.metadata.dst_node_id: clients[m.metadata.dst_node_id].handle(m) for m in msgs}
+    strategy, honest = _evaluate_round()
     if case == "list-metric-length":  # two report lists of length 3, node 2 one of length 2
         honest = {n: _list_metric(3)(r) if n != 2 else _list_metric(2)(r) for n, r in honest.items()}
     else:
