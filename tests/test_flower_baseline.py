@@ -46,12 +46,14 @@ def test_digits_simulation_learns_and_records(tmp_path: Path) -> None:
 
     assert rounds[0]["uplink_bytes"] == rounds[0]["downlink_bytes"] == 0
     for r in rounds[1:]:
-        # Plain FedAvg: every client gets and sends the whole fp32 model once per round.
-        assert r["clients"]["uplink_bytes"] == [LENET5_FP32_BYTES] * clients
-        assert r["clients"]["downlink_bytes"] == [LENET5_FP32_BYTES] * clients
-        assert r["uplink_bytes"] == r["dense_uplink_bytes"] == clients * LENET5_FP32_BYTES
-        assert r["downlink_bytes"] == r["dense_downlink_bytes"] == clients * LENET5_FP32_BYTES
-        assert r["uplink_compression"] == r["downlink_compression"] == 1.0
+        # Plain FedAvg: every client gets and sends the whole fp32 model once per round, in a
+        # message whose headers (Flower's metadata, its objects' ids and framing, the config) add
+        # under 8 kB (measured: 4.2 kB down, LeNet5-Caffe's 8 arrays);
+        # the dense reference is the model alone, so the factors are a hair under 1.
+        for key in ("uplink_bytes", "downlink_bytes"):
+            assert all(LENET5_FP32_BYTES < n < LENET5_FP32_BYTES + 8192 for n in r["clients"][key]), r["clients"]
+        assert r["dense_uplink_bytes"] == r["dense_downlink_bytes"] == clients * LENET5_FP32_BYTES
+        assert 0.997 < r["uplink_compression"] < 1.0 and 0.997 < r["downlink_compression"] < 1.0
         assert r["num_examples"] == 1500  # the digits training set, split over the clients
     # The clients' training loss (the mean over their local steps) falls round after round:
     # each round starts from the last round's aggregate. Measured 1.69, 0.58, 0.35.

@@ -6,7 +6,6 @@ import datetime as dt
 import io
 import json
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -20,6 +19,7 @@ from fedcomp.app.fl import MeteredGrid, arrayrecord_nbytes, payload_nbytes
 from fedcomp.app.models import LeNet5Caffe
 from fedcomp.app.results import RunRecorder, record_failure
 from fedcomp.errors import ConfigError
+from tests.flower.helpers import server_identity  # noqa: F401  (a fixture)
 
 
 def _timestamp(text: str) -> dt.datetime:
@@ -93,61 +93,83 @@ def test_payload_nbytes_counts_arrays_and_bytes_only() -> None:
     assert payload_nbytes(content) == 10 + 5 + 3
 
 
-class _Msg:
-    """Stand-in for flwr.app.Message (a real one needs a running Flower task)."""
-
-    def __init__(self, content: RecordDict, dst: int = 0, src: int = 0, error: bool = False, kind: str = "train"):
-        self.content = content
-        self.metadata = SimpleNamespace(dst_node_id=dst, src_node_id=src, message_type=kind)
-        self._error = error
-
-    def has_error(self) -> bool:
-        return self._error
-
-
-class _FakeGrid:
-    """Just enough Grid: each node replies with the content it got; node 13 fails."""
+class _EchoGrid:
+    """Just enough Grid: each node replies with the content it got; node 13 replies an error."""
 
     def send_and_receive(self, messages, *, timeout=None):
+        from flwr.app import Error, Message
+
         return [
-            _Msg(
-                m.content, src=m.metadata.dst_node_id, error=m.metadata.dst_node_id == 13, kind=m.metadata.message_type
-            )
+            Message(Error(code=0, reason="boom"), reply_to=m)
+            if m.metadata.dst_node_id == 13
+            else Message(m.content, reply_to=m)
             for m in messages
         ]
 
 
-def test_metered_grid_reports_both_directions(tmp_path: Path) -> None:
+@pytest.mark.usefixtures("server_identity")
+def test_metered_grid_counts_whole_messages_both_ways(tmp_path: Path) -> None:
+    """The meter counts what crosses the wire: each message whole, as Flower moves it (its
+    objects deflated), headers, config and metadata included, error replies too; it counted the
+    payload only, and overstated the factors by 8 % to 53 % (byte-accounting audit). The dense
+    reference is the fp32 model each model-carrying message stands for."""
+    from flwr.app import Message
+
+    from fedcomp.app.fl import message_nbytes
+
     rec = RunRecorder({}, tmp_path, "g", stream=None)
     model_bytes = 431_080 * 4
-    grid = MeteredGrid(_FakeGrid(), rec, dense_nbytes=model_bytes)  # type: ignore[arg-type]
-    content = RecordDict({"arrays": ArrayRecord(LeNet5Caffe().state_dict())})
-    replies = list(grid.send_and_receive([_Msg(content, dst=n) for n in (5, 9, 13)]))
-    assert len(replies) == 3
-    # A query (SeededSampling asking the nodes their partition) is no round's traffic.
-    assert len(list(grid.send_and_receive([_Msg(content, dst=n, kind="query.fedcomp_partition") for n in (5, 7)]))) == 2
+    grid = MeteredGrid(_EchoGrid(), rec, dense_nbytes=model_bytes)  # type: ignore[arg-type]
+    content = RecordDict({"arrays": ArrayRecord(LeNet5Caffe().state_dict()), "config": ConfigRecord({"lr": 0.1})})
+    out = [Message(content, dst_node_id=n, message_type="train") for n in (5, 9, 13)]
+    replies = list(grid.send_and_receive(out))
     entry = rec.end_round(1, accuracy=0.5, loss=1.0)
     assert entry["clients"]["ids"] == ["5", "9", "13"]
-    assert entry["clients"]["downlink_bytes"] == [model_bytes] * 3
-    assert entry["clients"]["uplink_bytes"] == [model_bytes, model_bytes, 0]  # 13 failed
-    assert entry["dense_uplink_bytes"] == 2 * model_bytes
+    down = entry["clients"]["downlink_bytes"]
+    assert down == [message_nbytes(m) for m in out] and all(model_bytes < n < model_bytes + 4096 for n in down)
+    up = entry["clients"]["uplink_bytes"]
+    assert up[:2] == [message_nbytes(r) for r in replies[:2]] and 0 < up[2] < 1024  # 13's error reply
+    assert entry["dense_uplink_bytes"] == 2 * model_bytes  # (an error reply carries no model)
     assert entry["dense_downlink_bytes"] == 3 * model_bytes
 
 
-def test_a_downlink_to_an_up_to_date_client_has_no_dense_counterpart(tmp_path: Path) -> None:
-    """DEFT's round 1: the clients build the seeded initial model (mode ``none``), and the message
-    carries only their allocation. Dense FedAvg would have sent nothing: its bytes count, but no
-    dense model beside them (a whole one was charged, DEFT's downlink factor 1/rounds too good)."""
+@pytest.mark.usefixtures("server_identity")
+def test_message_nbytes_is_the_deflated_objects_and_counts_what_payload_bytes_left_out() -> None:
+    from flwr.app import Message
+    from flwr.common.serde import message_to_proto
+
+    from fedcomp.app.fl import message_nbytes
+
+    blob = ConfigRecord({"payload": b"x" * 1000, "codec": '{"id": "sbc", "p": 0.01}', "version": 7})
+    m = Message(RecordDict({"fedcomp.downlink": blob}), dst_node_id=5, message_type="train")
+    assert payload_nbytes(m.content) == 1000
+    proto = message_to_proto(m).ByteSize()
+    assert 1000 + 30 < proto <= message_nbytes(m) < proto + 1024
+
+
+@pytest.mark.usefixtures("server_identity")
+def test_the_downlink_of_a_seeded_initial_model_has_no_dense_counterpart(tmp_path: Path) -> None:
+    """DEFT's round 1: the clients build the seeded initial model (mode ``none`` at version 0),
+    and the message carries only their allocation. Dense FedAvg seeded alike sends nothing: its
+    bytes count, but no dense model beside them (a whole one was charged: DEFT's downlink factor
+    was 1/rounds too good). A client already up to date later on (an evaluate message) stands for
+    a model: dense FedAvg sends it one."""
+    from flwr.app import Message
+
     from fedcomp.flower import protocol
 
     rec = RunRecorder({}, tmp_path, "g", stream=None)
-    grid = MeteredGrid(_FakeGrid(), rec, dense_nbytes=1000)  # type: ignore[arg-type]
-    for mode, node in (("none", 5), ("chain", 9)):
-        down = ConfigRecord({"mode": mode, "a.allocation": b"x" * 40})
-        list(grid.send_and_receive([_Msg(RecordDict({protocol.DOWNLINK: down}), dst=node)]))
+    grid = MeteredGrid(_EchoGrid(), rec, dense_nbytes=1000)  # type: ignore[arg-type]
+    for mode, version, node in (("none", 0, 5), ("chain", 1, 9), ("none", 3, 11)):
+        down = ConfigRecord({"mode": mode, "version": version, "a.allocation": b"x" * 40})
+        list(
+            grid.send_and_receive(
+                [Message(RecordDict({protocol.DOWNLINK: down}), dst_node_id=node, message_type="train")]
+            )
+        )
     entry = rec.end_round(1, accuracy=0.5, loss=1.0)
-    assert entry["clients"]["downlink_bytes"] == [40, 40]
-    assert entry["clients"]["dense_downlink_bytes"] == [0, 1000]
+    assert all(n > 40 for n in entry["clients"]["downlink_bytes"])
+    assert entry["clients"]["dense_downlink_bytes"] == [0, 1000, 1000]
 
 
 class _LostSuperLinkGrid(Grid):

@@ -1,12 +1,14 @@
-"""What crossed the wire, per round, and the figures the wrapper reports through Flower.
+"""The payload bytes of each round, and the figures the wrapper reports through Flower.
 
-:class:`RoundTraffic` holds one round's bytes per client and direction as the wire carried them,
+:class:`RoundTraffic` holds one round's payload bytes per client and direction (fedcomp's
+compressed payloads and extras; not the headers around them, which the reference app's meter,
+:class:`fedcomp.app.fl.MeteredGrid`, counts with them),
 plus what each client reported. :func:`metric_record` turns it into the ``fedcomp.*`` entries the
 wrapper adds to the MetricRecords it returns, so any Flower app sees them in Flower's round log
 and in the ``Result`` that ``strategy.start`` returns. The keys are stable:
 
 ======================================  ==========================================================
-``fedcomp.uplink-bytes``                this round's train replies: compressed bytes on the wire
+``fedcomp.uplink-bytes``                this round's train replies: compressed payload bytes
 ``fedcomp.uplink-dense-bytes``          what they would be as dense fp32 models
 ``fedcomp.uplink-ratio``                dense / compressed (0 when nothing was sent)
 ``fedcomp.downlink-bytes``              this round's downlinks so far (train, and evaluate in the
@@ -47,7 +49,7 @@ __all__ = ["RoundTraffic", "metric_record", "totals"]
 
 @dataclass
 class RoundTraffic:
-    """Bytes per client (node id) and direction for one round, as they crossed the wire."""
+    """Payload bytes per client (node id) and direction for one round (headers not counted)."""
 
     uplink: dict[int, int] = field(default_factory=dict)
     downlink: dict[int, int] = field(default_factory=dict)
@@ -141,7 +143,7 @@ class RoundTraffic:
 
 
 def totals(traffic: Mapping[int, RoundTraffic]) -> tuple[int, int]:
-    """Bytes on the wire and their dense-fp32 equivalent over every round so far, both ways."""
+    """Payload bytes and their dense-fp32 equivalent over every round so far, both ways."""
     sent = dense = 0
     for t in traffic.values():
         sent += sum(t.uplink.values()) + sum(t.downlink.values())
