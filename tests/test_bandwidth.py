@@ -29,6 +29,7 @@ from fedcomp.flower.settings import CompressionConfig
 from fedcomp.flower.strategy import CompressionStrategy
 from fedcomp.methods.bandwidth import (
     DENSE_CODEC,
+    MESSAGE_OVERHEAD_BYTES,
     BandwidthBudget,
     Choice,
     ClientSituation,
@@ -85,10 +86,11 @@ def test_no_budget_keeps_the_schedule() -> None:
 
 
 def test_byte_budget_gets_the_largest_p_that_fits() -> None:
-    budget = BandwidthBudget(uplink_budget_bytes=6000, p_min=0.0005, p_max=0.2)
+    budget = BandwidthBudget(uplink_budget_bytes=7000, p_min=0.0005, p_max=0.2)
     c = ConstantTotalSparsity(margin=0.05).choose(budget, _situation())
-    assert c.fits and c.budget_bytes == 6000 and c.local_iters == 10
-    assert est(c.p) <= 0.95 * 6000 < est(c.p * 1.02)
+    assert c.fits and c.budget_bytes == 7000 and c.local_iters == 10
+    # the message's headers take their share of the budget, as they do of the wire
+    assert est(c.p) + MESSAGE_OVERHEAD_BYTES <= 0.95 * 7000 < est(c.p * 1.02) + MESSAGE_OVERHEAD_BYTES
     assert c.estimated_bytes == est(c.p)
 
 
@@ -106,7 +108,7 @@ def test_deadline_counts_latency_downlink_and_compute() -> None:
     c = ConstantTotalSparsity(margin=0).choose(budget, _situation(link, downlink_bytes=50_000, seconds_per_iter=0.03))
     spare = 1.0 - 0.2 - 50_000 * 8 / 2e6 - 10 * 0.03  # 0.3 s left for the upload
     assert c.budget_bytes == int(spare * 1e6 / 8)
-    assert est(c.p) <= c.budget_bytes < est(c.p * 1.02)
+    assert est(c.p) + MESSAGE_OVERHEAD_BYTES <= c.budget_bytes < est(c.p * 1.02) + MESSAGE_OVERHEAD_BYTES
     # The same client on a link 10x faster sends a larger p.
     fast = ConstantTotalSparsity(margin=0).choose(
         budget, _situation(LinkProfile(10.0, 20.0, 100), downlink_bytes=50_000, seconds_per_iter=0.03)
@@ -115,7 +117,7 @@ def test_deadline_counts_latency_downlink_and_compute() -> None:
 
 
 def test_adapting_local_iterations_keeps_total_sparsity() -> None:
-    budget = BandwidthBudget(uplink_budget_bytes=6000, p_min=0.0005, p_max=0.2, adapt_local_iters=True,
+    budget = BandwidthBudget(uplink_budget_bytes=7000, p_min=0.0005, p_max=0.2, adapt_local_iters=True,
                              local_iters_min=1, local_iters_max=1000)  # fmt: skip
     c = ConstantTotalSparsity().choose(budget, _situation(p=0.01, local_iters=10))
     assert c.p < 0.01 and c.local_iters == round(c.p / 0.001)  # p / iters stays 0.01 / 10
@@ -229,20 +231,21 @@ def _round_trip(
 
 
 def test_mod_picks_p_and_iterations_and_the_strategy_records_them() -> None:
-    run_config = {"sbc-p": 0.01, "uplink-budget-bytes": 6000, "sbc-p-min": 0.0005, "sbc-p-max": 0.2, "adapt-local-iters": True,
+    run_config = {"sbc-p": 0.01, "uplink-budget-bytes": 7000, "sbc-p-min": 0.0005, "sbc-p-max": 0.2, "adapt-local-iters": True,
                   "local-iters-max": 1000, "link-profiles": "10,10,20"}  # fmt: skip
     reply, strategy, seen = _round_trip(run_config, {"partition-id": 0, "num-partitions": 1})
     up = reply.content.config_records[keys.UPLINK]
     p, iters = up["sbc-p"], up["local-iters"]
     assert p < 0.01 and iters == seen["local-iters"] == round(p / 0.001)
-    assert up["budget-bytes"] == 6000 and up["fits"] is True
-    assert len(up["payload"]) <= 6000 * 1.05  # the real payload honours the budget (5 % margin)
+    assert up["budget-bytes"] == 7000 and up["fits"] is True
+    # the real payload and the message's headers honour the budget (5 % margin)
+    assert len(up["payload"]) + MESSAGE_OVERHEAD_BYTES <= 7000 * 1.05
     assert (up["uplink-mbps"], up["downlink-mbps"], up["latency-ms"]) == (10.0, 10.0, 20.0)
     strategy.aggregate_train(1, [reply])
     t = strategy.traffic[1]
     assert t.rejected == {}
     node = next(iter(t.sbc_p))
-    assert t.sbc_p[node] == p and t.local_iters[node] == iters and t.budget_bytes[node] == 6000
+    assert t.sbc_p[node] == p and t.local_iters[node] == iters and t.budget_bytes[node] == 7000
     assert t.links[node] == [10.0, 10.0, 20.0] and t.train_seconds[node] >= 0
 
 

@@ -27,7 +27,7 @@ def test_slow_and_fast_links_get_their_own_p_and_a_fast_link_goes_dense(tmp_path
     # Partition 0: 0.01 Mbit/s up (1.25 kB/s), partition 1: 1 Tbit/s up; both 100 Mbit/s down.
     run_config = {
         "dataset": "digits", "num-server-rounds": 2, "local-iters": 10, "sbc-p": 0.01,
-        "link-profiles": "0.01,100,10;1000000,100,5", "round-deadline-s": 5.0,
+        "link-profiles": "0.01,100,10;1000000,100,5", "round-deadline-s": 6.0,
         "sbc-p-min": 0.0005, "sbc-p-max": 0.1, "adapt-local-iters": True, "local-iters-max": 100,
         "seconds-per-iter": 0.01,  # the deadline's compute model (measured times are noisy here)
         "results-dir": str(tmp_path / "results"), "run-name": "bw",
