@@ -91,8 +91,8 @@ def test_downlink_to_record_writes_every_field_under_its_wire_name() -> None:
         "digest": "d" * 32,
         "arrays-key": "arrays",
         "config-key": "config",
-        "downlink-codec": json.dumps(DL_CODEC),
-        "uplink-codec": json.dumps(UL_CODEC),
+        "downlink-codec": json.dumps(DL_CODEC, separators=(",", ":")),  # (compact: it crosses the wire)
+        "uplink-codec": json.dumps(UL_CODEC, separators=(",", ":")),
         "uplink-method": "sbc",
         "error-feedback": True,
         "min-compress-numel": 1000,
