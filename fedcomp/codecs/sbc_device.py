@@ -35,9 +35,9 @@ encode on (:mod:`fedcomp.codecs.graphs`; fast mode's block has a fixed size), an
 
 The bytes are :meth:`SBC.encode`'s (tested against it on CPU, where these same operators run).
 A value that is not finite anywhere in the update makes :func:`encode_update` return None: the
-caller then encodes tensor by tensor, whose errors name the tensor (on CPU, and for a NaN that
-fast mode neither samples nor selects, :meth:`SBC.encode` says nothing; this engine then leaves
-the tensor to it too).
+caller then encodes tensor by tensor, whose errors name the tensor (a NaN that fast mode neither
+samples nor selects too: every scan of :meth:`SBC.encode` notes one since the twenty-first
+session, on the CPU and on a device).
 """
 
 from __future__ import annotations
