@@ -262,6 +262,8 @@ def server_main(
                 replica_lag=t.replica_lag,
                 downlink_delivered=t.downlink_delivered,
                 client_residual_ratio=_by_node(t.residual_ratio),
+                # What max-update-norm bounds, per accepted update (where to set it).
+                client_update_norm=_by_node(t.update_norm),
             )
             if t.sparse_numel:
                 recorder.add_metrics(uplink_union_density=t.union_nnz / t.sparse_numel)

@@ -350,13 +350,15 @@ class CompressionStrategy(Strategy):
         update, node, t0 = self._open_reply(msg, server_round)
         traffic = self._traffic(server_round)
         decoded = self.uplink.decode(update, self.replica.specs, self._target, server_round, node)
-        self._check_values(decoded.delta if decoded.delta is not None else decoded.arrays)
+        norm = self._check_values(decoded.delta if decoded.delta is not None else decoded.arrays)
         if self.uplink.reports_selection and decoded.delta is not None:
             traffic.note_selection(decoded.delta, self.config.min_compress_numel)
         traffic.decode_seconds += time.perf_counter() - t0
         content = RecordDict({k: v for k, v in msg.content.items() if k != protocol.UPLINK})
         self._check_structure(content)
         self.uplink.accept(server_round, node)
+        if decoded.delta is not None:  # (else GradiVeQ's coefficients: not the model's space)
+            traffic.update_norm[node] = norm
         content[self._arrays_key] = record_from_tensors(decoded.arrays)
         msg.content = content
 
@@ -378,13 +380,16 @@ class CompressionStrategy(Strategy):
             if self.uplink.checks_sent:
                 self.uplink.check_sent(node, delta.terms, self.replica.specs)
             self._check_norm(delta.norm, _client_clipping_norm(self.strategy))
+            traffic.update_norm[node] = delta.norm
             if selection:
                 numels = {spec.name: spec.numel for spec in self.replica.specs}
                 traffic.note_selection(delta.terms, self.config.min_compress_numel, numels)
             contribution = Contribution(delta=delta)
         else:  # the method's own decode (DEFT's checks, GradiVeQ's coefficients): one dense reply
             decoded = self.uplink.decode(update, self.replica.specs, self._target, server_round, node)
-            self._check_values(decoded.delta if decoded.delta is not None else decoded.arrays)
+            norm = self._check_values(decoded.delta if decoded.delta is not None else decoded.arrays)
+            if decoded.delta is not None:
+                traffic.update_norm[node] = norm
             if self.uplink.reports_selection and decoded.delta is not None:
                 traffic.note_selection(decoded.delta, self.config.min_compress_numel)
             contribution = Contribution(arrays=decoded.arrays)
@@ -395,15 +400,17 @@ class CompressionStrategy(Strategy):
         msg.content = content  # the payload is not needed any more: let it go
         return contribution
 
-    def _check_values(self, tensors: dict[str, torch.Tensor]) -> None:
+    def _check_values(self, tensors: dict[str, torch.Tensor]) -> float:
         """Every decoded value finite, and the update within ``max-update-norm`` and within the
-        clipping norm of Flower's client-side DP wrapper, where the inner strategy is one."""
+        clipping norm of Flower's client-side DP wrapper, where the inner strategy is one; return
+        the update's L2 norm."""
         bad, norm = not_finite_and_norm(tensors)  # (as the client measures what it sends)
         if bad:
             raise PayloadError(bad[0], "decoded values are not all finite")
         clip = _client_clipping_norm(self.strategy)
         if self.config.max_update_norm > 0 or clip is not None:
             self._check_norm(norm, clip)
+        return norm
 
     def _check_norm(self, norm: float, clip: float | None) -> None:
         """``norm`` within ``max-update-norm`` and within ``clip``, the client-side DP wrapper's

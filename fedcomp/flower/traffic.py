@@ -116,6 +116,9 @@ class RoundTraffic:
     codec: dict[int, str] = field(default_factory=dict)  # the uplink codec each client used
     train_seconds: dict[int, float] = field(default_factory=dict)
     links: dict[int, list[float]] = field(default_factory=dict)
+    #: The L2 norm of each accepted update in model space, as the server decoded it (what
+    #: ``max-update-norm`` bounds: honest clients' figures say where to set it).
+    update_norm: dict[int, float] = field(default_factory=dict)
 
     def note_client(self, node: int, report: UplinkReport) -> None:
         """Copy what the client mod reported in its uplink record (values it did not send: skipped)."""

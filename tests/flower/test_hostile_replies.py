@@ -492,3 +492,32 @@ def test_an_aggregate_that_overflows_leaves_the_model_as_it_was(inner: str, capl
     assert status[0] == 2 and status[1] == protocol.UpdateStatus.REJECTED and "not finite" in status[2]
     after, _ = train_round(strategy, clients, 3, new)  # Flower hands the model it kept back
     assert after is not None and all(bool(torch.isfinite(v).all()) for v in after.values())
+
+
+@pytest.mark.parametrize("inner", ["fedavg", "fedmedian"])  # streaming; materialising
+@pytest.mark.parametrize("uplink", ["sbc", "dense-fp32", "deft"])
+def test_the_recorded_update_norms_are_what_max_update_norm_bounds(uplink: str, inner: str) -> None:
+    """Each accepted update's norm is recorded (results.json's ``client_update_norm``) so that a
+    user can set ``max-update-norm`` from honest clients' figures: a bound just under the largest
+    rejects that client's update alone, in the same run again."""
+    from flwr.serverapp.strategy import FedAvg, FedMedian
+
+    from fedcomp.flower.settings import CompressionConfig
+    from fedcomp.flower.strategy import CompressionStrategy
+
+    def strategy_with(**run_config: Any) -> CompressionStrategy:
+        every = {"fraction_train": 1.0, "fraction_evaluate": 1.0, "min_train_nodes": 1, "min_available_nodes": 1}
+        return CompressionStrategy(
+            (FedAvg if inner == "fedavg" else FedMedian)(**every),
+            CompressionConfig.from_run_config({"uplink-codec": uplink, **run_config}),
+        )
+
+    strategy = strategy_with()
+    train_round(strategy, {n: Client(n) for n in (1, 2, 3)}, 1, tiny_model())
+    norms = strategy.traffic[1].update_norm
+    assert sorted(norms) == [1, 2, 3] and all(0 < v < float("inf") for v in norms.values()), norms
+    top = max(norms, key=norms.__getitem__)
+    again = strategy_with(**{"max-update-norm": norms[top] * (1 - 1e-6)})
+    train_round(again, {n: Client(n) for n in (1, 2, 3)}, 1, tiny_model())
+    assert list(again.traffic[1].rejected) == [top], again.traffic[1].rejected
+    assert again.traffic[1].update_norm == {n: v for n, v in norms.items() if n != top}
