@@ -207,9 +207,11 @@ def _client_encode(
     return update_to_bytes(enc)
 
 
-def _decode(coord: GradiVeQUplink, data: bytes, model: dict, rnd: int, compressed_domain: bool) -> dict:
+def _decode(coord: GradiVeQUplink, data: bytes, model: dict, rnd: int, compressed_domain: bool, node: int = 1) -> dict:
     coord.weighted_mean = compressed_domain  # as the strategy sets it from its inner strategy
-    return coord.decode(update_from_bytes(data), specs_of(model), model, rnd, node=1).arrays
+    decoded = coord.decode(update_from_bytes(data), specs_of(model), model, rnd, node=node)
+    coord.accept(rnd, node)  # (the strategy's, once the reply passed its checks: the samples count)
+    return decoded.arrays
 
 
 def test_gradiveq_phases_broadcast_and_compressed_domain_mean() -> None:
@@ -220,7 +222,7 @@ def test_gradiveq_phases_broadcast_and_compressed_domain_mean() -> None:
     # Round 1: dense; the updates become PCA samples and a compressor is fitted at its end.
     assert coord.round_codec_config(1) == {"id": "dense-fp32"}
     for n, d in zip(nodes, _deltas(3, seed=1, rank=4), strict=True):
-        got = _decode(coord, _client_encode(coord, ctxs[n], n, 1, model, d), model, 1, True)
+        got = _decode(coord, _client_encode(coord, ctxs[n], n, 1, model, d), model, 1, True, node=n)
         torch.testing.assert_close(got["fc1.weight"], model["fc1.weight"] + d["fc1.weight"])
     assert coord.finish(1, {}, model) is None and coord.version == 1
     # Round 2: compressed; the compressor goes down once per node.

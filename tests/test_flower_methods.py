@@ -36,8 +36,9 @@ def test_deft_trains_with_disjoint_selections_at_the_set_density(tmp_path: Path)
         # All clients together send 1 % of the compressed tensors' entries, never more: the
         # selections do not overlap (plain per-client top-k would give up to 3 %).
         assert r["uplink_union_density"] == pytest.approx(0.01, abs=2e-4)
-        assert r["uplink_bytes"] == r["payload_uplink_bytes"]
-        # Measured 142.7x to 144.6x. Plain per-client top-k at 1 % each (the clients not splitting
+        # the wire: the payloads and each reply's headers (under 2 kB a message)
+        assert r["payload_uplink_bytes"] < r["uplink_bytes"] < r["payload_uplink_bytes"] + r["num_clients"] * 2048
+        # Measured 142.7x to 144.6x (payload bytes; whole messages, since the twenty-first session: lower). Plain per-client top-k at 1 % each (the clients not splitting
         # the budget) measured 65.6x in the same run.
         assert r["uplink_compression"] > 120, r["uplink_compression"]
         assert len(r["client_encode_seconds"]) == 3
