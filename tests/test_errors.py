@@ -111,3 +111,31 @@ def test_a_long_tensor_name_is_shortened_in_the_message_only() -> None:
 
     err = PayloadError("n" * 70_000, "bad")
     assert err.tensor == "n" * 70_000 and len(str(err)) < 250 and str(err).endswith("...': bad")
+
+
+@pytest.mark.parametrize("codec", [SBC(), ThreeLC(), TopK(p=0.5), STC()], ids=lambda c: c.codec_id)
+def test_a_float64_past_float32s_range_is_named_as_such_not_as_non_finite(codec) -> None:
+    """Every codec computes in float32: 1e300 became an infinity there, and the codec said the
+    input was not finite. A real infinity still gets the codec's own message."""
+    import torch
+
+    with pytest.raises(ValueError, match=r"^tensor 'w': values beyond float32's range \(max \|T\| = 1e\+300\)"):
+        codec.encode(torch.tensor([1e300, 1.0], dtype=torch.float64), "w")
+    with pytest.raises(ValueError, match="non-finite|NaN or infinite") as err:
+        codec.encode(torch.tensor([math.inf, 1.0], dtype=torch.float64), "w")
+    assert "float32's range" not in str(err.value)
+
+
+def test_decoding_needs_a_list_of_codecs() -> None:
+    import torch
+
+    from fedcomp.codecs import DenseFP32
+    from fedcomp.methods.update import UpdateEncoder, decode_update_bytes, specs_of
+
+    model = {"w": torch.randn(10)}
+    data = UpdateEncoder(SBC()).encode_to_bytes(model)
+    with pytest.raises(TypeError, match=r"^codecs: a list of the codecs accepted is needed"):
+        decode_update_bytes(data, specs_of(model), SBC())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^codecs: 'dense-fp32' is not a Codec"):
+        decode_update_bytes(data, specs_of(model), [SBC(), "dense-fp32"])  # type: ignore[list-item]
+    assert torch.equal(decode_update_bytes(data, specs_of(model), [SBC(), DenseFP32()])[1]["w"], model["w"])

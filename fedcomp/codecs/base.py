@@ -67,7 +67,7 @@ class Codec(ABC):
         device; float32, or the tensor's dtype for the identity codec). Error feedback needs that reconstruction; codecs that can produce it
         while encoding save a decode."""
         check_wire_dtype(tensor, name)
-        flat = self._flatten(tensor)
+        flat = self._flatten(tensor, name)
         payload, recon = self._encode(flat, name)
         enc = self._envelope(tensor, name, payload)
         if recon is None:
@@ -193,11 +193,20 @@ class Codec(ABC):
 
     # --- what subclasses implement ------------------------------------------------------------
 
-    def _flatten(self, tensor: torch.Tensor) -> torch.Tensor:
+    def _flatten(self, tensor: torch.Tensor, name: str = "") -> torch.Tensor:
         """The 1-D tensor ``_encode`` works on: float32 and contiguous (no copy when it already is;
         ``reshape`` alone can leave a strided view, of a tensor sliced with a step, say, which the
         CPU kernels cannot read)."""
-        return tensor.detach().reshape(-1).to(torch.float32).contiguous()
+        flat = tensor.detach().reshape(-1).to(torch.float32).contiguous()
+        # (float64 only, a pass of its own) a finite value past float32's range became an infinity
+        # here, and the codec's "not finite" would blame the input
+        overflowed = tensor.dtype == torch.float64 and flat.numel() and bool(torch.isinf(flat).any())
+        if overflowed and bool(torch.isfinite(tensor).all()):
+            raise ValueError(
+                f"tensor {name!r}: values beyond float32's range (max |T| = "
+                f"{float(tensor.detach().abs().max()):.4g}), which every codec computes in"
+            )
+        return flat
 
     def _params(self) -> dict[str, Any]:
         """The codec's settings (without ``id``)."""

@@ -48,7 +48,7 @@ class _DenseCodec(Codec):
 
     _wire: str | None = None
 
-    def _flatten(self, tensor: torch.Tensor) -> torch.Tensor:
+    def _flatten(self, tensor: torch.Tensor, name: str = "") -> torch.Tensor:
         flat = tensor.detach().reshape(-1)
         return flat if self._wire is None else flat.to(torch.float32)
 

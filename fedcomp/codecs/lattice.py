@@ -97,7 +97,7 @@ class Lattice(Codec):
         """Compress ``tensor``: :meth:`Codec.encode` without building the reconstruction (the
         server replica applies the payload itself, as its clients do)."""
         check_wire_dtype(tensor, name)
-        payload, _ = self._payload(self._flatten(tensor), name, want_recon=False)
+        payload, _ = self._payload(self._flatten(tensor, name), name, want_recon=False)
         return self._envelope(tensor, name, payload)
 
     def _encode(self, flat: torch.Tensor, name: str) -> tuple[Payload, torch.Tensor | None]:

@@ -166,7 +166,7 @@ class SBC(Codec):
         """Compress ``tensor``: :meth:`Codec.encode` without building the dense reconstruction
         (a full-size tensor that only error feedback needs; it would cost as much as a clone)."""
         check_wire_dtype(tensor, name)
-        payload, _ = self._payload(self._flatten(tensor), name)
+        payload, _ = self._payload(self._flatten(tensor, name), name)
         return self._envelope(tensor, name, payload)
 
     def encode_many(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> list[EncodedTensor | None]:
@@ -223,7 +223,7 @@ class SBC(Codec):
         if tensor.device.type != "cpu":
             return None
         check_wire_dtype(tensor, name)
-        payload, idx = self._payload(self._flatten(tensor), name)
+        payload, idx = self._payload(self._flatten(tensor, name), name)
         return self._envelope(tensor, name, payload), idx.numpy(), payload.mean
 
     def _encode(self, flat: torch.Tensor, name: str) -> tuple[Payload, torch.Tensor | None]:

@@ -81,7 +81,7 @@ class STC(Codec):
         """Compress ``tensor`` without building the dense reconstruction (only error feedback
         needs it)."""
         check_wire_dtype(tensor, name)
-        payload, _, _ = self._payload(self._flatten(tensor), name)
+        payload, _, _ = self._payload(self._flatten(tensor, name), name)
         return self._envelope(tensor, name, payload)
 
     def encode_sparse(
@@ -94,7 +94,7 @@ class STC(Codec):
         if tensor.device.type != "cpu":
             return None
         check_wire_dtype(tensor, name)
-        payload, idx, negative = self._payload(self._flatten(tensor), name)
+        payload, idx, negative = self._payload(self._flatten(tensor, name), name)
         mu = np.float32(payload.mu)
         values = np.where(negative, -mu, mu).astype(np.float32, copy=False)
         return self._envelope(tensor, name, payload), idx.numpy(), values

@@ -803,7 +803,7 @@ class ThreeLC(Codec):
     def encode(self, tensor: torch.Tensor, name: str = "") -> EncodedTensor:
         """:meth:`Codec.encode` without the float32 reconstruction (only error feedback needs it)."""
         check_wire_dtype(tensor, name)
-        payload, _ = self._payload(self._flatten(tensor), name, want_recon=False)
+        payload, _ = self._payload(self._flatten(tensor, name), name, want_recon=False)
         return self._envelope(tensor, name, payload)
 
     def _encode(self, flat: torch.Tensor, name: str) -> tuple[Payload, torch.Tensor | None]:

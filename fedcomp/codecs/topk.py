@@ -260,7 +260,7 @@ class TopK(Codec):
         if tensor.device.type != "cpu":
             return None
         check_wire_dtype(tensor, name)
-        flat = self._flatten(tensor)
+        flat = self._flatten(tensor, name)
         idx = self._sent_positions(flat, name)
         payload, vals = sparse_payload_values(flat, idx, self.values)
         return self._envelope(tensor, name, payload), idx.numpy(), vals.numpy()

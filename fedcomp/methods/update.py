@@ -265,6 +265,18 @@ def _encoded(enc: EncodedTensor) -> tuple[EncodedTensor, None]:
     return enc, None
 
 
+def _codec_list(codecs: Iterable[Codec]) -> list[Codec]:
+    """``codecs`` as a list; TypeError naming the argument for one codec or anything not a codec
+    (``codecs=SBC()`` said "'SBC' object is not iterable")."""
+    if isinstance(codecs, Codec | str):
+        raise TypeError(f"codecs: a list of the codecs accepted is needed (e.g. [SBC(), DenseFP32()]), got {codecs!r}")
+    out = list(codecs)
+    for c in out:
+        if not isinstance(c, Codec):
+            raise TypeError(f"codecs: {c!r} is not a Codec (e.g. SBC(), get_codec('sbc'))")
+    return out
+
+
 def decode_update(
     update: EncodedUpdate,
     specs: Sequence[TensorSpec],
@@ -292,7 +304,7 @@ def decode_update(
     (:func:`fedcomp.methods.flat_update.decode_on_device`; new tensors are views of one buffer);
     the errors are the loop's.
     """
-    codecs = list(codecs)
+    codecs = _codec_list(codecs)
     if device is not None and torch.device(device).type != "cpu":
         whole = decode_on_device(update, specs, codecs, torch.device(device), out, per_tensor)  # on a GPU: at once
         if whole is not None:
@@ -365,7 +377,7 @@ def decode_update_bytes(
     and the cast on the device: :func:`fedcomp.methods.dense_device.read_on_device`); bytes that
     differ in anything but values and base version take the general path, which reports what is
     wrong."""
-    codecs = list(codecs)
+    codecs = _codec_list(codecs)
     key = _read_key(specs, codecs) if per_tensor is None else None
     frames = _READ_FRAMES.get(key) if key is not None else None
     if frames is not None:
