@@ -97,8 +97,23 @@ def save_checkpoint(run_dir: Path, ckpt: ServerCheckpoint) -> Path:
     where = _not_plain(data, "")
     if where is not None:
         raise CheckpointError(f"{path}: not written: {where} (a checkpoint holds plain data only, see the module doc)")
-    write_atomically(path, lambda f: torch.save(data, f))
+    stored = _empty_bytes_swapped(data, bytes, bytearray)
+    write_atomically(path, lambda f: torch.save(stored, f))
     return path
+
+
+def _empty_bytes_swapped(value: Any, old: type, new: type) -> Any:
+    """``value`` with every empty ``old`` (bytes or bytearray) as an empty ``new``, in plain
+    containers. torch pickles ``b""`` as a call of ``bytes``, which its weights-only loader refuses:
+    a checkpoint holding one (GradiVeQ's compressor before its first fit) was written and then
+    refused on resume. An empty bytearray loads; :func:`load_checkpoint` turns it back."""
+    if type(value) is old and not value:
+        return new()
+    if type(value) is dict:
+        return {k: _empty_bytes_swapped(v, old, new) for k, v in value.items()}
+    if type(value) in _CONTAINERS:
+        return type(value)(_empty_bytes_swapped(v, old, new) for v in value)
+    return value
 
 
 #: What a checkpoint may hold: leaves and containers ``torch.load(weights_only=True)`` reads by
@@ -156,6 +171,7 @@ def load_checkpoint(run_dir: Path) -> ServerCheckpoint:
         raise CheckpointError(f"{path}: cannot be read (truncated or corrupt?): {type(exc).__name__}: {exc}") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: not a fedcomp checkpoint (a {type(data).__name__})")
+    data = _empty_bytes_swapped(data, bytearray, bytes)
     if data.get("format") != FORMAT:
         raise CheckpointError(f"{path}: checkpoint format {data.get('format')!r}, this fedcomp reads {FORMAT}")
     for key, kind in _FIELDS.items():

@@ -64,7 +64,6 @@ class GradiVeQUplink(UplinkMethod):
         #: A dense round's decoded replies, (round, node) -> samples, until the server accepts them.
         self._pending: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
-        self._specs: tuple[TensorSpec, ...] = ()  # the model's, as a dense round last saw them
         self._nodes: dict[int, int] = {}  # node -> compressor version it reported holding
         self._domain: dict[int, bool] = {}  # round -> aggregated in the compressed domain
 
@@ -150,7 +149,6 @@ class GradiVeQUplink(UplinkMethod):
             for s in specs:
                 if not sent_dense(s.name, s.numel, self.config.min_compress_numel):
                     self._shapes[s.name] = s.shape
-            self._specs = tuple(specs)
             self._domain[server_round] = False
             return Decoded({k: model[k] + delta[k] for k in model}, delta)
         assert self.compressor is not None
@@ -207,7 +205,7 @@ class GradiVeQUplink(UplinkMethod):
                 out[name] = w + agg
         self._pending = {k: v for k, v in self._pending.items() if k[0] > server_round}  # (rejected ones)
         if self._cycle_position(server_round) == self.config.gradiveq_dense_rounds - 1 and self._samples:
-            self._fit()
+            self._fit(specs_of(model))
         return out
 
     def _slice_sizes(self) -> int | dict[str, int]:
@@ -215,10 +213,11 @@ class GradiVeQUplink(UplinkMethod):
             return self.config.gradiveq_slice
         return {name: fan_in(shape) for name, shape in self._shapes.items()}
 
-    def _fit(self) -> None:
-        """A new compressor from the cycle's samples; where it comes out unusable (a basis that is
-        not finite: accepted samples so large that their covariance overflows, possible without
-        ``max-update-norm``), the one before stays, with a warning, and the clients go on."""
+    def _fit(self, specs: Sequence[TensorSpec]) -> None:
+        """A new compressor from the cycle's samples, for the model ``specs`` describes; where it
+        comes out unusable (a basis that is not finite: accepted samples so large that their
+        covariance overflows, possible without ``max-update-norm``), the one before stays, with a
+        warning, and the clients go on."""
         samples, self._samples = self._samples, {}
         c = self.config
         try:
@@ -231,7 +230,7 @@ class GradiVeQUplink(UplinkMethod):
                 min_numel=c.min_compress_numel,
             )
             wire = compressor_to_bytes(compressor.to_wire())
-            Compressor.from_wire(compressor_from_bytes(wire), self._specs)  # (the clients' check)
+            Compressor.from_wire(compressor_from_bytes(wire), specs)  # (the clients' check)
         except (PayloadError, ValueError, RuntimeError) as exc:  # (torch's linalg errors are RuntimeErrors)
             log.warning(
                 "fedcomp: GradiVeQ: no new compressor from this cycle's samples (%s); keeping version %d",
