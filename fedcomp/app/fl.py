@@ -77,7 +77,11 @@ def message_nbytes(m: Message) -> int:
     """Bytes Flower moves for ``m``: its objects (the message, its records, the arrays' chunks),
     each deflated, as Flower 1.41's transport pushes and pulls them; where that API is missing,
     the message's protobuf size. Everything counts: the payload, fedcomp's header fields, the
-    config record, Flower's metadata and object ids."""
+    config record, Flower's metadata and object ids.
+
+    It serialises the message once more than Flower does (measured: 0.35 ms for a 30 kB compressed
+    message, 3.5 ms for a dense LeNet5-Caffe one, 204 ms for a 100 MB one): the reference app's
+    meter, not the library's (the wrapper's ``fedcomp.*`` figures count payloads, for free)."""
     try:
         from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
     except ImportError:  # (another Flower)

@@ -243,6 +243,13 @@ def check_wire_dtype(tensor: torch.Tensor, name: str) -> None:
         )
 
 
+def check_codec(key: str, value: object) -> None:
+    """Raise TypeError naming ``key`` unless ``value`` is a codec (a codec id or config where an
+    instance is needed, say)."""
+    if not isinstance(value, Codec):
+        raise TypeError(f"{key}: a Codec is needed (e.g. SBC(p=0.01), get_codec('sbc')), got {value!r}")
+
+
 def expect_payload(payload: Payload, kind: type, name: str) -> None:
     """Raise :class:`PayloadError` unless ``payload`` is of the codec's payload type."""
     if not isinstance(payload, kind):

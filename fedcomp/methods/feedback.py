@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fedcomp.codecs.base import Codec
+from fedcomp.codecs.base import Codec, check_codec
 from fedcomp.codecs.flat import Layout
 from fedcomp.methods.sent import Sent, encode_kept
 from fedcomp.wire.payloads import WIRE_DTYPES, EncodedTensor
@@ -76,8 +76,7 @@ class ErrorFeedback:
     """
 
     def __init__(self, codec: Codec, stale: StaleResidual | None = None) -> None:
-        if not isinstance(codec, Codec):
-            raise TypeError(f"codec: a Codec is needed (e.g. SBC(p=0.01), get_codec('sbc')), got {codec!r}")
+        check_codec("codec", codec)
         self.codec = codec
         self._residuals: dict[str, torch.Tensor] = {}
         #: The buffer :meth:`keep_flat` kept last: its layout, itself, and the views handed out.

@@ -15,7 +15,7 @@ from typing import TypeVar
 
 import torch
 
-from fedcomp.codecs.base import Codec, TensorSpec, check_wire_dtype
+from fedcomp.codecs.base import Codec, TensorSpec, check_codec, check_wire_dtype
 from fedcomp.codecs.dense import DenseFP16, DenseFP32, Identity
 from fedcomp.codecs.flat import concrete_device
 from fedcomp.codecs.sbc import run_jobs
@@ -85,9 +85,9 @@ class UpdateEncoder:
         small_codec: Codec | None = None,
         error_feedback: bool = True,
     ) -> None:
-        for key, value in (("codec", codec), ("small_codec", small_codec)):
-            if not (isinstance(value, Codec) or (key == "small_codec" and value is None)):
-                raise TypeError(f"{key}: a Codec is needed (e.g. SBC(p=0.01), get_codec('sbc')), got {value!r}")
+        check_codec("codec", codec)
+        if small_codec is not None:
+            check_codec("small_codec", small_codec)
         if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 0:
             raise ValueError(f"min_numel: must be an integer >= 0, got {min_numel!r}")
         self.min_numel = min_numel

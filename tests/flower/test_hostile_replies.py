@@ -38,24 +38,32 @@ def _replace_content(reply: Message, **records: Any) -> Message:
     return reply
 
 
-def _nan_payload(reply: Message) -> Message:
+def _with_update(reply: Message, tensors_of: Any) -> Message:
+    """``reply`` with its update replaced by dense tensors ``tensors_of(parsed update)``."""
     up = reply.content.config_records[protocol.UPLINK]
     update = update_from_bytes(up["payload"])  # type: ignore[arg-type]
-    tensors = {t.name: torch.zeros(t.shape) for t in update.tensors}
-    first = next(iter(tensors))
-    tensors[first][0] = float("nan")
-    enc = UpdateEncoder(DenseFP32(), min_numel=0, error_feedback=False).encode(tensors, update.base_model_version)
+    enc = UpdateEncoder(DenseFP32(), min_numel=0, error_feedback=False).encode(
+        tensors_of(update), update.base_model_version
+    )
     return _replace_content(reply, **{protocol.UPLINK: with_fields(up, payload=update_to_bytes(enc))})
+
+
+def _nan_payload(reply: Message) -> Message:
+    def tensors_of(update: Any) -> dict[str, torch.Tensor]:
+        tensors = {t.name: torch.zeros(t.shape) for t in update.tensors}
+        next(iter(tensors.values()))[0] = float("nan")
+        return tensors
+
+    return _with_update(reply, tensors_of)
 
 
 def _huge_payload(reply: Message, magnitude: float = 1e30) -> Message:
     """``reply`` with an update of random values in ``[magnitude / 2, magnitude)``."""
-    up = reply.content.config_records[protocol.UPLINK]
-    update = update_from_bytes(up["payload"])  # type: ignore[arg-type]
     gen = torch.Generator().manual_seed(7)
-    tensors = {t.name: (1 + torch.rand(t.shape, generator=gen)) * (magnitude / 2) for t in update.tensors}
-    enc = UpdateEncoder(DenseFP32(), min_numel=0, error_feedback=False).encode(tensors, update.base_model_version)
-    return _replace_content(reply, **{protocol.UPLINK: with_fields(up, payload=update_to_bytes(enc))})
+    return _with_update(
+        reply,
+        lambda update: {t.name: (1 + torch.rand(t.shape, generator=gen)) * (magnitude / 2) for t in update.tensors},
+    )
 
 
 def _metrics(value: Any) -> Any:
