@@ -156,6 +156,28 @@ def test_stale_clients_resync_and_bad_payloads_are_rejected(tmp_path: Path) -> N
     assert rounds[6]["accuracy"] > 0.81, _figures(res)
 
 
+def test_a_huge_update_is_rejected_under_the_lattice_downlink_and_the_run_goes_on(tmp_path: Path) -> None:
+    """One client's finite update of 1e30 in round 2 (no max-update-norm): under the lattice
+    downlink the server aggregated it, and round 3's downlink ended the run. Now that update is
+    rejected for leaving the grid, the two others are aggregated, and the run completes."""
+    config = {
+        "num-server-rounds": 3,
+        "local-iters": 3,
+        "script": "012|012|012",
+        "corrupt-uplink": "",
+        "corrupt-replica": "",
+        "huge-uplink": "2:1",
+    }  # (the app's downlink: lattice)
+    res = _run(tmp_path, "huge", app=FAULT_APP, clients=3, **config)
+    rounds = {r["round"]: r for r in res["rounds"]}
+    ids = rounds[1]["clients"]["ids"]
+    rejected = {ids.index(k): v for k, v in rounds[2]["rejected"].items()}
+    assert list(rejected) == [1] and "lattice downlink's grid" in rejected[1], rejected
+    assert [rounds[r]["updates_aggregated"] for r in (1, 2, 3)] == [3, 2, 3]
+    assert rounds[3]["rejected"] == {} and rounds[3]["client_errors"] == {}
+    assert rounds[3]["accuracy"] > rounds[1]["accuracy"], _figures(res)
+
+
 def test_a_server_app_that_crashes_mid_run_is_recorded_as_failed(tmp_path: Path) -> None:
     """The fault app's script names client 9 of 1 in round 1: its ServerApp raises IndexError
     after round 0 was recorded. results.json must say so; run_simulation must report it."""

@@ -8,7 +8,7 @@ CPU only. :func:`available` says whether the kernel is built: without it, caller
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -112,6 +112,17 @@ class ScatterSum:
         if self._scratch is None:
             raise RuntimeError("ScatterSum.decoded_positions before a successful check()")
         return self._scratch
+
+    def parts(self) -> Iterator[tuple[str, np.ndarray | None, np.ndarray | float]]:
+        """After :meth:`check`: each tensor as ``(name, positions, values)``: an SBC tensor's kept
+        positions (a view of the scratch) and its one value, a dense tensor's ``None`` (every
+        position) and its float32 values (a view of its buffer)."""
+        scratch = self.decoded_positions()
+        for name, (kind, buf, nnz, _, numel, offset, value) in zip(self.names, self.tasks, strict=True):
+            if kind == 0:
+                yield name, scratch[offset : offset + nnz], value
+            else:
+                yield name, None, np.frombuffer(buf, dtype="<f4", count=numel)
 
     def add_into(self, weight: float, outs: Sequence[np.ndarray], threads: int | None = None) -> None:
         """``outs[i] += weight * tensor i`` (flat float64 arrays in the order of :attr:`names`,

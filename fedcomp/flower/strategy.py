@@ -58,6 +58,7 @@ from fedcomp.codecs import DenseFP32, get_codec
 from fedcomp.errors import ConfigError, PayloadError
 from fedcomp.flower import protocol
 from fedcomp.flower.downlink_policy import advance_by_policy, advance_passes, candidates_of, distance
+from fedcomp.flower.grid_fit import GridFit
 from fedcomp.flower.protocol import DownlinkHeader, UpdateOutcome, UpdateStatus, UplinkReport
 from fedcomp.flower.records import (
     check_integer_arrays,
@@ -137,6 +138,9 @@ class CompressionStrategy(Strategy):
         self.streaming: bool = streams_weighted_mean(strategy)
         self._hinted_mod = False  # (the hint of :meth:`_hint_if_no_mod`, once a run)
         self._hinted_local_iters = False  # (the warning of configure_train, once a run)
+        #: The round's check of replies against the lattice downlink's grid (set in
+        #: aggregate_train once the grid exists; not state: rebuilt every round).
+        self._fit: GridFit | None = None
 
     # --- downlink ------------------------------------------------------------------------------
 
@@ -351,6 +355,8 @@ class CompressionStrategy(Strategy):
         traffic = self._traffic(server_round)
         decoded = self.uplink.decode(update, self.replica.specs, self._target, server_round, node)
         norm = self._check_values(decoded.delta if decoded.delta is not None else decoded.arrays)
+        if self._fit is not None and decoded.delta is not None:
+            self._fit.check_dense(decoded.delta)
         if self.uplink.reports_selection and decoded.delta is not None:
             traffic.note_selection(decoded.delta, self.config.min_compress_numel)
         traffic.decode_seconds += time.perf_counter() - t0
@@ -380,6 +386,8 @@ class CompressionStrategy(Strategy):
             if self.uplink.checks_sent:
                 self.uplink.check_sent(node, delta.terms, self.replica.specs)
             self._check_norm(delta.norm, _client_clipping_norm(self.strategy))
+            if self._fit is not None:
+                self._fit.check(delta.parts())
             traffic.update_norm[node] = delta.norm
             if selection:
                 numels = {spec.name: spec.numel for spec in self.replica.specs}
@@ -388,6 +396,8 @@ class CompressionStrategy(Strategy):
         else:  # the method's own decode (DEFT's checks, GradiVeQ's coefficients): one dense reply
             decoded = self.uplink.decode(update, self.replica.specs, self._target, server_round, node)
             norm = self._check_values(decoded.delta if decoded.delta is not None else decoded.arrays)
+            if self._fit is not None and decoded.delta is not None:
+                self._fit.check_dense(decoded.delta)
             if decoded.delta is not None:
                 traffic.update_norm[node] = norm
             if self.uplink.reports_selection and decoded.delta is not None:
@@ -462,6 +472,8 @@ class CompressionStrategy(Strategy):
         # not associative: in arrival order, two runs with the same seed (or a resumed run) would
         # end with different models. Sorted by content, the aggregate is reproducible.
         ordered = sorted(replies, key=_reply_order)
+        grid = self.replica.grid if self.replica is not None else None
+        self._fit = GridFit(self._target, grid) if grid is not None and self._target is not None else None
 
         if self.streaming:
             accepted, arrays, metrics = self._aggregate_streaming(server_round, ordered)
@@ -479,17 +491,26 @@ class CompressionStrategy(Strategy):
             if model is not None:
                 arrays = record_from_tensors(model)
         nothing = "the inner strategy aggregated nothing this round"
-        bad = _not_finite(arrays) if arrays is not None else None
-        if bad is not None:
-            # Every reply was finite, but their mean overflowed float32 (or the inner strategy's
-            # own step did): Flower keeps the model it had when it gets no arrays.
-            nothing = f"the round's aggregate is not finite (tensor {bad!r}); the model stays as it was"
+        refused = self._refused_aggregate(arrays)
+        if refused is not None:
+            # Flower keeps the model it had when it gets no arrays.
+            nothing = f"{refused}; the model stays as it was"
             log.error(
                 "fedcomp: round %s: %s (an update far larger than the others? max-update-norm bounds them)",
                 server_round,
                 nothing,
             )
             arrays = None
+        elif (
+            arrays is None and self._fit is not None and self._fit.rejected and not self._traffic(server_round).accepted
+        ):
+            log.error(
+                "fedcomp: round %s: every update (%d) would take the model past the lattice downlink's grid, "
+                "which the run's first rounds set: if honest clients grow the weights this far, a larger "
+                "lattice-step (or downlink-codec 3lc) carries them",
+                server_round,
+                self._fit.rejected,
+            )
         for msg in accepted:
             if not msg.has_error():
                 self._last_update[msg.metadata.src_node_id] = (
@@ -499,6 +520,21 @@ class CompressionStrategy(Strategy):
                 )
         self._settled = max(self._settled, server_round)
         return arrays, self._with_figures(server_round, metrics, "train")
+
+    def _refused_aggregate(self, arrays: ArrayRecord | None) -> str | None:
+        """Why the round's aggregate must not become the model, or None. Every reply was finite,
+        but their mean may overflow float32; every reply stayed on the lattice grid
+        (:class:`GridFit`), so their mean does, but the inner strategy's own step (momentum,
+        adaptive moments) may leave it, and the next downlink could not send that model."""
+        if arrays is None:
+            return None
+        bad = _not_finite(arrays)
+        if bad is not None:
+            return f"the round's aggregate is not finite (tensor {bad!r})"
+        off = self._fit.off_grid(tensors_from_record(arrays)) if self._fit is not None else None
+        if off is not None:
+            return f"the round's aggregate leaves the lattice downlink's grid (tensor {off!r})"
+        return None
 
     def _admit(self, msg: Message, server_round: int, decode: Callable[[Message, int], _T]) -> _T | Message | None:
         """One train reply's bookkeeping, then ``decode(msg, server_round)``: its result, ``msg``

@@ -17,7 +17,7 @@ and for dense tensors up to float64 rounding (tested).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -45,6 +45,19 @@ class ReplyDelta:
     @property
     def norm(self) -> float:
         return float(self.squares**0.5)
+
+    def parts(self) -> Iterator[tuple[str, np.ndarray | None, np.ndarray | float]]:
+        """Every tensor the reply changes, as ``(name, positions, values)`` into the flattened
+        tensor: positions ``None`` for a dense tensor; values one float (SBC's) or an array."""
+        if self.kernel is not None:
+            yield from self.kernel.parts()
+        for name, term in self.terms.items():
+            if isinstance(term, tuple):
+                idx, value = term
+                yield name, idx.numpy(), value.numpy() if isinstance(value, torch.Tensor) else value
+            else:
+                flat = term.detach().reshape(-1)
+                yield name, None, (flat if flat.dtype in (torch.float32, torch.float64) else flat.float()).numpy()
 
 
 def sparse_delta(

@@ -9,7 +9,7 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
 
-from fedcomp.codecs import DenseFP32
+from fedcomp.codecs import SBC, DenseFP32, TopK
 from fedcomp.flower import protocol
 from fedcomp.flower.records import record_from_tensors
 from fedcomp.flower.traffic import metric_record
@@ -38,11 +38,12 @@ def _replace_content(reply: Message, **records: Any) -> Message:
     return reply
 
 
-def _with_update(reply: Message, tensors_of: Any) -> Message:
-    """``reply`` with its update replaced by dense tensors ``tensors_of(parsed update)``."""
+def _with_update(reply: Message, tensors_of: Any, codec: Any = None) -> Message:
+    """``reply`` with its update replaced by ``tensors_of(parsed update)``, encoded by ``codec``
+    (dense fp32 by default)."""
     up = reply.content.config_records[protocol.UPLINK]
     update = update_from_bytes(up["payload"])  # type: ignore[arg-type]
-    enc = UpdateEncoder(DenseFP32(), min_numel=0, error_feedback=False).encode(
+    enc = UpdateEncoder(codec or DenseFP32(), min_numel=0, error_feedback=False).encode(
         tensors_of(update), update.base_model_version
     )
     return _replace_content(reply, **{protocol.UPLINK: with_fields(up, payload=update_to_bytes(enc))})
@@ -57,12 +58,13 @@ def _nan_payload(reply: Message) -> Message:
     return _with_update(reply, tensors_of)
 
 
-def _huge_payload(reply: Message, magnitude: float = 1e30) -> Message:
+def _huge_payload(reply: Message, magnitude: float = 1e30, codec: Any = None) -> Message:
     """``reply`` with an update of random values in ``[magnitude / 2, magnitude)``."""
     gen = torch.Generator().manual_seed(7)
     return _with_update(
         reply,
         lambda update: {t.name: (1 + torch.rand(t.shape, generator=gen)) * (magnitude / 2) for t in update.tensors},
+        codec,
     )
 
 
@@ -529,3 +531,68 @@ def test_the_recorded_update_norms_are_what_max_update_norm_bounds(uplink: str, 
     train_round(again, {n: Client(n) for n in (1, 2, 3)}, 1, tiny_model())
     assert list(again.traffic[1].rejected) == [top], again.traffic[1].rejected
     assert again.traffic[1].update_norm == {n: v for n, v in norms.items() if n != top}
+
+
+#: uplink -> what the hostile client sends: dense values (the streaming kernel's dense task); SBC's
+#: positions and one mean (its positions task); top-k's positions and values (a sparse term).
+HUGE_SENDERS = {"dense-fp32": None, "sbc": lambda: SBC(p=0.1), "topk": lambda: TopK(p=0.1)}
+
+
+@pytest.mark.parametrize("inner", ["fedavg", "fedmedian"])  # streaming; materialising
+@pytest.mark.parametrize("uplink", sorted(HUGE_SENDERS))
+def test_an_update_past_the_lattice_grid_is_rejected_and_the_run_goes_on(uplink: str, inner: str) -> None:
+    """The lattice downlink sends ``round(W / h)`` below 2**24 on a grid the run's first rounds
+    set. One client's finite update of 1e30 (no max-update-norm) was aggregated, and the next
+    round's downlink raised: the run ended. Now that reply is rejected, naming the grid; the
+    others are aggregated and the run goes on."""
+    from flwr.serverapp.strategy import FedAvg, FedMedian
+
+    from fedcomp.flower.settings import CompressionConfig
+    from fedcomp.flower.strategy import CompressionStrategy
+
+    every = {"fraction_train": 1.0, "fraction_evaluate": 1.0, "min_train_nodes": 1, "min_available_nodes": 1}
+    strategy = CompressionStrategy(
+        (FedAvg if inner == "fedavg" else FedMedian)(**every),
+        CompressionConfig.from_run_config({"uplink-codec": uplink, "downlink-codec": "lattice"}),
+    )
+    clients, model, codec = {n: Client(n) for n in (1, 2, 3)}, tiny_model(), HUGE_SENDERS[uplink]
+    for rnd in (1, 2, 3, 4):
+        hostile = rnd in (2, 3)  # (round 2: the grid was just set from round 1's movement)
+        new, _ = train_round(
+            strategy,
+            clients,
+            rnd,
+            model,
+            tamper=lambda n, r, h=hostile: _huge_payload(r, codec=codec and codec()) if h and n == 2 else r,
+        )
+        t = strategy.traffic[rnd]
+        if hostile:
+            assert list(t.rejected) == [2] and "lattice downlink's grid" in t.rejected[2], t.rejected
+        assert t.accepted == (2 if hostile else 3) and new is not None, (rnd, t.rejected)
+        assert all(float(v.abs().max()) < 1e3 for v in new.values())
+        model = new
+    assert strategy._last_update[2][:2] == (4, protocol.UpdateStatus.AGGREGATED)
+
+
+def test_a_server_step_past_the_lattice_grid_keeps_the_model(caplog: pytest.LogCaptureFixture) -> None:
+    """Replies that each stay on the grid average onto it, but the inner strategy's own step may
+    leave it (FedAdam with a huge server learning rate here): that round keeps the model, with an
+    error line, and the run goes on (the downlink raised, ending the run)."""
+    from flwr.serverapp.strategy import FedAdam
+
+    from fedcomp.flower.settings import CompressionConfig
+    from fedcomp.flower.strategy import CompressionStrategy
+
+    every = {"fraction_train": 1.0, "fraction_evaluate": 1.0, "min_train_nodes": 1, "min_available_nodes": 1}
+    strategy = CompressionStrategy(FedAdam(**every), CompressionConfig.from_run_config({"downlink-codec": "lattice"}))
+    clients, model = {n: Client(n) for n in (1, 2)}, tiny_model()
+    new, _ = train_round(strategy, clients, 1, model)  # (round 1: no grid yet)
+    assert new is not None
+    strategy.strategy.eta = 1e9  # type: ignore[attr-defined]  # (round 2's step, past the grid round 1 set)
+    again, _ = train_round(strategy, clients, 2, new)
+    assert again is None and strategy.traffic[2].accepted == 2
+    assert "round 2: the round's aggregate leaves the lattice downlink's grid" in caplog.text
+    status = strategy._last_update[1]
+    assert status[:2] == (2, protocol.UpdateStatus.REJECTED) and "grid" in status[2]
+    after, _ = train_round(strategy, clients, 3, new)  # Flower hands back the model it kept
+    assert strategy.traffic[3].accepted == 2

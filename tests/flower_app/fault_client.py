@@ -1,16 +1,21 @@
 """ClientApp of the fault-injection test app: the reference client plus a fault mod outside
-fedcomp's compression mod (corrupts the stored replica before it runs, or the uplink after)."""
+fedcomp's compression mod (corrupts the stored replica before it runs, or the uplink after, or
+replaces the uplink by a finite but huge update: what a hostile client can send)."""
 
 from __future__ import annotations
 
+import torch
 from fault_server import EXTRA_KEYS
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 from flwr.clientapp.typing import ClientAppCallable
 
 from fedcomp.app.apps import client_train
+from fedcomp.codecs import DenseFP32
 from fedcomp.flower import protocol as keys
 from fedcomp.flower.mod import compression_mod
+from fedcomp.methods.update import UpdateEncoder
+from fedcomp.wire.serde import update_from_bytes, update_to_bytes
 
 
 class InjectedFailure(RuntimeError):
@@ -31,6 +36,12 @@ def fault_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> M
     if config.get("test-corrupt-uplink") and reply.has_content() and keys.UPLINK in reply.content.config_records:
         up = reply.content.config_records[keys.UPLINK]
         up["payload"] = up["payload"][: len(up["payload"]) // 2]  # truncated in transit
+    if config.get("test-huge-uplink") and reply.has_content() and keys.UPLINK in reply.content.config_records:
+        up = reply.content.config_records[keys.UPLINK]
+        update = update_from_bytes(up["payload"])
+        huge = {t.name: torch.full(tuple(t.shape), 1e30) for t in update.tensors}  # finite, far off any grid
+        enc = UpdateEncoder(DenseFP32(), min_numel=0, error_feedback=False).encode(huge, update.base_model_version)
+        up["payload"] = update_to_bytes(enc)
     return reply
 
 

@@ -12,7 +12,7 @@ from flwr.serverapp.strategy import FedAvg
 from fedcomp.app.apps import server_main
 from fedcomp.app.config import AppConfig
 
-EXTRA_KEYS = ("script", "corrupt-uplink", "corrupt-replica", "fail-train")
+EXTRA_KEYS = ("script", "corrupt-uplink", "corrupt-replica", "huge-uplink", "fail-train")
 
 
 def _pairs(text: str) -> set[tuple[int, int]]:
@@ -27,6 +27,7 @@ class ScriptedFedAvg(FedAvg):
         self.script = [[int(c) for c in part] for part in str(run_config["script"]).split("|")]
         self.bad_uplink = _pairs(str(run_config["corrupt-uplink"]))
         self.bad_replica = _pairs(str(run_config["corrupt-replica"]))
+        self.huge_uplink = _pairs(str(run_config.get("huge-uplink", "")))
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -38,6 +39,7 @@ class ScriptedFedAvg(FedAvg):
             cfg["server-round"] = server_round
             cfg["test-corrupt-uplink"] = (server_round, i) in self.bad_uplink
             cfg["test-corrupt-replica"] = (server_round, i) in self.bad_replica
+            cfg["test-huge-uplink"] = (server_round, i) in self.huge_uplink
             content = RecordDict({"arrays": arrays, "config": cfg})
             msgs.append(Message(content=content, dst_node_id=nodes[i], message_type=MessageType.TRAIN))
         return msgs

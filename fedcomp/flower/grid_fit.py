@@ -1,0 +1,95 @@
+"""Whether a reply would take the model where the lattice downlink cannot follow.
+
+The lattice downlink (:mod:`fedcomp.codecs.lattice`) fixes each tensor's grid ``h = 2**e`` in the
+run's first movement of the model (:func:`~fedcomp.flower.replica.grid_exponents`, with room for
+the weights to grow 4x) and sends ``round(W / h)``, which must stay below ``2**24`` in magnitude.
+A model past it cannot be sent: the replica's next step raises, and the run ends. Every value a
+finite reply can carry was let through before, so one client's update of 1e30 (finite, no
+``max-update-norm`` set) ended a run whose downlink was ``lattice``.
+
+Now each train reply is checked before it is added: ``|W + delta| < (2**24 - 1) * h`` at every
+position it changes, else it is rejected (the round goes on with the others). The bound is
+convex, so a weighted mean of replies that pass it passes it too (FedAvg's, FedMedian's
+coordinate-wise median); a server step of the inner strategy's own (momentum, adaptive moments) may
+still leave it, and :meth:`GridFit.off_grid` tells the wrapper, which then keeps the model as it
+was that round rather than end the run. The check costs one comparison per reply tensor
+(``max|W| + max|delta|`` against the bound), and a look at the positions only where that fails.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+import torch
+
+from fedcomp.codecs.lattice import K_LIMIT
+from fedcomp.errors import PayloadError
+
+__all__ = ["GridFit"]
+
+
+class GridFit:
+    """One round's check of replies against the lattice ``grid`` (tensor -> exponent) around the
+    global model ``model`` the replies are deltas against."""
+
+    def __init__(self, model: Mapping[str, torch.Tensor], grid: Mapping[str, int]) -> None:
+        self._model = model
+        #: Per tensor, the magnitude a model value must stay under: ``round(x / h)`` of anything
+        #: below it is at most ``2**24 - 1`` (and the bound is exact in float32).
+        self.limits = {k: (K_LIMIT - 1) * math.ldexp(1.0, e) for k, e in grid.items()}
+        self._peaks: dict[str, float] = {}  # max |W| per tensor, when first needed
+        #: Replies this round rejected by :meth:`check`.
+        self.rejected = 0
+
+    def _flat(self, name: str) -> np.ndarray:
+        return self._model[name].detach().reshape(-1).to(torch.float64).numpy()
+
+    def _peak(self, name: str) -> float:
+        peak = self._peaks.get(name)
+        if peak is None:
+            t = self._model[name].detach()
+            peak = self._peaks[name] = float(t.abs().max()) if t.numel() else 0.0
+        return peak
+
+    def check(self, parts: Iterable[tuple[str, np.ndarray | None, np.ndarray | float]]) -> None:
+        """Raise :class:`PayloadError` naming the first tensor where ``W + delta`` leaves the grid;
+        ``parts`` as :meth:`fedcomp.flower.weighted_sum.ReplyDelta.parts` gives them (finite)."""
+        for name, positions, values in parts:
+            limit = self.limits.get(name)
+            if limit is None:
+                continue
+            arr = np.asarray(values)
+            if not arr.size:
+                continue
+            step = float(np.abs(arr).max())
+            if self._peak(name) + step < limit:
+                continue  # (every honest reply of a run that fits its grid stops here)
+            base = self._flat(name)
+            reach = float(np.abs((base if positions is None else base[positions]) + arr).max())
+            if reach >= limit:
+                self.rejected += 1
+                raise PayloadError(
+                    name,
+                    f"the update takes it to |W| = {reach:.4g}, past the lattice downlink's grid (|W| < "
+                    f"{limit:.4g}, set by the run's first rounds): an update far larger than the others? "
+                    "(max-update-norm bounds them)",
+                )
+
+    def check_dense(self, delta: Mapping[str, torch.Tensor]) -> None:
+        """:meth:`check` of a dense model-space ``delta``."""
+        self.check((k, None, _flat32(t)) for k, t in delta.items())
+
+    def off_grid(self, model: Mapping[str, torch.Tensor]) -> str | None:
+        """The first tensor of ``model`` (an aggregate) that leaves the grid, or None."""
+        for name, t in model.items():
+            limit = self.limits.get(name)
+            if limit is not None and t.numel() and not float(t.detach().abs().max()) < limit:
+                return name
+        return None
+
+
+def _flat32(t: torch.Tensor) -> np.ndarray:
+    flat = t.detach().reshape(-1)
+    return (flat if flat.dtype in (torch.float32, torch.float64) else flat.float()).numpy()
