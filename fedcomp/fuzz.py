@@ -841,11 +841,16 @@ def fuzz_replies(n: int, seed: int, progress: bool = False) -> dict[str, Any]:
     flwr_log = logging.getLogger("flwr")
     level = flwr_log.level
     flwr_log.setLevel(logging.CRITICAL)  # one warning per rejected reply otherwise
-    fed = Federation(seed)
+    # The first half of the rounds under the 3LC downlink (the library's default), the second under
+    # the lattice (the reference app's), whose grid judges each update too.
+    downlinks = ({"downlink-codec": "3lc"}, {"downlink-codec": "lattice"})
+    fed = Federation(seed, downlinks[0])
     ended = 0
     t_start = time.perf_counter()
     try:
         for i in range(n):
+            if i == n // 2 and n > 1:
+                fed = Federation(seed + i, downlinks[1])
             fed.round += 1
             train = i % 5 != 4
             kind = "?"
@@ -853,7 +858,7 @@ def fuzz_replies(n: int, seed: int, progress: bool = False) -> dict[str, Any]:
                 requests, replies = fed.replies(train)
             except Exception as exc:
                 tally.add("setup", "other_exception", 0.0, 0, None, _describe(exc))
-                fed = Federation(seed + i)
+                fed = Federation(seed + i, downlinks[2 * i >= n])
                 continue
             j = rng.randrange(len(replies))
             kind, replies[j] = _mutate_reply(rng, requests[j], replies[j], replies[:j] + replies[j + 1 :])
@@ -868,7 +873,7 @@ def fuzz_replies(n: int, seed: int, progress: bool = False) -> dict[str, Any]:
             except Exception as exc:
                 outcome, detail = "run_ended", _describe(exc) + " | " + traceback.format_exc(limit=-4)
                 ended += 1
-                fed = Federation(seed + i)
+                fed = Federation(seed + i, downlinks[2 * i >= n])
             tally.add(kind, outcome, time.perf_counter() - t0, 0, None, detail)
             if progress and (i + 1) % 100 == 0:
                 print(f"replies: {i + 1}/{n} ({time.perf_counter() - t_start:.0f} s)", file=sys.stderr)

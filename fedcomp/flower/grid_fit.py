@@ -12,7 +12,10 @@ position it changes, else it is rejected (the round goes on with the others). Th
 convex, so a weighted mean of replies that pass it passes it too (FedAvg's, FedMedian's
 coordinate-wise median); a server step of the inner strategy's own (momentum, adaptive moments) may
 still leave it, and :meth:`GridFit.off_grid` tells the wrapper, which then keeps the model as it
-was that round rather than end the run. The check costs one comparison per reply tensor
+was that round rather than end the run. When the replies of two or more clients in a round all leave the
+grid, it is no one client's doing: the weights are growing past the grid, every later round would lose
+every update, and the wrapper ends the run with a ConfigError naming ``lattice-step`` (what the
+replica's step raised before). The check costs one comparison per reply tensor
 (``max|W| + max|delta|`` against the bound), and a look at the positions only where that fails.
 """
 
@@ -40,8 +43,9 @@ class GridFit:
         #: below it is at most ``2**24 - 1`` (and the bound is exact in float32).
         self.limits = {k: (K_LIMIT - 1) * math.ldexp(1.0, e) for k, e in grid.items()}
         self._peaks: dict[str, float] = {}  # max |W| per tensor, when first needed
-        #: Replies this round rejected by :meth:`check`.
-        self.rejected = 0
+        #: The nodes whose replies :meth:`check` rejected this round, and the last reason.
+        self.rejected: set[int] = set()
+        self.last = ""
 
     def _flat(self, name: str) -> np.ndarray:
         return self._model[name].detach().reshape(-1).to(torch.float64).numpy()
@@ -53,9 +57,10 @@ class GridFit:
             peak = self._peaks[name] = float(t.abs().max()) if t.numel() else 0.0
         return peak
 
-    def check(self, parts: Iterable[tuple[str, np.ndarray | None, np.ndarray | float]]) -> None:
+    def check(self, parts: Iterable[tuple[str, np.ndarray | None, np.ndarray | float]], node: int = 0) -> None:
         """Raise :class:`PayloadError` naming the first tensor where ``W + delta`` leaves the grid;
-        ``parts`` as :meth:`fedcomp.flower.weighted_sum.ReplyDelta.parts` gives them (finite)."""
+        ``parts`` as :meth:`fedcomp.flower.weighted_sum.ReplyDelta.parts` gives them (finite),
+        ``node`` the sender."""
         for name, positions, values in parts:
             limit = self.limits.get(name)
             if limit is None:
@@ -63,13 +68,14 @@ class GridFit:
             arr = np.asarray(values)
             if not arr.size:
                 continue
-            step = float(np.abs(arr).max())
+            step = max(float(arr.max()), -float(arr.min()))  # (no temporary of the tensor's size)
             if self._peak(name) + step < limit:
                 continue  # (every honest reply of a run that fits its grid stops here)
             base = self._flat(name)
             reach = float(np.abs((base if positions is None else base[positions]) + arr).max())
             if reach >= limit:
-                self.rejected += 1
+                self.rejected.add(node)
+                self.last = f"tensor {name!r} to |W| = {reach:.4g}, the grid holds |W| < {limit:.4g}"
                 raise PayloadError(
                     name,
                     f"the update takes it to |W| = {reach:.4g}, past the lattice downlink's grid (|W| < "
@@ -77,9 +83,9 @@ class GridFit:
                     "(max-update-norm bounds them)",
                 )
 
-    def check_dense(self, delta: Mapping[str, torch.Tensor]) -> None:
+    def check_dense(self, delta: Mapping[str, torch.Tensor], node: int = 0) -> None:
         """:meth:`check` of a dense model-space ``delta``."""
-        self.check((k, None, _flat32(t)) for k, t in delta.items())
+        self.check(((k, None, _flat32(t)) for k, t in delta.items()), node)
 
     def off_grid(self, model: Mapping[str, torch.Tensor]) -> str | None:
         """The first tensor of ``model`` (an aggregate) that leaves the grid, or None."""

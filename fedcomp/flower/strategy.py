@@ -356,7 +356,7 @@ class CompressionStrategy(Strategy):
         decoded = self.uplink.decode(update, self.replica.specs, self._target, server_round, node)
         norm = self._check_values(decoded.delta if decoded.delta is not None else decoded.arrays)
         if self._fit is not None and decoded.delta is not None:
-            self._fit.check_dense(decoded.delta)
+            self._fit.check_dense(decoded.delta, node)
         if self.uplink.reports_selection and decoded.delta is not None:
             traffic.note_selection(decoded.delta, self.config.min_compress_numel)
         traffic.decode_seconds += time.perf_counter() - t0
@@ -387,7 +387,7 @@ class CompressionStrategy(Strategy):
                 self.uplink.check_sent(node, delta.terms, self.replica.specs)
             self._check_norm(delta.norm, _client_clipping_norm(self.strategy))
             if self._fit is not None:
-                self._fit.check(delta.parts())
+                self._fit.check(delta.parts(), node)
             traffic.update_norm[node] = delta.norm
             if selection:
                 numels = {spec.name: spec.numel for spec in self.replica.specs}
@@ -397,7 +397,7 @@ class CompressionStrategy(Strategy):
             decoded = self.uplink.decode(update, self.replica.specs, self._target, server_round, node)
             norm = self._check_values(decoded.delta if decoded.delta is not None else decoded.arrays)
             if self._fit is not None and decoded.delta is not None:
-                self._fit.check_dense(decoded.delta)
+                self._fit.check_dense(decoded.delta, node)
             if decoded.delta is not None:
                 traffic.update_norm[node] = norm
             if self.uplink.reports_selection and decoded.delta is not None:
@@ -501,15 +501,13 @@ class CompressionStrategy(Strategy):
                 nothing,
             )
             arrays = None
-        elif (
-            arrays is None and self._fit is not None and self._fit.rejected and not self._traffic(server_round).accepted
-        ):
-            log.error(
-                "fedcomp: round %s: every update (%d) would take the model past the lattice downlink's grid, "
-                "which the run's first rounds set: if honest clients grow the weights this far, a larger "
-                "lattice-step (or downlink-codec 3lc) carries them",
-                server_round,
-                self._fit.rejected,
+        elif self._fit is not None and len(self._fit.rejected) >= 2 and not self._traffic(server_round).accepted:
+            # Two or more clients, and none stayed on the grid: the weights are growing past it
+            # (not one client's doing), and every later round would lose every update the same way.
+            raise ConfigError(
+                f"round {server_round}: every update ({len(self._fit.rejected)} clients) would take the model past the lattice "
+                f"downlink's grid, which the run's first rounds set ({self._fit.last}); honest clients growing "
+                "the weights this far need a larger lattice-step (or downlink-codec 3lc)"
             )
         for msg in accepted:
             if not msg.has_error():

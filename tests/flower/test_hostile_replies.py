@@ -596,3 +596,23 @@ def test_a_server_step_past_the_lattice_grid_keeps_the_model(caplog: pytest.LogC
     assert status[:2] == (2, protocol.UpdateStatus.REJECTED) and "grid" in status[2]
     after, _ = train_round(strategy, clients, 3, new)  # Flower hands back the model it kept
     assert strategy.traffic[3].accepted == 2
+
+
+def test_when_every_reply_leaves_the_lattice_grid_the_run_ends_naming_lattice_step() -> None:
+    """Two or more replies of a round, all past the grid: the weights are outgrowing it, no one
+    client's doing; every later round would lose every update, so the run ends, naming the key."""
+    from fedcomp.errors import ConfigError
+
+    strategy = make_strategy(**{"downlink-codec": "lattice", "uplink-codec": "dense-fp32"})
+    clients, model = {n: Client(n) for n in (1, 2, 3)}, tiny_model()
+    new, _ = train_round(strategy, clients, 1, model)
+    assert new is not None
+    with pytest.raises(
+        ConfigError, match=r"round 2: every update \(3 clients\) would take the model past.*lattice-step"
+    ):
+        train_round(strategy, clients, 2, new, tamper=lambda n, r: _huge_payload(r))
+    # One client alone in its round: rejected, the run goes on.
+    strategy = make_strategy(**{"downlink-codec": "lattice", "uplink-codec": "dense-fp32"})
+    new, _ = train_round(strategy, clients, 1, model)
+    again, _ = train_round(strategy, clients, 2, new, nodes=[2], tamper=lambda n, r: _huge_payload(r))
+    assert again is None and list(strategy.traffic[2].rejected) == [2]
