@@ -15,6 +15,7 @@ a downlink reports its outcome, and adds it back to the residual when it was not
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -33,7 +34,7 @@ from fedcomp.flower.clipping import clipping_norm_of
 from fedcomp.flower.downlink_policy import chain_decoders
 from fedcomp.flower.pending import PendingUpdate
 from fedcomp.flower.persist import ClientStore, store_for
-from fedcomp.flower.protocol import DownlinkHeader, DownlinkMode, ErrorCode, ReplicaMeta, UplinkReport
+from fedcomp.flower.protocol import DownlinkHeader, DownlinkMode, ErrorCode, ReplicaMeta, UpdateStatus, UplinkReport
 from fedcomp.flower.records import (
     digest,
     digest_soon,
@@ -175,15 +176,26 @@ def _settle_pending(
         # A protocol-1 server reports no outcomes: as before protocol 2, what was sent counts as
         # delivered (keeping it would re-send it on every message).
         del state[protocol.STATE_PENDING]
+        state.pop(protocol.STATE_PENDING_NODE, None)
         return
     # Its tensors are read only where they go back into the residual (a ResNet-50's took 33 ms a
     # message on the 2-core build machine, mostly to be forgotten: the usual verdict).
     try:
         pending_round = PendingUpdate.round_of(rec)
         out = dl.outcome
-        aggregated = out.verdict(pending_round, is_train)
+        origin = state.config_records.get(protocol.STATE_PENDING_NODE)
+        old_id = origin.get("node-id") if origin is not None else None
+        row = _old_node_row(dl, old_id) if origin is not None else None
+        if row is not None:  # sent under another node id: the server's record of that id says
+            last, status = row
+            why = f"as node {old_id!s}" if status is UpdateStatus.REJECTED else ""
+            out = dataclasses.replace(
+                out, last_update_round=last, last_update_status=status, last_update_reason=why, records_from_round=1
+            )
+        aggregated = True if origin is not None and row is None else out.verdict(pending_round, is_train)
         if aggregated is None:
             return
+        state.pop(protocol.STATE_PENDING_NODE, None)
         pending = (
             None
             if aggregated
@@ -192,6 +204,7 @@ def _settle_pending(
     except PayloadError as exc:
         log.warning("fedcomp: dropping a pending update that cannot be read: %s", exc)
         del state[protocol.STATE_PENDING]
+        state.pop(protocol.STATE_PENDING_NODE, None)
         return
     if pending is not None:
         clash = [k for k, t in pending.tensors.items() if k in st.residual and st.residual[k].shape != t.shape]
@@ -210,6 +223,18 @@ def _settle_pending(
         st.residual = method.client_recover(pending.dense_tensors(), st.residual)
         state[protocol.STATE_RESIDUAL] = record_from_tensors(st.residual)
     del state[protocol.STATE_PENDING]
+
+
+def _old_node_row(dl: DownlinkHeader, old_id: object) -> tuple[int, UpdateStatus] | None:
+    """The server's record of node ``old_id`` (under which a restored pending update was sent) in
+    the downlink's :data:`~fedcomp.flower.protocol.UNSETTLED_UPDATES` table: its last update's
+    round and status. None when the table does not list it: the server lists every node whose last
+    train round may hold an update that was not aggregated, so an unlisted one was aggregated (and
+    without a table, from a server of an earlier version, it counts as aggregated, as before)."""
+    table = dl.extras.get(protocol.UNSETTLED_UPDATES)
+    if table is None or not isinstance(old_id, str) or not old_id.isdigit():
+        return None
+    return protocol.unsettled_record(table, int(old_id))
 
 
 #: Builds the initial model (version 0) on the client, as the server built it from the run's seed.
@@ -379,29 +404,32 @@ def _restore(store: ClientStore, server_round: int, context: Context) -> None:
 
 
 #: What a client holds of the server's per-node records: its replica (the server sends what the
-#: node it knows holds lacks) and its pending update (whose outcome the server keeps per node id).
-_PER_NODE_STATE = (protocol.STATE_PENDING, protocol.STATE_REPLICA, protocol.STATE_META, protocol.STATE_LATTICE)
+#: node it knows holds lacks), and its lattice grid and replica metadata with it.
+_PER_NODE_STATE = (protocol.STATE_REPLICA, protocol.STATE_META, protocol.STATE_LATTICE)
 
 
 def _as_a_new_node(context: Context, old_id: object) -> None:
     """State saved under another node id (a restarted SuperNode, a resumed simulation): the server
-    has no record of this node, so it sends what a new node needs, and knows nothing of its
-    pending update. The client keeps its residual (and its method's state) and drops the rest:
-
-    * its replica, which the downlink for a new node does not start from (the client would ask
-      for a full resync and lose the round). A new node rebuilds it from the run's seed and the
-      server's catch-up, the replica an uninterrupted client holds.
-    * its pending update, counted as aggregated, as :meth:`UpdateOutcome.verdict` counts an
-      update the server has no record of: the snapshot loaded is of a round the resumed server's
-      checkpoint holds, so the update is in the model unless it was rejected; re-sending it would
-      apply it twice, dropping one the model lacks costs what a dropout costs."""
+    has no record of this node, so it sends what a new node needs. The client keeps its residual
+    (and its method's state), drops its replica, which the downlink for a new node does not start
+    from (the client would ask for a full resync and lose the round; a new node rebuilds it from
+    the run's seed and the server's catch-up, the replica an uninterrupted client holds), and
+    keeps its pending update, marked with the old id (:data:`~fedcomp.flower.protocol.
+    STATE_PENDING_NODE`): the server's first message to a node it does not know lists its records
+    of the nodes whose last update may not have been aggregated
+    (:data:`~fedcomp.flower.protocol.UNSETTLED_UPDATES`), and the pending update is settled from
+    the old id's record. It counted as aggregated before, and an update that never reached the
+    server (the reply in flight when the SuperNode went down) was lost."""
     dropped = [k for k in _PER_NODE_STATE if k in context.state]
     for key in dropped:
         del context.state[key]
+    pending = protocol.STATE_PENDING in context.state
+    if pending:
+        context.state[protocol.STATE_PENDING_NODE] = ConfigRecord({"node-id": str(old_id)})
     log.info(
-        "fedcomp: this state was saved as node %s (now %s): its replica is rebuilt as a new node's and "
-        "its pending update counts as aggregated (dropped %s)",
+        "fedcomp: this state was saved as node %s (now %s): its replica is rebuilt as a new node's (dropped %s)%s",
         old_id, context.node_id, ", ".join(dropped) or "nothing",
+        "; its pending update is settled by the server's record of that node" if pending else "",
     )  # fmt: skip
 
 

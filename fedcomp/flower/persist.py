@@ -23,8 +23,9 @@ see (its pending update would be added back to the residual, and the redone roun
 same local work twice). So the client loads the newest snapshot of a round *before* the message's
 round: exactly the state an uninterrupted run would have, and the resumed run's model is
 bit-identical to it (``tests/app/test_resume.py``). State saved under another node id (the
-SuperNode restarted; a new simulation) keeps its residual but not what the server recorded per
-node id: the mod drops its replica and pending update (``fedcomp.flower.mod._as_a_new_node``). The last :data:`KEEP` rounds are kept, and
+SuperNode restarted; a new simulation) keeps its residual, drops its replica (the server sends a
+node it does not know what a new node needs), and settles its pending update by the server's record
+of the old node id (``fedcomp.flower.mod._as_a_new_node``). The last :data:`KEEP` rounds are kept, and
 per run name the last :data:`KEEP_RUNS` runs (lineages), and the last :data:`KEEP_RUN_NAMES` run
 names: the folder stays bounded however many runs a node serves.
 

@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+import struct
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
 from typing import Any
@@ -50,8 +51,10 @@ __all__ = [
     "STATE_META",
     "STATE_NODE",
     "STATE_PENDING",
+    "STATE_PENDING_NODE",
     "STATE_REPLICA",
     "STATE_RESIDUAL",
+    "UNSETTLED_UPDATES",
     "UPLINK",
     "DownlinkHeader",
     "DownlinkMode",
@@ -61,7 +64,9 @@ __all__ = [
     "UpdateStatus",
     "UplinkReport",
     "extra_key",
+    "pack_unsettled",
     "state_key",
+    "unsettled_record",
 ]
 
 #: ConfigRecord the server adds to every train/evaluate message: how to rebuild the model.
@@ -91,9 +96,13 @@ STATE_LATTICE = "fedcomp.lattice"
 STATE_LATTICE_LAST = "fedcomp.lattice-last"
 #: The mod's own measurements for the bandwidth policy (seconds per local iteration).
 STATE_BANDWIDTH = "fedcomp.bandwidth"
+#: The node id a restored pending update was sent under (``node-id``, a string), when the state
+#: was saved under another id than the client's now: the server's records of that id settle it,
+#: from the downlink's :data:`UNSETTLED_UPDATES` table.
+STATE_PENDING_NODE = "fedcomp.pending-node"
 #: The Flower node id the state was saved under (``node-id``, a string: ids are unsigned 64-bit),
 #: so that state restored under another id (a restarted SuperNode, a resumed simulation) knows
-#: the server has no record of its pending update.
+#: the server has no record of it under the new id (:data:`STATE_PENDING_NODE`).
 STATE_NODE = "fedcomp.node"
 #: context.state ConfigRecord: the client's fastest measured codec seconds (downlink apply, and
 #: encode per uplink codec id), for the bandwidth policy (``fedcomp.flower.mod``).
@@ -119,6 +128,19 @@ class ErrorCode(IntEnum):
 PROTOCOL_VERSION = 2
 #: Longest rejection reason an outcome carries (the server cuts longer ones).
 MAX_REASON_CHARS = 500
+
+
+#: Downlink field (bytes) in a message to a node the server has no record of: the server's records
+#: of the nodes whose last train round may hold an update that was not aggregated and that were not
+#: told so since (a SuperNode that restarts comes back under a new node id, with the state it
+#: saved under the old one: :func:`unsettled_record` finds that id's record). A method extra's
+#: name (a dot, bytes), so that protocol-2 clients of earlier versions accept and ignore it.
+UNSETTLED_UPDATES = "fedcomp.unsettled-updates"
+#: One row: node id, the round of its last update that reached the server, its status code.
+_UNSETTLED_ROW = struct.Struct("<QIB")
+_STATUS_CODES = {"none": 0, "aggregated": 1, "rejected": 2}
+#: Most rows one table carries (the most recently sent rounds first): 4,096 rows are 53 kB.
+MAX_UNSETTLED_ROWS = 4096
 
 
 class DownlinkMode(StrEnum):
@@ -287,6 +309,34 @@ class UpdateOutcome:
         if update_round <= self.settled_round:
             return update_round == self.last_update_round and self.last_update_status is UpdateStatus.AGGREGATED
         return False if train else None
+
+
+def pack_unsettled(rows: Iterable[tuple[int, int, UpdateStatus]]) -> bytes:
+    """The :data:`UNSETTLED_UPDATES` table: ``(node id, last update round, status)`` rows, at most
+    :data:`MAX_UNSETTLED_ROWS` (the first ones)."""
+    out = bytearray()
+    for i, (node, last_round, status) in enumerate(rows):
+        if i == MAX_UNSETTLED_ROWS:
+            break
+        out += _UNSETTLED_ROW.pack(node, last_round, _STATUS_CODES[str(status)])
+    return bytes(out)
+
+
+def unsettled_record(table: bytes, node: int) -> tuple[int, UpdateStatus] | None:
+    """The record of ``node`` in an :data:`UNSETTLED_UPDATES` table (its last update's round and
+    status), or None; raise :class:`PayloadError` for a malformed table."""
+    size = _UNSETTLED_ROW.size
+    if len(table) % size:
+        raise PayloadError("", f"downlink: field {UNSETTLED_UPDATES!r} is {len(table)} bytes, not rows of {size}")
+    if len(table) > MAX_UNSETTLED_ROWS * size:
+        raise PayloadError("", f"downlink: field {UNSETTLED_UPDATES!r} has more than {MAX_UNSETTLED_ROWS} rows")
+    statuses = {code: UpdateStatus(name) for name, code in _STATUS_CODES.items()}
+    for row_node, last_round, code in _UNSETTLED_ROW.iter_unpack(table):
+        if code not in statuses or (code == 0) != (last_round == 0):
+            raise PayloadError("", f"downlink: field {UNSETTLED_UPDATES!r} has a malformed row for node {row_node}")
+        if row_node == node:
+            return last_round, statuses[code]
+    return None
 
 
 # --- server -> client ---------------------------------------------------------------------------

@@ -59,7 +59,14 @@ from fedcomp.errors import ConfigError, PayloadError
 from fedcomp.flower import protocol
 from fedcomp.flower.downlink_policy import advance_by_policy, advance_passes, candidates_of, distance
 from fedcomp.flower.grid_fit import GridFit
-from fedcomp.flower.protocol import DownlinkHeader, UpdateOutcome, UpdateStatus, UplinkReport
+from fedcomp.flower.protocol import (
+    UNSETTLED_UPDATES,
+    DownlinkHeader,
+    UpdateOutcome,
+    UpdateStatus,
+    UplinkReport,
+    pack_unsettled,
+)
 from fedcomp.flower.records import (
     check_integer_arrays,
     fp32_bytes,
@@ -120,6 +127,9 @@ class CompressionStrategy(Strategy):
         # reached the server, and the last train round whose outcomes are final.
         self._last_update: dict[int, tuple[int, UpdateStatus, str]] = {}
         self._settled = 0
+        #: node -> the last train round it was sent, until a downlink tells it that round's outcome
+        #: (a node that restarts under a new id learns it from :meth:`_unsettled_table`).
+        self._unsettled: dict[int, int] = {}
         self._records_from: int | None = None  # the first round these records cover
         #: This run's identity across restarts (kept in a checkpoint, sent in every config as
         #: ``fedcomp.lineage``): clients key the state they persist by it, so a resumed run finds
@@ -197,6 +207,7 @@ class CompressionStrategy(Strategy):
         uplink_codec = self.uplink.round_codec_config(server_round)
         downlink_codec = self.downlink_method.codec_config(self.config, server_round)
         extras: dict[int, dict[str, bytes]] = {}
+        table: bytes | None = None  # (built for the first node the server has no record of)
         if train:
             rank = {n: i for i, n in enumerate(listed)}
             nodes = sorted((m.metadata.dst_node_id for m in messages), key=lambda n: (rank.get(n, len(rank)), n))
@@ -204,6 +215,14 @@ class CompressionStrategy(Strategy):
         out = []
         for msg in messages:
             node = msg.metadata.dst_node_id
+            extra = extras.get(node, {})
+            if node not in self._nodes and node not in self._last_update and node not in self._unsettled:
+                table = self._unsettled_table() if table is None else table
+                extra = {**extra, UNSETTLED_UPDATES: table} if table else extra
+            if self._unsettled.get(node, server_round + 1) <= self._settled:
+                del self._unsettled[node]  # (this message's outcome settles that round)
+            if train:
+                self._unsettled[node] = server_round
             last_round, status, reason = self._last_update.get(node, (0, UpdateStatus.NONE, ""))
             outcome = UpdateOutcome(server_round, self._settled, last_round, status, reason, self._records_from or 1)
             version, digest = self._known_state(node)
@@ -222,7 +241,7 @@ class CompressionStrategy(Strategy):
                 min_compress_numel=self.config.min_compress_numel,
                 device=self.config.client_device,
                 bandwidth=self._bandwidth,
-                extras=extras.get(node, {}),
+                extras=extra,
                 outcome=outcome,
             )
             # A fresh RecordDict per message: the inner strategy shares one between all messages.
@@ -234,6 +253,20 @@ class CompressionStrategy(Strategy):
             if train:
                 self._traffic(server_round).unanswered.add(node)
         return out
+
+    def _unsettled_table(self) -> bytes:
+        """The :data:`~fedcomp.flower.protocol.UNSETTLED_UPDATES` table for a node the server has no
+        record of: it may be one that restarted under a new id, holding an update it sent under
+        its old one whose fate it never heard. One row per node whose last train round is settled,
+        was not told, and was not aggregated (a client finding no row for its old id counts its
+        update as aggregated, which then is right), the most recent rounds first."""
+        rows = []
+        for node, sent in self._unsettled.items():
+            last_round, status, _ = self._last_update.get(node, (0, UpdateStatus.NONE, ""))
+            if sent <= self._settled and not (last_round == sent and status is UpdateStatus.AGGREGATED):
+                rows.append((sent, node, last_round, status))
+        rows.sort(key=lambda r: (-r[0], r[1]))
+        return pack_unsettled((node, last_round, status) for _, node, last_round, status in rows)
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -725,6 +758,7 @@ class CompressionStrategy(Strategy):
             "records-from-round": self._records_from or 1,
             "settled-round": self._settled,
             "last-update": {str(n): [r, str(s), why] for n, (r, s, why) in sorted(self._last_update.items())},
+            "unsettled": {str(n): r for n, r in sorted(self._unsettled.items())},
         }
 
     def load_outcome_state(self, state: dict[str, Any]) -> None:
@@ -735,12 +769,16 @@ class CompressionStrategy(Strategy):
             last = {
                 int(n): (int(r), UpdateStatus(s), _reason(str(why))) for n, (r, s, why) in state["last-update"].items()
             }
+            # (absent from checkpoints written before it was kept: no node is told of a restart then)
+            unsettled = {int(n): int(r) for n, r in state.get("unsettled", {}).items()}
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise PayloadError("", f"outcome state: {type(exc).__name__}: {exc}") from None
         for r, s, why in [*last.values(), (0, UpdateStatus.NONE, "")]:
             # What the clients will be sent must pass their checks.
             UpdateOutcome.from_record(UpdateOutcome(settled + 1, settled, r, s, why, start).fields(), "outcome state")
-        self._records_from, self._settled, self._last_update = start, settled, last
+        if any(not 0 < r <= settled + 1 for r in unsettled.values()):
+            raise PayloadError("", "outcome state: an 'unsettled' round is outside [1, settled-round + 1]")
+        self._records_from, self._settled, self._last_update, self._unsettled = start, settled, last, unsettled
 
     def state_dict(self) -> dict[str, Any]:
         """Everything this wrapper knows that a resumed server needs (for a checkpoint, saved with

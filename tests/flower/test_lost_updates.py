@@ -331,6 +331,7 @@ def test_the_outcome_records_survive_a_checkpoint_and_reject_garbage() -> None:
     saved = strategy.outcome_state()
     assert saved["settled-round"] == 1
     assert saved["last-update"]["1"] == [1, "aggregated", ""] and saved["last-update"]["2"][:2] == [1, "rejected"]
+    assert saved["unsettled"] == {"1": 1, "2": 1}  # sent round 1, not yet told its outcome
     other = CompressionStrategy(RecordingFedAvg(), CompressionConfig.from_run_config({}))
     other.load_outcome_state(saved)
     assert other.outcome_state() == saved
@@ -341,6 +342,8 @@ def test_the_outcome_records_survive_a_checkpoint_and_reject_garbage() -> None:
         {"records-from-round": 1, "settled-round": 1, "last-update": {"1": [2, "aggregated", ""]}},
         {"records-from-round": 3, "settled-round": 1, "last-update": {}},
         {"records-from-round": 1, "settled-round": 1, "last-update": []},
+        {"records-from-round": 1, "settled-round": 1, "last-update": {}, "unsettled": {"1": 3}},
+        {"records-from-round": 1, "settled-round": 1, "last-update": {}, "unsettled": {"x": 1}},
     ):
         with pytest.raises(PayloadError, match="outcome state"):
             other.load_outcome_state(bad)

@@ -14,6 +14,7 @@ import pytest
 import torch
 from flwr.app import ConfigRecord, Context, RecordDict
 
+from fedcomp.flower import protocol
 from fedcomp.flower.persist import KEEP, ClientStore, store_for
 from fedcomp.flower.strategy import CompressionStrategy
 from tests.flower.helpers import Client, FixedGrid, make_strategy, server_identity, tiny_model, train_round
@@ -106,13 +107,66 @@ def test_state_restored_under_new_node_ids_does_not_resend_an_aggregated_update(
     resumed.load_state_dict(_copy_state(strategy))
     fresh = _clients(tmp_path, ids=(11, 12, 13))
     with caplog.at_level("INFO", logger="flwr.fedcomp"):
-        new, _ = train_round(resumed, fresh, 4, model)
+        new, log = train_round(resumed, fresh, 4, model)
     assert new is not None and resumed.traffic[4].accepted == 3  # no client lost the round to a resync
     messages = [r.getMessage() for r in caplog.records]
     assert sum("resumed the client state of round 3" in m for m in messages) == 3
-    assert sum("its pending update counts as aggregated" in m for m in messages) == 3
-    assert sum("dropped fedcomp.pending, fedcomp.replica, fedcomp.meta" in m for m in messages) == 3
+    assert sum("its pending update is settled by the server's record of that node" in m for m in messages) == 3
+    assert sum("dropped fedcomp.replica, fedcomp.meta" in m for m in messages) == 3
     assert not any("goes back into the residual" in m for m in messages), messages
+    # Every update of round 3 was aggregated: the server lists no node, and sends no table.
+    assert all(protocol.UNSETTLED_UPDATES not in log.downlinks[n] for n in (11, 12, 13))
+    assert all(protocol.STATE_PENDING_NODE not in c.ctx.state for c in fresh.values())  # (settled)
+
+
+def _partitioned(state_dir: Path, ids: tuple[int, ...]) -> dict[int, Client]:
+    """:func:`_clients` whose training and example counts follow the partition, not the node id."""
+    out = _clients(state_dir, ids)
+    for partition, c in enumerate(out.values()):
+        c.node = 100 + partition
+    return out
+
+
+@pytest.mark.parametrize("fate", ["never-arrived", "rejected", "aggregated"])
+def test_a_supernode_restarted_mid_run_settles_its_pending_update_by_its_old_id(tmp_path: Path, fate: str) -> None:
+    """Node 2's update of round 3 never reaches the server (its reply was in flight when the
+    SuperNode went down), or is rejected, or is aggregated; it comes back as node 12 with the state
+    it saved. The server's first message to the unknown node 12 lists its records of the nodes
+    whose last round was not aggregated; the client finds its old id there and adds the update back
+    to its residual, as node 2 would have had it stayed up (it counted as aggregated, and was lost):
+    the run ends on the model of a run where node 2 never restarted."""
+    from flwr.app import MetricRecord
+
+    def tamper(node: int, reply: Any) -> Any:  # a reply the server rejects (a weight out of range)
+        if fate == "rejected" and node == 2 and reply.has_content():
+            name = next(iter(reply.content.metric_records))
+            reply.content[name] = MetricRecord({"num-examples": -1})
+        return reply
+
+    def run(restart: bool, state_dir: Path) -> tuple[dict, list[str]]:
+        strategy = make_strategy(**{"sbc-p": 0.1})
+        clients, model = _partitioned(state_dir, NODES), tiny_model()
+        for rnd in (1, 2, 3):
+            drop = [2] if rnd == 3 and fate == "never-arrived" else []
+            new, _ = train_round(strategy, clients, rnd, model, drop=drop, tamper=tamper if rnd == 3 else None)
+            model = new if new is not None else model
+        if restart:  # node 2's SuperNode restarts: a new node id, an empty context.state, its disk
+            clients = {1: clients[1], 12: _partitioned(state_dir, (1, 12, 3))[12], 3: clients[3]}
+            clients[12].node = 101
+        logs = []
+        for rnd in (4, 5):
+            new, log = train_round(strategy, clients, rnd, model, nodes=list(clients))
+            logs.append(log)
+            assert new is not None and strategy.traffic[rnd].accepted == 3, strategy.traffic[rnd].rejected
+            model = new
+        table = logs[0].downlinks[12 if restart else 2].get(protocol.UNSETTLED_UPDATES)
+        rows = [] if table is None else [n for n in (1, 2, 3) if protocol.unsettled_record(table, n) is not None]
+        return model, [str(r) for r in rows]
+
+    uninterrupted, _ = run(False, tmp_path / "a")
+    restarted, rows = run(True, tmp_path / "b")
+    assert rows == ([] if fate == "aggregated" else ["2"])  # only the node whose update was not aggregated
+    assert all(torch.equal(restarted[k], uninterrupted[k]) for k in uninterrupted)
 
 
 def test_deft_resumed_under_new_node_ids_in_partition_order_gives_the_uninterrupted_model(tmp_path: Path) -> None:

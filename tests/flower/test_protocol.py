@@ -15,7 +15,7 @@ from flwr.app import ConfigRecord
 
 from fedcomp.errors import PayloadError
 from fedcomp.flower import protocol
-from fedcomp.flower.protocol import DownlinkHeader, DownlinkMode, ReplicaMeta, UplinkReport
+from fedcomp.flower.protocol import DownlinkHeader, DownlinkMode, ReplicaMeta, UpdateStatus, UplinkReport
 
 DL_CODEC = {"id": "3lc", "s": 1.0}
 UL_CODEC = {"id": "sbc", "p": 0.01}
@@ -454,3 +454,25 @@ def test_a_link_of_the_wrong_length_is_not_written() -> None:
         UplinkReport(1, "x", link=(1.0, 2.0)).to_record()  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         UplinkReport(1, "x", link=(1.0, 2.0, 3.0, 4.0)).to_record()  # type: ignore[arg-type]
+
+
+def test_the_unsettled_updates_table_finds_a_node_and_refuses_malformed_rows() -> None:
+    from fedcomp.flower.protocol import MAX_UNSETTLED_ROWS, pack_unsettled, unsettled_record
+
+    rows = [(2**64 - 1, 7, UpdateStatus.REJECTED), (5, 0, UpdateStatus.NONE), (9, 3, UpdateStatus.AGGREGATED)]
+    table = pack_unsettled(rows)
+    assert len(table) == 13 * 3
+    assert unsettled_record(table, 2**64 - 1) == (7, UpdateStatus.REJECTED)
+    assert unsettled_record(table, 5) == (0, UpdateStatus.NONE)
+    assert unsettled_record(table, 9) == (3, UpdateStatus.AGGREGATED)
+    assert unsettled_record(table, 6) is None and unsettled_record(b"", 6) is None
+    assert len(pack_unsettled([(n, 1, UpdateStatus.REJECTED) for n in range(MAX_UNSETTLED_ROWS + 5)])) == 13 * 4096
+    for bad, what in (
+        (table[:-1], "not rows of 13"),
+        (table[:-1] + b"\x03", "malformed row for node 9"),  # status code 3
+        (pack_unsettled([(4, 2, UpdateStatus.NONE)]), "malformed row for node 4"),  # none with a round
+        (pack_unsettled([(4, 0, UpdateStatus.REJECTED)]), "malformed row for node 4"),
+        (b"\x00" * 13 * (MAX_UNSETTLED_ROWS + 1), "more than 4096 rows"),
+    ):
+        with pytest.raises(PayloadError, match=what):
+            unsettled_record(bad, 1)
