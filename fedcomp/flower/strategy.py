@@ -550,6 +550,7 @@ class CompressionStrategy(Strategy):
                     else (server_round, UpdateStatus.REJECTED, _reason(nothing))
                 )
         self._settled = max(self._settled, server_round)
+        self._traffic(server_round).close_selection()  # (the round's replies are all in)
         return arrays, self._with_figures(server_round, metrics, "train")
 
     def _refused_aggregate(self, arrays: ArrayRecord | None) -> str | None:

@@ -78,6 +78,8 @@ class RoundTraffic:
     # "topk"/"deft" uplinks: entries of the compressed tensors that any client sent (the union of
     # the selections) and how many entries those tensors have: the aggregate density.
     _union: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    #: (union entries, entries) of the selections already counted and released (:meth:`close_selection`).
+    _union_counted: tuple[int, int] = (0, 0)
 
     def note_selection(
         self, delta: Mapping[str, SentTerm], min_numel: int, numels: Mapping[str, int] | None = None
@@ -96,13 +98,21 @@ class RoundTraffic:
                 mask = self._union[name] = torch.zeros(numel, dtype=torch.bool)
             mask[sent_positions(t)] = True
 
+    def close_selection(self) -> None:
+        """Count the union and release its masks, once the round's replies are all in: one bool
+        per entry of the compressed tensors, kept with every round's figures, grew the server's
+        memory by about an eighth of the model every round (a 300-round top-k run: 0.43 MB a
+        round for LeNet5-Caffe; a ResNet-50 would keep ~25 MB a round)."""
+        self._union_counted = (self.union_nnz, self.sparse_numel)
+        self._union.clear()
+
     @property
     def union_nnz(self) -> int:
-        return int(sum(int(m.sum()) for m in self._union.values()))
+        return self._union_counted[0] + int(sum(int(m.sum()) for m in self._union.values()))
 
     @property
     def sparse_numel(self) -> int:
-        return int(sum(m.numel() for m in self._union.values()))
+        return self._union_counted[1] + int(sum(m.numel() for m in self._union.values()))
 
     decode_seconds: float = 0.0  # server-side uplink decompression time
     # What each client reported doing (fedcomp.methods.bandwidth): the SBC p and local iterations it used,

@@ -165,6 +165,8 @@ def test_methods_with_their_own_decode_stream_to_the_same_model(uplink: dict[str
     assert unions[0] == unions[1]
     if uplink["uplink-codec"] in ("topk", "deft"):
         assert all(nnz > 0 for nnz, _ in unions[0])
+    # Counted once the round is aggregated, and the masks released (they were kept every round).
+    assert all(not t._union for s in (s_strategy, m_strategy) for t in s.traffic.values())
     if uplink["uplink-codec"] == "gradiveq":
         assert s_strategy.uplink.round_metrics(rounds)["gradiveq_compressed"]  # the compressed domain ran
 

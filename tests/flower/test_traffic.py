@@ -167,6 +167,8 @@ def test_note_selection_keeps_the_union_of_large_tensors() -> None:
     assert (t.union_nnz, t.sparse_numel) == (2, 4)
     t.note_selection(b, min_numel=4)
     assert (t.union_nnz, t.sparse_numel) == (3, 4)
+    t.close_selection()  # counted, the masks released
+    assert (t.union_nnz, t.sparse_numel) == (3, 4) and not t._union
     assert type(t.union_nnz) is int and type(t.sparse_numel) is int
     # Exactly min_numel entries is compressed (the encoder's own rule): counted.
     t2 = RoundTraffic()
