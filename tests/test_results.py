@@ -74,6 +74,31 @@ def test_a_diverged_models_nan_loss_is_recorded_not_a_crash(tmp_path: Path) -> N
     assert out.getvalue().splitlines()[2].split()[:3] == ["0", "0.1000", "nan"]
 
 
+def test_results_json_is_the_whole_record_indented_with_each_round_dumped_once(tmp_path: Path) -> None:
+    """results.json is rewritten every round; each round's entry is dumped once and joined (a full
+    dump every round made a 300-round run 12-20 % slower by its end). The text is what
+    ``json.dumps(indent=2)`` of the whole record gives, from the start, through rounds and a
+    restore, to the finish."""
+    rec = RunRecorder({"lr": 0.1, "name": 'é"'}, tmp_path, "run1", stream=None)
+
+    def written() -> str:
+        return rec.path.read_text()
+
+    assert written() == json.dumps(rec.to_dict(), indent=2) + "\n"  # (no rounds: "rounds": [])
+    for rnd in range(3):
+        rec.add_traffic(rnd, uplink_bytes=10 * rnd, dense_uplink_bytes=400)
+        rec.add_metrics(train_loss=0.7, nested={"a": [1, {"b": None}]}, text="x\ny")
+        rec.end_round(rnd, accuracy=0.5, loss=float(rnd))
+        assert written() == json.dumps(rec.to_dict(), indent=2) + "\n"
+    other = RunRecorder({}, tmp_path, "run2", stream=None)
+    other.restore(rec.rounds, rec.started_at.isoformat())
+    other.end_round(3, accuracy=0.6, loss=0.1)
+    assert other.path.read_text() == json.dumps(other.to_dict(), indent=2) + "\n"
+    assert [r["round"] for r in json.loads(other.path.read_text())["rounds"]] == [0, 1, 2, 3]
+    data = json.loads(rec.finish().read_text())
+    assert data["status"] == "completed" and len(data["rounds"]) == 3
+
+
 def test_timestamped_run_names_do_not_collide(tmp_path: Path) -> None:
     a = RunRecorder({}, tmp_path, stream=None)
     b = RunRecorder({}, tmp_path, stream=None)

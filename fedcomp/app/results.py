@@ -137,6 +137,10 @@ class RunRecorder:
         self._t0 = time.monotonic()
         self._t_round = self._t0
         self._rounds: list[dict[str, Any]] = []
+        #: Each round's entry as it stands in results.json (indented), written once: results.json
+        #: is rewritten every round, and dumping every round again made that quadratic (51 ms a
+        #: write at round 300, a 300-round run 12-20 % slower by its end: soak audit).
+        self._round_texts: list[str] = []
         self._traffic: dict[str, ClientTraffic] = {}
         self._metrics: dict[str, Any] = {}
         self._status = "running"
@@ -155,6 +159,7 @@ class RunRecorder:
         """Continue a run from a checkpoint: its recorded rounds and start time, and the wall clock
         advanced by the time those rounds took, so the resumed run appends to the same results.json."""
         self._rounds = [dict(r) for r in rounds]
+        self._round_texts = [_entry_text(r) for r in self._rounds]
         if started_at:
             self.started_at = _dt.datetime.fromisoformat(started_at)
         wall = rounds[-1].get("wall_time_s", 0.0) if rounds else 0.0
@@ -204,6 +209,7 @@ class RunRecorder:
             **_jsonable(metrics),
         }
         self._rounds.append(entry)
+        self._round_texts.append(_entry_text(entry))
         self._traffic = {}
         self._metrics = {}
         self._t_round = now
@@ -275,9 +281,18 @@ class RunRecorder:
             "rounds": self._rounds,
         }
 
+    def _text(self, finished: bool = False) -> str:
+        """``json.dumps(self.to_dict(finished), indent=2)``, the same text, with the rounds'
+        entries dumped once each (:attr:`_round_texts`)."""
+        head = self.to_dict(finished)
+        del head["rounds"]
+        text = json.dumps(head, indent=2, allow_nan=False)
+        rounds = ",\n".join(self._round_texts)
+        return text[:-2] + (',\n  "rounds": [\n' + rounds + "\n  ]\n}" if rounds else ',\n  "rounds": []\n}')
+
     def _write(self, finished: bool = False) -> None:
         """Atomically replace results.json (readers never see a half-written file)."""
-        data = json.dumps(self.to_dict(finished), indent=2, allow_nan=False)
+        data = self._text(finished)
         fd, tmp = tempfile.mkstemp(dir=self.run_dir, prefix=".results-", suffix=".json")
         try:
             os.fchmod(fd, RESULTS_MODE)  # mkstemp makes it 0600; results are shared with the group
@@ -287,6 +302,11 @@ class RunRecorder:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+
+
+def _entry_text(entry: Mapping[str, Any]) -> str:
+    """One round's entry as ``json.dumps(..., indent=2)`` writes it inside the ``rounds`` list."""
+    return "\n".join("    " + line for line in json.dumps(entry, indent=2, allow_nan=False).split("\n"))
 
 
 def new_run_name(root: str | Path, now: _dt.datetime | None = None) -> str:
