@@ -159,7 +159,9 @@ class CompressionStrategy(Strategy):
         check_integer_arrays(arrays, self.config.min_compress_numel)
         target = tensors_from_record(arrays)
         if self.replica is None:
-            self.replica = ServerReplica(target, self.config.delta_log_size, self.config.min_compress_numel)
+            self.replica = ServerReplica(
+                target, self.config.delta_log_size, self.config.min_compress_numel, self.config.delta_log_models
+            )
         elif self._target is None or any(not torch.equal(target[k], self._target[k]) for k in target):
             t = self._traffic(server_round)
             before = after = distance(target, self.replica.tensors)
@@ -824,6 +826,7 @@ class CompressionStrategy(Strategy):
                                f"{type(self.uplink).__name__}")  # fmt: skip
         if replica is not None:
             replica = ServerReplica.from_state_dict(replica)
+            replica.log_models = self.config.delta_log_models
         self.load_outcome_state(outcomes)
         self._records_from = None if records_from is None else int(records_from)
         self.lineage, self.replica, self._target = lineage, replica, target

@@ -65,6 +65,9 @@ class CompressionConfig(BaseModel):
     #: Most downlink deltas kept for clients that missed rounds; the log is also capped at one
     #: dense model's bytes (a longer chain would cost more than the full model).
     delta_log_size: int = Field(256, ge=0, le=100_000, alias="delta-log-size")
+    #: The lattice downlink's delta log is capped at this many dense models' bytes instead: its
+    #: catch-up is one merged payload, far smaller than the chain's bytes (docs/lattice.md).
+    delta_log_models: float = Field(4.0, ge=1, le=64, alias="delta-log-models")
     #: Most downlink passes per round: after the first delta, the server compresses what is still
     #: missing of ``W - R`` again (each pass is one more delta version, so clients apply a chain
     #: of them), until ``replica-lag-max`` is met. 3LC's max-based scale rounds most of a spiky

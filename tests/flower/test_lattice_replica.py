@@ -152,6 +152,32 @@ def test_the_log_stays_within_one_dense_model_and_older_clients_get_the_full_rep
     assert oldest.nbytes <= dense
 
 
+def test_with_delta_log_models_4_the_log_holds_four_models_and_older_clients_still_get_a_merge() -> None:
+    """The soak audit's case: with the log capped at one model, clients away about 40 rounds got
+    the full model where a merge several times smaller would do. With ``log_models = 4`` a client
+    older than one model's worth of deltas gets one merged payload, smaller than the model."""
+    codec = get_codec({"id": "lattice", "step": 0.5})
+    dense = 4 * sum(t.numel() for t in MODEL.values())
+    one, four = (ServerReplica(MODEL, max_log=10_000, min_numel=0, log_models=m) for m in (1.0, 4.0))
+    for m in _moves(200, scale=0.05):
+        one.advance(m, codec)
+        four.advance(m, codec)
+        assert sum(len(b) for _, b in four._log) <= 4 * dense
+    assert sum(len(b) for _, b in four._log) > 3 * dense  # (filled: the cap binds, not the moves)
+    oldest_one = min(v for v in range(one.version + 1) if one.digest_of(v) is not None)
+    oldest_four = min(v for v in range(four.version + 1) if four.digest_of(v) is not None)
+    assert oldest_four < oldest_one - 20
+    away = oldest_one - 5  # older than the one-model log reaches
+    assert one.downlink_for(away, "any").mode == "full"
+    dl = four.downlink_for(away, four.digest_of(away))
+    assert dl.mode == "chain" and len(dl.payloads) == 1 and dl.nbytes < dense / 2
+    # 3LC deltas keep the one-model cap whatever log_models says: a longer chain is never sent.
+    tlc = ServerReplica(MODEL, max_log=10_000, min_numel=0, log_models=4.0)
+    for m in _moves(120, scale=0.05):
+        tlc.advance(m, get_codec({"id": "3lc"}))
+        assert sum(len(b) for _, b in tlc._log) <= dense
+
+
 def test_sampled_run_replicas_match_and_catch_ups_are_single_payloads() -> None:
     strategy = make_strategy(**LATTICE, **{"seeded-initial-model": True})
     clients = {n: SeededClient(n) for n in range(1, 7)}
@@ -443,3 +469,13 @@ def test_a_client_whose_reply_timed_out_takes_its_last_payload_back_and_applies_
     assert strategy.replica is not None
     held = tensors_from_record(clients[2].ctx.state.array_records[protocol.STATE_REPLICA])
     assert all(torch.equal(held[k], strategy.replica.tensors[k]) for k in held)
+
+
+def test_delta_log_models_reaches_the_replica_and_a_resumed_one() -> None:
+    strategy = make_strategy(**LATTICE, **{"delta-log-models": 2.5})
+    train_round(strategy, {1: Client(1)}, 1, MODEL)
+    assert strategy.replica is not None and strategy.replica.log_models == 2.5
+    resumed = make_strategy(**LATTICE, **{"delta-log-models": 8})
+    resumed.load_state_dict(strategy.state_dict())
+    assert resumed.replica is not None and resumed.replica.log_models == 8  # (config, not state)
+    assert make_strategy(**LATTICE).config.delta_log_models == 4.0
