@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import reprlib
 
 
 class PayloadError(ValueError):
@@ -14,12 +15,30 @@ class PayloadError(ValueError):
     client's update and go on with the others.
     """
 
+    #: Longest reason kept: a reason may quote what a client sent (a name, a value, a field), and
+    #: a hostile client's megabytes were kept whole, in every round's figures, results.json, the
+    #: checkpoint and the log (a red-team audit: results.json grew 12 MB a round).
+    MAX_REASON_CHARS = 1000
+
     def __init__(self, tensor: str, reason: str) -> None:
         self.tensor = tensor
+        if len(reason) > self.MAX_REASON_CHARS:
+            reason = f"{reason[: self.MAX_REASON_CHARS - 40]}... ({len(reason):,} characters)"
         self.reason = reason
         shown = tensor if len(tensor) <= 200 else tensor[:200] + "..."  # (a hostile name may be long)
         where = f"tensor {shown!r}" if tensor else "payload"
         super().__init__(f"{where}: {reason}")
+
+
+_SHOWN = reprlib.Repr()  # (Python 3.11's takes no arguments)
+_SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlist, _SHOWN.maxtuple, _SHOWN.maxdict = 80, 80, 6, 6, 4
+_SHOWN.maxlevel = 2
+
+
+def shown(value: object) -> str:
+    """``repr(value)``, at most about 80 characters, built without the whole repr: for quoting
+    what a client sent (a 300,000-element "weight", a 6 MB tensor name) in an error message."""
+    return _SHOWN.repr(value)
 
 
 class ConfigError(ValueError):

@@ -35,7 +35,7 @@ from typing import Any
 from flwr.app import ConfigRecord
 from flwr.common.constant import ErrorCode as FlowerErrorCode
 
-from fedcomp.errors import PayloadError
+from fedcomp.errors import PayloadError, shown
 from fedcomp.methods.base import extra_key
 
 __all__ = [
@@ -439,7 +439,7 @@ class DownlinkHeader:
             if k in known:
                 continue
             if "." not in k or not isinstance(v, bytes):
-                raise PayloadError("", f"{w}: unexpected field {k!r}")
+                raise PayloadError("", f"{w}: unexpected field {shown(k)}")
             extras[k] = v
         return cls(
             mode=mode,
@@ -540,7 +540,7 @@ class UplinkReport:
             if k in known:
                 continue
             if "." not in k or isinstance(v, bool) or not isinstance(v, int):
-                raise PayloadError("", f"{w}: unexpected field {k!r}")
+                raise PayloadError("", f"{w}: unexpected field {shown(k)}")
             status[k] = v
         replica_version = _get(rec, "replica-version", int, w)
         replica_digest = _get(rec, "replica-digest", str, w)

@@ -27,7 +27,7 @@ from fedcomp.codecs import TensorSpec, scatter_sum
 from fedcomp.codecs.base import Codec
 from fedcomp.codecs.dense import DenseFP32
 from fedcomp.codecs.sbc import SBC
-from fedcomp.errors import PayloadError
+from fedcomp.errors import PayloadError, shown
 from fedcomp.methods.base import SentTerm
 from fedcomp.wire.payloads import DensePayload, EncodedUpdate
 
@@ -73,7 +73,7 @@ def sparse_delta(
     fused = scatter_sum.ScatterSum() if kernel and scatter_sum.available() else None
     for spec, enc in zip(specs, update.tensors, strict=True):
         if enc.name != spec.name:
-            raise PayloadError(spec.name, f"found tensor {enc.name!r} in its place")
+            raise PayloadError(spec.name, f"found tensor {shown(enc.name)} in its place")
         codec = accepted.get(enc.codec_id)
         if codec is None:
             raise PayloadError(spec.name, f"codec {enc.codec_id!r} is not accepted here ({sorted(accepted)})")

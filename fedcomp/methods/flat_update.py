@@ -53,7 +53,7 @@ from fedcomp.codecs.sbc_device import encode_update
 from fedcomp.codecs.scatter_sum import FlatPositions, ScatterSum
 from fedcomp.codecs.scatter_sum import available as scatter_sum_available
 from fedcomp.codecs.threelc import ThreeLC
-from fedcomp.errors import PayloadError
+from fedcomp.errors import PayloadError, shown
 from fedcomp.methods.feedback import ErrorFeedback
 from fedcomp.methods.statistics import sent_dense
 from fedcomp.wire.fast_writer import DeferredDensePayload
@@ -410,7 +410,7 @@ def _decode_on_host(
     try:
         for row, (spec, enc) in enumerate(zip(specs, update.tensors, strict=True)):
             if enc.name != spec.name:
-                raise PayloadError(spec.name, f"found tensor {enc.name!r} in its place")
+                raise PayloadError(spec.name, f"found tensor {shown(enc.name)} in its place")
             codec = per_tensor.get(spec.name) or accepted.get(enc.codec_id)
             if codec is None:
                 raise PayloadError(spec.name, f"codec {enc.codec_id!r} is not accepted here ({sorted(accepted)})")

@@ -27,7 +27,7 @@ import torch
 
 from fedcomp.codecs import Codec, DenseFP32, TensorSpec
 from fedcomp.codecs.gradiveq import GradiVeQ, coefficients_of
-from fedcomp.errors import PayloadError
+from fedcomp.errors import PayloadError, shown
 from fedcomp.methods.base import ClientRound, Decoded, StateStore, UplinkMethod, extra_key
 from fedcomp.methods.gradiveq import Compressor, decompress, fit_compressor
 from fedcomp.methods.statistics import sent_dense
@@ -165,7 +165,7 @@ class GradiVeQUplink(UplinkMethod):
         dense = DenseFP32()
         for spec, enc in zip(specs, update.tensors, strict=True):
             if enc.name != spec.name:
-                raise PayloadError(spec.name, f"found tensor {enc.name!r} in its place")
+                raise PayloadError(spec.name, f"found tensor {shown(enc.name)} in its place")
             if self.compressor.compresses(spec.name):
                 if enc.codec_id != GradiVeQ.codec_id:
                     raise PayloadError(spec.name, f"codec {enc.codec_id!r} where 'gradiveq' was expected")

@@ -19,7 +19,7 @@ from fedcomp.codecs.base import Codec, TensorSpec, check_codec, check_wire_dtype
 from fedcomp.codecs.dense import DenseFP16, DenseFP32, Identity
 from fedcomp.codecs.flat import concrete_device
 from fedcomp.codecs.sbc import run_jobs
-from fedcomp.errors import PayloadError
+from fedcomp.errors import PayloadError, shown
 from fedcomp.methods.dense_device import read_on_device, write_on_device
 from fedcomp.methods.feedback import ErrorFeedback
 from fedcomp.methods.flat_update import decode_on_device, encode_on_device
@@ -348,7 +348,7 @@ def _decode_one(
 ) -> torch.Tensor:
     """One tensor of :func:`decode_update` with ``codec`` (None: not one the receiver accepts)."""
     if enc.name != spec.name:
-        raise PayloadError(spec.name, f"found tensor {enc.name!r} in its place")
+        raise PayloadError(spec.name, f"found tensor {shown(enc.name)} in its place")
     if codec is None:
         raise PayloadError(spec.name, f"codec {enc.codec_id!r} is not accepted here ({accepted})")
     return codec.decode(enc, spec, device) if buffer is None else codec.decode_into(enc, spec, buffer)

@@ -50,7 +50,7 @@ from google.protobuf.descriptor import FieldDescriptor as _FieldDescriptor
 from google.protobuf.message import DecodeError as _PbDecodeError
 
 from fedcomp import _native
-from fedcomp.errors import PayloadError
+from fedcomp.errors import PayloadError, shown
 from fedcomp.v1 import wire_pb2 as pb
 from fedcomp.wire import fast_writer
 from fedcomp.wire.payloads import (
@@ -888,7 +888,7 @@ def _parse_update(
         msg, cut = _parse_tensor(view[start:stop], f"tensor {i}")
         if expected is not None:
             if msg.name != want.name:
-                raise PayloadError(want.name, f"found tensor {msg.name!r} in its place (tensor {i})")
+                raise PayloadError(want.name, f"found tensor {shown(msg.name)} in its place (tensor {i})")
             if tuple(int(d) for d in msg.shape) != tuple(int(d) for d in want.shape):
                 raise PayloadError(want.name, f"shape {list(msg.shape)} where {list(want.shape)} was expected")
         tensors.append(tensor_from_proto(msg, cut))

@@ -616,3 +616,83 @@ def test_when_every_reply_leaves_the_lattice_grid_the_run_ends_naming_lattice_st
     new, _ = train_round(strategy, clients, 1, model)
     again, _ = train_round(strategy, clients, 2, new, nodes=[2], tamper=lambda n, r: _huge_payload(r))
     assert again is None and list(strategy.traffic[2].rejected) == [2]
+
+
+def _long_name(reply: Message) -> Message:
+    def tensors_of(update: Any) -> dict[str, torch.Tensor]:
+        tensors = {t.name: torch.zeros(t.shape) for t in update.tensors}
+        last = list(tensors)[-1]
+        tensors["A" * 2_000_000] = tensors.pop(last)  # a name the parser's size bound lets through
+        return tensors
+
+    return _with_update(reply, tensors_of)
+
+
+def _long_field(reply: Message) -> Message:
+    up = reply.content.config_records[protocol.UPLINK]
+    return _replace_content(reply, **{protocol.UPLINK: ConfigRecord({**dict(up), "x" * 2_000_000: 1})})
+
+
+LONG_QUOTES = {
+    "tensor-name": _long_name,
+    "examples-list": _metrics([0.5] * 300_000),
+    "uplink-field": _long_field,
+}
+
+
+@pytest.mark.parametrize("case", sorted(LONG_QUOTES))
+def test_a_rejection_reason_quoting_what_a_client_sent_stays_short(case: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A reason may quote a client's name, value or field: a hostile client's megabytes were kept
+    whole in every round's figures (then results.json, the checkpoint) and the log, growing them by
+    megabytes a round (red-team audit: results.json 12 MB a round). Reasons are cut now, and the
+    quote is built short."""
+    strategy = make_strategy()
+    clients = {n: Client(n) for n in (1, 2, 3)}
+    with caplog.at_level("WARNING", logger="flwr.fedcomp"):
+        new, _ = train_round(
+            strategy, clients, 1, tiny_model(), tamper=lambda n, r: LONG_QUOTES[case](r) if n == 2 else r
+        )
+    t = strategy.traffic[1]
+    assert new is not None and t.accepted == 2 and list(t.rejected) == [2]
+    assert (
+        len(t.rejected[2]) <= protocol.MAX_REASON_CHARS
+        and len(strategy._last_update[2][2]) <= protocol.MAX_REASON_CHARS
+    )
+    assert len(caplog.text) < 20_000, len(caplog.text)
+
+
+def test_a_client_claiming_an_older_replica_than_it_was_sent_gets_no_merge_of_the_log(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client reporting an old version still in the log, with that version's true digest (every
+    downlink names the current one), made the server merge the whole log for it every round (17 s
+    of CPU a round for a 10M-parameter model, red-team audit). A client holds the version its last
+    message brought it to: any other claim is forgotten, and the full replica (no merge) goes."""
+    from fedcomp.flower.replica import ServerReplica
+
+    strategy = make_strategy(**{"downlink-codec": "lattice"})
+    clients, model = {n: Client(n) for n in (1, 2, 3)}, tiny_model()
+    for rnd in (1, 2, 3):
+        model, _ = train_round(strategy, clients, rnd, model)  # type: ignore[assignment]
+    assert strategy.replica is not None and strategy.replica.version >= 2
+    old = 1
+
+    def lie(node: int, reply: Message) -> Message:
+        if node != 2 or not reply.has_content():
+            return reply
+        up = reply.content.config_records[protocol.UPLINK]
+        assert strategy.replica is not None
+        fields = {"replica_version": old, "replica_digest": strategy.replica.digest_of(old)}
+        return _replace_content(reply, **{protocol.UPLINK: with_fields(up, **fields)})
+
+    model, _ = train_round(strategy, clients, 4, model, tamper=lie)
+    merges: list[int] = []
+    original = ServerReplica._merge_from
+    monkeypatch.setattr(ServerReplica, "_merge_from", lambda self, v: merges.append(v) or original(self, v))
+    model, log = train_round(strategy, clients, 5, model, tamper=lie)
+    assert mode_of(log.downlinks[2]) == "full" and old not in merges  # (the others: one delta each)
+    assert {mode_of(log.downlinks[n]) for n in (1, 3)} == {"chain"}
+    with caplog.at_level("WARNING", logger="flwr.fedcomp"):
+        _, log = train_round(strategy, clients, 6, model)  # it lied again: full again, said once
+    assert mode_of(log.downlinks[2]) == "full"
+    assert "node 2 gets the full model again in round 6" in caplog.text
