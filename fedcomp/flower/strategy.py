@@ -132,9 +132,11 @@ class CompressionStrategy(Strategy):
         # reached the server, and the last train round whose outcomes are final.
         self._last_update: dict[int, tuple[int, UpdateStatus, str]] = {}
         self._settled = 0
-        #: node -> the last train round it was sent, until a downlink tells it that round's outcome
-        #: (a node that restarts under a new id learns it from :meth:`_unsettled_table`).
+        #: node -> the last train round it was sent, until it answers a message that told it that
+        #: round's outcome (a node that restarts under a new id learns it from
+        #: :meth:`_unsettled_table`), and the settled round its evaluate message told (not state).
         self._unsettled: dict[int, int] = {}
+        self._told: dict[int, int] = {}
         self._records_from: int | None = None  # the first round these records cover
         #: This run's identity across restarts (kept in a checkpoint, sent in every config as
         #: ``fedcomp.lineage``): clients key the state they persist by it, so a resumed run finds
@@ -226,10 +228,10 @@ class CompressionStrategy(Strategy):
             if node not in self._nodes and node not in self._last_update and node not in self._unsettled:
                 table = self._unsettled_table() if table is None else table
                 extra = {**extra, UNSETTLED_UPDATES: table} if table else extra
-            if self._unsettled.get(node, server_round + 1) <= self._settled:
-                del self._unsettled[node]  # (this message's outcome settles that round)
-            if train:
+            if train:  # (a row of its last recorded update stays right for what it holds before)
                 self._unsettled[node] = server_round
+            else:  # settled once it answers (a message that never arrives settles nothing)
+                self._told[node] = self._settled
             last_round, status, reason = self._last_update.get(node, (0, UpdateStatus.NONE, ""))
             outcome = UpdateOutcome(server_round, self._settled, last_round, status, reason, self._records_from or 1)
             version, digest = self._known_state(node)
@@ -719,6 +721,9 @@ class CompressionStrategy(Strategy):
         replies = list(replies)
         checked = []
         for msg in replies:
+            node = msg.metadata.src_node_id
+            if msg.has_content() and self._unsettled.get(node, server_round + 1) <= self._told.pop(node, -1):
+                del self._unsettled[node]  # it settled that update before replying
             if _needs_resync_bookkeeping(msg):
                 self._note_node(msg.metadata.src_node_id, self._report_of(msg))
             self._hint_if_no_mod(msg)

@@ -16,6 +16,7 @@ from flwr.app import ConfigRecord, Context, RecordDict
 
 from fedcomp.flower import protocol
 from fedcomp.flower.persist import KEEP, ClientStore, store_for
+from fedcomp.flower.records import record_from_tensors
 from fedcomp.flower.strategy import CompressionStrategy
 from tests.flower.helpers import Client, FixedGrid, make_strategy, server_identity, tiny_model, train_round
 
@@ -299,3 +300,36 @@ def test_a_client_whose_state_cannot_be_written_still_replies(tmp_path: Path) ->
     assert all(not r.has_error() for r in replies)
     arrays, _ = strategy.aggregate_train(1, replies)
     assert arrays is not None and not blocker.is_dir()
+
+
+def test_an_outcome_sent_in_an_evaluate_message_that_never_arrived_still_settles_by_the_old_id(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Node 2's update of round 3 is rejected; the evaluate message of round 3, which would tell
+    it so, never reaches it (its SuperNode went down first), and it comes back as node 12. The
+    server keeps listing node 2 until node 2 answers a message that told it: node 12 finds its
+    row and adds the update back (dropping the row when the message was sent lost it)."""
+    from flwr.app import MetricRecord
+
+    from tests.flower.helpers import FixedGrid
+
+    def reject(node: int, reply: Any) -> Any:
+        if node == 2 and reply.has_content():
+            reply.content[next(iter(reply.content.metric_records))] = MetricRecord({"num-examples": -1})
+        return reply
+
+    strategy = make_strategy(**{"sbc-p": 0.1})
+    clients, model = _partitioned(tmp_path, NODES), tiny_model()
+    for rnd in (1, 2, 3):
+        model, _ = train_round(strategy, clients, rnd, model, tamper=reject if rnd == 3 else None)
+    msgs = list(strategy.configure_evaluate(3, record_from_tensors(model), ConfigRecord({}), FixedGrid([1, 2, 3])))
+    replies = [clients[m.metadata.dst_node_id].handle(m) for m in msgs if m.metadata.dst_node_id != 2]
+    strategy.aggregate_evaluate(3, replies)  # (node 2 never got its message)
+    restarted = {1: clients[1], 12: _partitioned(tmp_path, (1, 12, 3))[12], 3: clients[3]}
+    restarted[12].node = 101
+    with caplog.at_level("WARNING", logger="flwr.fedcomp"):
+        _, log = train_round(strategy, restarted, 4, model, nodes=list(restarted))
+    table = log.downlinks[12][protocol.UNSETTLED_UPDATES]
+    assert protocol.unsettled_record(table, 2) == (3, protocol.UpdateStatus.REJECTED)
+    assert protocol.unsettled_record(table, 1) is None and protocol.unsettled_record(table, 3) is None
+    assert "the update of round 3 was not aggregated (rejected: as node 2)" in caplog.text
