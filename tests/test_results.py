@@ -356,6 +356,58 @@ def test_rounds_without_an_aggregated_update_fail_the_run(
     assert (tmp_path / "stuck" / "results.json").stat().st_mode & 0o777 == 0o644
 
 
+class _OverflowingClientsGrid(_FailingClientsGrid):
+    """Two SuperNodes running the real compression mod whose every update is finite but near
+    float32's largest, with a huge example count: every round's aggregate overflows."""
+
+    def __init__(self) -> None:
+        self.clients: dict[int, Any] = {}
+
+    def send_and_receive(self, messages, *, timeout=None):
+        from fedcomp.flower.sampling import answer_partition_query
+        from tests.flower.helpers import Client
+        from tests.flower.test_hostile_replies import _huge_payload, _replace_content
+
+        out = []
+        for m in messages:
+            client = self.clients.setdefault(m.metadata.dst_node_id, Client(m.metadata.dst_node_id))
+            if m.metadata.message_type.startswith("query."):  # (the app's partition query: none here)
+                out.append(answer_partition_query(m, client.ctx))
+                continue
+            reply = client.handle(m)
+            if reply.has_content() and "fedcomp.uplink" in reply.content.config_records:
+                reply = _replace_content(_huge_payload(reply, 3e38), metrics=MetricRecord({"num-examples": 10**9}))
+            out.append(reply)
+        return out
+
+
+def test_rounds_whose_aggregate_is_refused_count_as_empty(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every reply is accepted, but every round's aggregate is refused (the model stays): those
+    rounds aggregated nothing, and max-empty-rounds ends the run (they counted their accepted
+    replies as aggregated, and such a run would have gone on to its last round; here, the first
+    round's aggregate ended it at the next downlink)."""
+    from fedcomp.app.apps import NoProgressError
+
+    context = _server_context(
+        monkeypatch,
+        {
+            "num-server-rounds": 6,
+            "max-empty-rounds": 2,
+            "results-dir": str(tmp_path),
+            "run-name": "refused",
+            "dataset": "digits",
+            "seeded-initial-model": False,
+        },
+    )  # fmt: skip  (the fake clients cannot build the initial model)
+    with pytest.raises(NoProgressError, match="no client update was aggregated in 2 rounds in a row"):
+        server_main(_OverflowingClientsGrid(), context)
+    rounds = json.loads((tmp_path / "refused" / "results.json").read_text())["rounds"][1:]
+    assert [r["updates_aggregated"] for r in rounds] == [0, 0]
+    # (their mean is finite, but no grid the lattice downlink could set holds it: the next downlink
+    # ended the run before)
+    assert all("leaves the lattice downlink's grid" in r["aggregate_refused"] for r in rounds), rounds
+
+
 def test_errors_at_start_leave_a_failed_results_file(tmp_path: Path) -> None:
     """A bad run config under plain `flwr run .`: the ServerApp still writes results.json
     (status failed, the message naming the key) before the error reaches Flower."""

@@ -311,9 +311,12 @@ def server_main(
         ok, errors = watched.take_round()
         if wrapper is not None:
             t = wrapper.traffic.get(server_round)
-            aggregated = 0 if t is None else t.accepted
+            # (a refused aggregate, not finite or off the lattice grid, aggregated nothing after all)
+            aggregated = 0 if t is None or t.aggregate_refused else t.accepted
             if t is not None:
                 errors.update({str(k): f"update rejected: {v}" for k, v in t.rejected.items()})
+                if t.aggregate_refused:
+                    recorder.add_metrics(aggregate_refused=t.aggregate_refused)
         else:
             aggregated = ok
         recorder.add_metrics(updates_aggregated=aggregated, client_errors=dict(sorted(errors.items())))

@@ -7,16 +7,17 @@ A model past it cannot be sent: the replica's next step raises, and the run ends
 finite reply can carry was let through before, so one client's update of 1e30 (finite, no
 ``max-update-norm`` set) ended a run whose downlink was ``lattice``.
 
-Now each train reply is checked before it is added: ``|W + delta| < (2**24 - 1) * h`` at every
-position it changes, else it is rejected (the round goes on with the others). The bound is
-convex, so a weighted mean of replies that pass it passes it too (FedAvg's, FedMedian's
-coordinate-wise median); a server step of the inner strategy's own (momentum, adaptive moments) may
-still leave it, and :meth:`GridFit.off_grid` tells the wrapper, which then keeps the model as it
-was that round rather than end the run. When the replies of two or more clients in a round all leave the
-grid, it is no one client's doing: the weights are growing past the grid, every later round would lose
-every update, and the wrapper ends the run with a ConfigError naming ``lattice-step`` (what the
-replica's step raised before). The check costs one comparison per reply tensor
-(``max|W| + max|delta|`` against the bound), and a look at the positions only where that fails.
+Now each train reply is checked before it is added: a reply that would take a value of the model
+to ``|W + delta| >= REPLY_SLACK * (2**24 - 1) * h`` at a position it changes is rejected (the round
+goes on with the others). The slack lets an honest outlier through (a client whose running
+variance is a few times everyone else's, on skewed data: the others' replies average it back onto
+the grid), and no honest reply reaches it (the grid holds 4x the largest weight when it is set,
+1024x the largest running statistic). What the replies average to is checked exactly
+(:meth:`GridFit.off_grid`), the inner strategy's own step (momentum, adaptive moments) included:
+a round whose aggregate leaves the grid keeps the model as it was, with an error line, rather than
+end the run (the reference app's ``max-empty-rounds`` ends a run whose rounds keep doing so). The
+check costs one comparison per reply tensor (``max|W| + max|delta|`` against the bound), and a
+look at the positions only where that fails.
 """
 
 from __future__ import annotations
@@ -30,22 +31,25 @@ import torch
 from fedcomp.codecs.lattice import K_LIMIT
 from fedcomp.errors import PayloadError
 
-__all__ = ["GridFit"]
+__all__ = ["REPLY_SLACK", "GridFit"]
+
+#: How far past the grid's bound one reply may take a value before it is rejected by itself.
+REPLY_SLACK = 1024.0
 
 
 class GridFit:
     """One round's check of replies against the lattice ``grid`` (tensor -> exponent) around the
     global model ``model`` the replies are deltas against."""
 
-    def __init__(self, model: Mapping[str, torch.Tensor], grid: Mapping[str, int]) -> None:
+    def __init__(self, model: Mapping[str, torch.Tensor], grid: Mapping[str, int], slack: float = 1.0) -> None:
         self._model = model
+        self.slack = slack
         #: Per tensor, the magnitude a model value must stay under: ``round(x / h)`` of anything
         #: below it is at most ``2**24 - 1`` (and the bound is exact in float32).
         self.limits = {k: (K_LIMIT - 1) * math.ldexp(1.0, e) for k, e in grid.items()}
         self._peaks: dict[str, float] = {}  # max |W| per tensor, when first needed
-        #: The nodes whose replies :meth:`check` rejected this round, and the last reason.
+        #: The nodes whose replies :meth:`check` rejected this round.
         self.rejected: set[int] = set()
-        self.last = ""
 
     def _flat(self, name: str) -> np.ndarray:
         return self._model[name].detach().reshape(-1).to(torch.float64).numpy()
@@ -58,13 +62,15 @@ class GridFit:
         return peak
 
     def check(self, parts: Iterable[tuple[str, np.ndarray | None, np.ndarray | float]], node: int = 0) -> None:
-        """Raise :class:`PayloadError` naming the first tensor where ``W + delta`` leaves the grid;
-        ``parts`` as :meth:`fedcomp.flower.weighted_sum.ReplyDelta.parts` gives them (finite),
-        ``node`` the sender."""
+        """Raise :class:`PayloadError` naming the first tensor where ``W + delta`` reaches
+        ``slack`` times the grid's bound; ``parts`` as
+        :meth:`fedcomp.flower.weighted_sum.ReplyDelta.parts` gives them (finite), ``node`` the
+        sender."""
         for name, positions, values in parts:
-            limit = self.limits.get(name)
-            if limit is None:
+            bound = self.limits.get(name)
+            if bound is None:
                 continue
+            limit = bound * self.slack
             arr = np.asarray(values)
             if not arr.size:
                 continue
@@ -75,11 +81,11 @@ class GridFit:
             reach = float(np.abs((base if positions is None else base[positions]) + arr).max())
             if reach >= limit:
                 self.rejected.add(node)
-                self.last = f"tensor {name!r} to |W| = {reach:.4g}, the grid holds |W| < {limit:.4g}"
+                past = f"{self.slack:g} times past" if self.slack != 1 else "past"
                 raise PayloadError(
                     name,
-                    f"the update takes it to |W| = {reach:.4g}, past the lattice downlink's grid (|W| < "
-                    f"{limit:.4g}, set by the run's first rounds): an update far larger than the others? "
+                    f"the update takes it to |W| = {reach:.4g}, {past} the lattice downlink's grid (|W| < "
+                    f"{bound:.4g}, set by the run's first rounds): an update far larger than the others? "
                     "(max-update-norm bounds them)",
                 )
 

@@ -192,7 +192,12 @@ def _settle_pending(
             out = dataclasses.replace(
                 out, last_update_round=last, last_update_status=status, last_update_reason=why, records_from_round=1
             )
-        aggregated = True if origin is not None and row is None else out.verdict(pending_round, is_train)
+        # No row: aggregated (the server lists every node whose last round was not). A row of a
+        # later update than this one: the client settled this one before it made that one, and
+        # the snapshot it restored is older (``load_before``): counted as aggregated, as the
+        # server's record of it is gone (re-adding an aggregated update would apply it twice).
+        stale = row is not None and row[0] > pending_round
+        aggregated = True if origin is not None and (row is None or stale) else out.verdict(pending_round, is_train)
         if aggregated is None:
             return
         state.pop(protocol.STATE_PENDING_NODE, None)

@@ -58,7 +58,7 @@ from fedcomp.codecs import DenseFP32, get_codec
 from fedcomp.errors import ConfigError, PayloadError, shown
 from fedcomp.flower import protocol
 from fedcomp.flower.downlink_policy import advance_by_policy, advance_passes, candidates_of, distance
-from fedcomp.flower.grid_fit import GridFit
+from fedcomp.flower.grid_fit import REPLY_SLACK, GridFit
 from fedcomp.flower.protocol import (
     UNSETTLED_UPDATES,
     DownlinkHeader,
@@ -74,7 +74,7 @@ from fedcomp.flower.records import (
     record_from_tensors,
     tensors_from_record,
 )
-from fedcomp.flower.replica import ServerReplica
+from fedcomp.flower.replica import ServerReplica, grid_exponents
 from fedcomp.flower.settings import CompressionConfig
 from fedcomp.flower.traffic import RoundTraffic, metric_record
 from fedcomp.flower.weighted_sum import Contribution, WeightedSum, sparse_delta
@@ -237,7 +237,7 @@ class CompressionStrategy(Strategy):
             version, digest = self._known_state(node)
             dl = self.replica.downlink_for(version, digest)
             self._sent_version[node] = dl.version
-            self._note_full(node, dl.mode == "full", server_round)
+            self._note_full(node, dl.mode == "full" and version is None, server_round)  # (not: older than the log)
             header = DownlinkHeader(
                 mode=protocol.DownlinkMode(dl.mode),
                 payloads=dl.payloads,
@@ -266,9 +266,11 @@ class CompressionStrategy(Strategy):
         return out
 
     def _note_full(self, node: int, full: bool, server_round: int) -> None:
-        """Say once a node when it needs the full replica in two messages running: what it reports
-        never matched what it was sent (a client that loses its state, or misreports it: a
-        hostile one gets the dense model every round this way, what dense FedAvg would send it)."""
+        """Say once a node when it needs the full replica in two messages running because the server
+        knows nothing of it: what it reports never matched what it was sent (a client that loses its
+        state, or misreports it: a hostile one gets the dense model every round this way, what dense
+        FedAvg would send it). ``full`` is False for a known node older than the log (sampled
+        rarely: not a fault)."""
         if full and node in self._full_before and node not in self._warned_full:
             self._warned_full.add(node)
             log.warning(
@@ -543,7 +545,7 @@ class CompressionStrategy(Strategy):
         # end with different models. Sorted by content, the aggregate is reproducible.
         ordered = sorted(replies, key=_reply_order)
         grid = self.replica.grid if self.replica is not None else None
-        self._fit = GridFit(self._target, grid) if grid is not None and self._target is not None else None
+        self._fit = GridFit(self._target, grid, REPLY_SLACK) if grid is not None and self._target is not None else None
 
         if self.streaming:
             accepted, arrays, metrics = self._aggregate_streaming(server_round, ordered)
@@ -565,20 +567,14 @@ class CompressionStrategy(Strategy):
         if refused is not None:
             # Flower keeps the model it had when it gets no arrays.
             nothing = f"{refused}; the model stays as it was"
+            self._traffic(server_round).aggregate_refused = nothing
             log.error(
-                "fedcomp: round %s: %s (an update far larger than the others? max-update-norm bounds them)",
+                "fedcomp: round %s: %s (an update far larger than the others? max-update-norm bounds them; "
+                "under the lattice downlink, weights growing past its grid need a larger lattice-step)",
                 server_round,
                 nothing,
             )
             arrays = None
-        elif self._fit is not None and len(self._fit.rejected) >= 2 and not self._traffic(server_round).accepted:
-            # Two or more clients, and none stayed on the grid: the weights are growing past it
-            # (not one client's doing), and every later round would lose every update the same way.
-            raise ConfigError(
-                f"round {server_round}: every update ({len(self._fit.rejected)} clients) would take the model past the lattice "
-                f"downlink's grid, which the run's first rounds set ({self._fit.last}); honest clients growing "
-                "the weights this far need a larger lattice-step (or downlink-codec 3lc)"
-            )
         for msg in accepted:
             if not msg.has_error():
                 self._last_update[msg.metadata.src_node_id] = (
@@ -600,7 +596,16 @@ class CompressionStrategy(Strategy):
         bad = _not_finite(arrays)
         if bad is not None:
             return f"the round's aggregate is not finite (tensor {bad!r})"
-        off = self._fit.off_grid(tensors_from_record(arrays)) if self._fit is not None else None
+        fit = self._fit
+        if fit is None and self.replica is not None and self.config.downlink_codec == "lattice":
+            # No grid yet: the next downlink sets it from this aggregate's movement, and one client's
+            # finite 1e30 made a grid the model did not fit (the run ended at the next downlink).
+            model = tensors_from_record(arrays)
+            first = grid_exponents(
+                model, self.replica.tensors, self.config.lattice_step, self.config.lattice_weight_step
+            )
+            fit = GridFit(model, first)
+        off = fit.off_grid(tensors_from_record(arrays)) if fit is not None else None
         if off is not None:
             return f"the round's aggregate leaves the lattice downlink's grid (tensor {off!r})"
         return None

@@ -60,6 +60,9 @@ class RoundTraffic:
     #: Evaluate replies left out of the inner strategy's aggregation, and why.
     rejected_evaluate: dict[int, str] = field(default_factory=dict)
     accepted: int = 0  # train replies decoded and handed to the inner strategy
+    #: Why the round's aggregate did not become the model (not finite, off the lattice grid; its
+    #: accepted updates were then not aggregated after all), or empty.
+    aggregate_refused: str = ""
     #: Nodes sent a train message that have not replied (once aggregated: those that never did).
     unanswered: set[int] = field(default_factory=set)
     #: Train replies that were errors, and the error's reason.

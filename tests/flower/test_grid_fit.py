@@ -44,6 +44,15 @@ def test_a_step_past_the_grid_is_refused_naming_the_tensor(part: tuple) -> None:
     assert fit.rejected == {0}
 
 
+def test_with_slack_a_reply_is_refused_only_that_many_times_past_the_bound() -> None:
+    fit = GridFit({"w": torch.zeros(4)}, {"w": -20}, slack=4.0)
+    fit.check([("w", None, np.array([3.9 * LIMIT, 0, 0, 0]))])  # (past the bound: the mean may not be)
+    with pytest.raises(PayloadError, match=r"4 times past the lattice downlink's grid"):
+        fit.check([("w", np.array([2]), 4.0 * LIMIT)], node=7)
+    assert fit.rejected == {7}
+    assert fit.off_grid({"w": torch.tensor([LIMIT, 0, 0, 0])}) == "w"  # (the aggregate: exact)
+
+
 def test_a_tensor_off_the_grid_list_is_not_checked_and_off_grid_names_the_first() -> None:
     fit = _fit()
     fit.check([("other", None, np.array([1e30]))])  # (no grid: not the lattice's)

@@ -333,3 +333,37 @@ def test_an_outcome_sent_in_an_evaluate_message_that_never_arrived_still_settles
     assert protocol.unsettled_record(table, 2) == (3, protocol.UpdateStatus.REJECTED)
     assert protocol.unsettled_record(table, 1) is None and protocol.unsettled_record(table, 3) is None
     assert "the update of round 3 was not aggregated (rejected: as node 2)" in caplog.text
+
+
+def test_a_restored_update_older_than_the_old_ids_record_is_not_added_back(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Node 2's update of round 2 is aggregated, its round-3 update rejected; it comes back as node
+    12 and its first message is round 3's evaluate, so it restores its round-2 snapshot (the state
+    before that round's messages), pending the round-2 update. The server's row for node 2 is of
+    round 3: the round-2 update was settled before the client made that one, and it counts as
+    aggregated (it was added back, and applied twice)."""
+    from flwr.app import MetricRecord
+
+    from tests.flower.helpers import FixedGrid
+
+    def reject(node: int, reply: Any) -> Any:
+        if node == 2 and reply.has_content():
+            reply.content[next(iter(reply.content.metric_records))] = MetricRecord({"num-examples": -1})
+        return reply
+
+    strategy = make_strategy(**{"sbc-p": 0.1})
+    clients, model = _partitioned(tmp_path, NODES), tiny_model()
+    for rnd in (1, 2, 3):
+        model, _ = train_round(strategy, clients, rnd, model, tamper=reject if rnd == 3 else None)
+    restarted = _partitioned(tmp_path, (1, 12, 3))[12]
+    restarted.node = 101
+    msgs = list(strategy.configure_evaluate(3, record_from_tensors(model), ConfigRecord({}), FixedGrid([12])))
+    table = msgs[0].content.config_records[protocol.DOWNLINK][protocol.UNSETTLED_UPDATES]
+    assert protocol.unsettled_record(table, 2) == (3, protocol.UpdateStatus.REJECTED)  # type: ignore[arg-type]
+    with caplog.at_level("INFO", logger="flwr.fedcomp"):
+        reply = restarted.handle(msgs[0])
+    assert not reply.has_error()
+    assert "resumed the client state of round 2" in caplog.text
+    assert "goes back into the residual" not in caplog.text
+    assert protocol.STATE_PENDING not in restarted.ctx.state and protocol.STATE_PENDING_NODE not in restarted.ctx.state
