@@ -302,16 +302,10 @@ def test_a_client_whose_state_cannot_be_written_still_replies(tmp_path: Path) ->
     assert arrays is not None and not blocker.is_dir()
 
 
-def test_an_outcome_sent_in_an_evaluate_message_that_never_arrived_still_settles_by_the_old_id(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    """Node 2's update of round 3 is rejected; the evaluate message of round 3, which would tell
-    it so, never reaches it (its SuperNode went down first), and it comes back as node 12. The
-    server keeps listing node 2 until node 2 answers a message that told it: node 12 finds its
-    row and adds the update back (dropping the row when the message was sent lost it)."""
+def _node_2_rejected_in_round_3(tmp_path: Path) -> tuple[CompressionStrategy, dict[int, Client], dict]:
+    """Three rounds of three partitioned clients; node 2's round-3 reply is rejected (a negative
+    example count)."""
     from flwr.app import MetricRecord
-
-    from tests.flower.helpers import FixedGrid
 
     def reject(node: int, reply: Any) -> Any:
         if node == 2 and reply.has_content():
@@ -322,6 +316,19 @@ def test_an_outcome_sent_in_an_evaluate_message_that_never_arrived_still_settles
     clients, model = _partitioned(tmp_path, NODES), tiny_model()
     for rnd in (1, 2, 3):
         model, _ = train_round(strategy, clients, rnd, model, tamper=reject if rnd == 3 else None)
+    return strategy, clients, model
+
+
+def test_an_outcome_sent_in_an_evaluate_message_that_never_arrived_still_settles_by_the_old_id(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Node 2's update of round 3 is rejected; the evaluate message of round 3, which would tell
+    it so, never reaches it (its SuperNode went down first), and it comes back as node 12. The
+    server keeps listing node 2 until node 2 answers a message that told it: node 12 finds its
+    row and adds the update back (dropping the row when the message was sent lost it)."""
+    from tests.flower.helpers import FixedGrid
+
+    strategy, clients, model = _node_2_rejected_in_round_3(tmp_path)
     msgs = list(strategy.configure_evaluate(3, record_from_tensors(model), ConfigRecord({}), FixedGrid([1, 2, 3])))
     replies = [clients[m.metadata.dst_node_id].handle(m) for m in msgs if m.metadata.dst_node_id != 2]
     strategy.aggregate_evaluate(3, replies)  # (node 2 never got its message)
@@ -343,19 +350,9 @@ def test_a_restored_update_older_than_the_old_ids_record_is_not_added_back(
     before that round's messages), pending the round-2 update. The server's row for node 2 is of
     round 3: the round-2 update was settled before the client made that one, and it counts as
     aggregated (it was added back, and applied twice)."""
-    from flwr.app import MetricRecord
-
     from tests.flower.helpers import FixedGrid
 
-    def reject(node: int, reply: Any) -> Any:
-        if node == 2 and reply.has_content():
-            reply.content[next(iter(reply.content.metric_records))] = MetricRecord({"num-examples": -1})
-        return reply
-
-    strategy = make_strategy(**{"sbc-p": 0.1})
-    clients, model = _partitioned(tmp_path, NODES), tiny_model()
-    for rnd in (1, 2, 3):
-        model, _ = train_round(strategy, clients, rnd, model, tamper=reject if rnd == 3 else None)
+    strategy, clients, model = _node_2_rejected_in_round_3(tmp_path)
     restarted = _partitioned(tmp_path, (1, 12, 3))[12]
     restarted.node = 101
     msgs = list(strategy.configure_evaluate(3, record_from_tensors(model), ConfigRecord({}), FixedGrid([12])))
