@@ -334,6 +334,41 @@ def test_a_supernode_killed_mid_run_the_run_goes_on(tmp_path: Path) -> None:
 
 
 @pytest.mark.flower
+@pytest.mark.slow  # real SuperLink + SuperNodes: about 100 s on 2 cores
+def test_a_supernode_restarted_mid_run_comes_back_with_its_state_under_a_new_id(tmp_path: Path) -> None:
+    """``--restart-node 1@2``'s drill: SuperNode 1 is SIGKILLed once round 2 is recorded and started
+    again on its folder. It registers under a new node id; its ClientApp loads the state it saved
+    under the old one, settles its pending update by the server's record of the old id (the
+    unsettled-updates table), and trains again: the run completes, every later round aggregating
+    three updates."""
+    nodes = node_specs(3)
+    ids: list[str] = []
+
+    def restart_after_round_2(dep: LocalDeployment, entry: dict) -> None:
+        if entry["round"] == 2:
+            ids.extend(entry["clients"]["ids"])
+            dep.restart_node(1)
+
+    data = deploy_local(
+        REPO, nodes, {"dataset": "digits", "round-timeout": 30, "run-name": "restart", "local-iters": 2},
+        rounds=4, timeout_s=300, results_dir=tmp_path / "results", work_dir=tmp_path / "work",
+        on_round=restart_after_round_2,
+    )  # fmt: skip
+    assert data["status"] == "completed" and len(ids) == 3
+    r4 = data["rounds"][4]
+    sent = dict(zip(r4["clients"]["ids"], r4["clients"]["uplink_bytes"], strict=True))
+    # (the old id may still be listed online, and sampled: Flower answers for it "Node Unavailable"
+    # once it misses two heartbeats)
+    new = [n for n, b in sent.items() if n not in ids and b > 1000]
+    assert len(new) == 1 and r4["updates_aggregated"] == 3, r4
+    log = (tmp_path / "work" / "node-1" / "supernode.log").read_text()
+    assert f"(now {new[0]}): its replica is rebuilt as a new node's" in log
+    assert "its pending update is settled by the server's record of that node" in log
+    assert "resync" not in log and "goes back into the residual" not in log  # (round 2's was aggregated)
+    _check_clean(data)
+
+
+@pytest.mark.flower
 @pytest.mark.slow  # real SuperLink + SuperNodes: 10 s to 90 s on 2 cores
 def test_unreachable_superlink_fails_fast(tmp_path: Path) -> None:
     (port,) = free_ports(1)  # nothing listens there

@@ -802,6 +802,16 @@ class LocalDeployment:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=10)
 
+    def restart_node(self, index: int) -> None:
+        """SIGKILL SuperNode ``index`` and start it again with its node config and folder (its
+        FLWR_HOME, so its fedcomp client state): a SuperNode that restarts mid-run, which the
+        SuperLink registers under a new node id (without ``auth``: a key keeps its id)."""
+        spec = next(s for s in self.nodes if s.index == index)
+        self.kill_node(index)
+        key = self.tls.nodes[index].private if self.auth and self.tls else None
+        port = SUPERNODE_PORT if self.lab else free_ports(1)[0]
+        self.node_procs[index] = self.spawn_supernode(f"node-{index}", port, spec, private_key=key, index=index)
+
     def stop_session(self, proc: subprocess.Popen[Any], grace_s: float = 5.0) -> list[int]:
         """Stop one process this deployment started and everything in its session (a SuperNode's
         SuperExec and ClientApps), by PID: SIGTERM, then SIGKILL after ``grace_s``. The rest of
@@ -985,11 +995,13 @@ def _cmd_local(args: argparse.Namespace) -> int:
         rounds = {} if args.rounds is None else {"num-server-rounds": args.rounds}
         check(Path(args.app), {**run_config, **rounds})
     kills: dict[int, list[int]] = {}
-    for item in args.kill_node:
-        m = re.fullmatch(r"(\d+)@(\d+)", item)
-        if not m or int(m[1]) >= len(specs):
-            raise ConfigError(f"--kill-node: expected NODE@ROUND with NODE < {len(specs)} (got {item!r})")
-        kills.setdefault(int(m[2]), []).append(int(m[1]))
+    restarts: dict[int, list[int]] = {}
+    for option, items, out in (("--kill-node", args.kill_node, kills), ("--restart-node", args.restart_node, restarts)):
+        for item in items:
+            m = re.fullmatch(r"(\d+)@(\d+)", item)
+            if not m or int(m[1]) >= len(specs):
+                raise ConfigError(f"{option}: expected NODE@ROUND with NODE < {len(specs)} (got {item!r})")
+            out.setdefault(int(m[2]), []).append(int(m[1]))
     for s in specs:
         print(f"{s.name}: {s.node_config_arg()}")
 
@@ -997,6 +1009,11 @@ def _cmd_local(args: argparse.Namespace) -> int:
         for i in kills.get(int(entry["round"]), []):
             print(f"[fedcomp.deploy] round {entry['round']} done: killing SuperNode {i} (SIGKILL)", flush=True)
             dep.kill_node(i)
+        for i in restarts.get(int(entry["round"]), []):
+            print(
+                f"[fedcomp.deploy] round {entry['round']} done: restarting SuperNode {i} (SIGKILL, start)", flush=True
+            )
+            dep.restart_node(i)
 
     data = deploy_local(
         args.app, specs, run_config, rounds=args.rounds, timeout_s=args.timeout, work_dir=args.work_dir,
@@ -1202,6 +1219,14 @@ def main(argv: list[str] | None = None, check_run_config: RunConfigCheck | None 
         default=[],
         metavar="NODE@ROUND",
         help="fault drill: SIGKILL SuperNode NODE once ROUND is recorded",
+    )
+    loc.add_argument(
+        "--restart-node",
+        action="append",
+        default=[],
+        metavar="NODE@ROUND",
+        help="fault drill: SIGKILL SuperNode NODE once ROUND is recorded and start it again (a new node id, "
+        "its saved client state)",
     )
     loc.add_argument("--quiet", "-q", action="store_true", help="don't echo the flwr run output")
     loc.add_argument("--netns", action="store_true", help="real shaped links: network namespaces + veth + tc (root)")
