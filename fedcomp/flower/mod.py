@@ -34,7 +34,15 @@ from fedcomp.flower.clipping import clipping_norm_of
 from fedcomp.flower.downlink_policy import chain_decoders
 from fedcomp.flower.pending import PendingUpdate
 from fedcomp.flower.persist import ClientStore, store_for
-from fedcomp.flower.protocol import DownlinkHeader, DownlinkMode, ErrorCode, ReplicaMeta, UpdateStatus, UplinkReport
+from fedcomp.flower.protocol import (
+    DownlinkHeader,
+    DownlinkMode,
+    ErrorCode,
+    ReplicaMeta,
+    UpdateOutcome,
+    UpdateStatus,
+    UplinkReport,
+)
 from fedcomp.flower.records import (
     digest,
     digest_soon,
@@ -182,22 +190,9 @@ def _settle_pending(
     # message on the 2-core build machine, mostly to be forgotten: the usual verdict).
     try:
         pending_round = PendingUpdate.round_of(rec)
-        out = dl.outcome
         origin = state.config_records.get(protocol.STATE_PENDING_NODE)
-        old_id = origin.get("node-id") if origin is not None else None
-        row = _old_node_row(dl, old_id) if origin is not None else None
-        if row is not None:  # sent under another node id: the server's record of that id says
-            last, status = row
-            why = f"as node {old_id!s}" if status is UpdateStatus.REJECTED else ""
-            out = dataclasses.replace(
-                out, last_update_round=last, last_update_status=status, last_update_reason=why, records_from_round=1
-            )
-        # No row: aggregated (the server lists every node whose last round was not). A row of a
-        # later update than this one: the client settled this one before it made that one, and
-        # the snapshot it restored is older (``load_before``): counted as aggregated, as the
-        # server's record of it is gone (re-adding an aggregated update would apply it twice).
-        stale = row is not None and row[0] > pending_round
-        aggregated = True if origin is not None and (row is None or stale) else out.verdict(pending_round, is_train)
+        out = dl.outcome if origin is None else _old_node_outcome(dl, origin.get("node-id"), pending_round)
+        aggregated = True if out is None else out.verdict(pending_round, is_train)
         if aggregated is None:
             return
         state.pop(protocol.STATE_PENDING_NODE, None)
@@ -212,6 +207,7 @@ def _settle_pending(
         state.pop(protocol.STATE_PENDING_NODE, None)
         return
     if pending is not None:
+        assert out is not None  # (None counts as aggregated)
         clash = [k for k, t in pending.tensors.items() if k in st.residual and st.residual[k].shape != t.shape]
         if clash:
             log.warning("fedcomp: dropping a pending update whose tensors %s do not match the residual", clash[:3])
@@ -230,16 +226,29 @@ def _settle_pending(
     del state[protocol.STATE_PENDING]
 
 
-def _old_node_row(dl: DownlinkHeader, old_id: object) -> tuple[int, UpdateStatus] | None:
-    """The server's record of node ``old_id`` (under which a restored pending update was sent) in
-    the downlink's :data:`~fedcomp.flower.protocol.UNSETTLED_UPDATES` table: its last update's
-    round and status. None when the table does not list it: the server lists every node whose last
-    train round may hold an update that was not aggregated, so an unlisted one was aggregated (and
-    without a table, from a server of an earlier version, it counts as aggregated, as before)."""
+def _old_node_outcome(dl: DownlinkHeader, old_id: object, pending_round: int) -> UpdateOutcome | None:
+    """The outcome the server would have sent node ``old_id``, under which a restored pending update
+    (of ``pending_round``) was sent: ``dl``'s, with that id's row of its
+    :data:`~fedcomp.flower.protocol.UNSETTLED_UPDATES` table. None (counted as aggregated) when the
+    table does not list the id (the server lists every node whose last train round may hold an
+    update that was not aggregated; a server of an earlier version sends no table, and the update
+    counted as aggregated then too), or lists a later update than this one: the client settled
+    this one before it made that one, the snapshot it restored is older (``load_before``), and the
+    server's record of it is gone (re-adding an aggregated update would apply it twice)."""
     table = dl.extras.get(protocol.UNSETTLED_UPDATES)
-    if table is None or not isinstance(old_id, str) or not old_id.isdigit():
+    if dl.outcome is None or table is None or not isinstance(old_id, str) or not old_id.isdigit():
         return None
-    return protocol.unsettled_record(table, int(old_id))
+    row = protocol.unsettled_record(table, int(old_id))
+    if row is None or row[0] > pending_round:
+        return None
+    last, status = row
+    return dataclasses.replace(
+        dl.outcome,
+        last_update_round=last,
+        last_update_status=status,
+        last_update_reason=f"as node {old_id}" if status is UpdateStatus.REJECTED else "",
+        records_from_round=1,
+    )
 
 
 #: Builds the initial model (version 0) on the client, as the server built it from the run's seed.

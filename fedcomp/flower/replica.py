@@ -79,7 +79,7 @@ class ServerReplica:
     _lattice_from: int | None = None
     #: This version's merged lattice catch-ups by the version they start from: clients at the same
     #: old version in one round share one merge (None: a sum too large to merge). Cleared when the
-    #: replica advances; holds at most one dense model's bytes, like the log.
+    #: replica advances; holds at most one dense model's bytes (the log: one, or ``log_models``).
     _merged: tuple[int, dict[int, bytes | None]] | None = None
 
     def __init__(self, initial: dict[str, torch.Tensor], max_log: int, min_numel: int, log_models: float = 1.0) -> None:

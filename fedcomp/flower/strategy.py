@@ -596,16 +596,20 @@ class CompressionStrategy(Strategy):
         bad = _not_finite(arrays)
         if bad is not None:
             return f"the round's aggregate is not finite (tensor {bad!r})"
+        first_grid = self._fit is None and self.replica is not None and self.config.downlink_codec == "lattice"
+        if self._fit is None and not first_grid:
+            return None
+        model = tensors_from_record(arrays)
         fit = self._fit
-        if fit is None and self.replica is not None and self.config.downlink_codec == "lattice":
+        if fit is None:
             # No grid yet: the next downlink sets it from this aggregate's movement, and one client's
             # finite 1e30 made a grid the model did not fit (the run ended at the next downlink).
-            model = tensors_from_record(arrays)
+            assert self.replica is not None
             first = grid_exponents(
                 model, self.replica.tensors, self.config.lattice_step, self.config.lattice_weight_step
             )
             fit = GridFit(model, first)
-        off = fit.off_grid(tensors_from_record(arrays)) if fit is not None else None
+        off = fit.off_grid(model)
         if off is not None:
             return f"the round's aggregate leaves the lattice downlink's grid (tensor {off!r})"
         return None
