@@ -521,13 +521,21 @@ class CompressionStrategy(Strategy):
         self._check_metrics(content)
 
     def _check_metrics(self, content: RecordDict) -> None:
-        """Exactly one MetricRecord, with a weight in (0, max-num-examples] (train and evaluate)."""
+        """Exactly one MetricRecord, within ``max-metrics-bytes``, with a weight in
+        (0, max-num-examples] (train and evaluate)."""
         if len(content.metric_records) != 1:
             raise PayloadError("", f"reply has {len(content.metric_records)} MetricRecords, expected 1")
+        metrics = next(iter(content.metric_records.values()))
+        size = _metrics_size(metrics, self.config.max_metrics_bytes)
+        if size > self.config.max_metrics_bytes:
+            raise PayloadError(
+                "",
+                f"reply's MetricRecord holds over {self.config.max_metrics_bytes} bytes of metrics "
+                f"({len(metrics)} keys; keys' characters + 8 bytes a value), past max-metrics-bytes",
+            )
         key = _through_wrappers(self.strategy, "weighted_by_key")
         if key is None:
             return
-        metrics = next(iter(content.metric_records.values()))
         weight = metrics.get(key)
         if isinstance(weight, bool) or not isinstance(weight, int | float) or not math.isfinite(weight):
             raise PayloadError("", f"reply's {key!r} is missing or not a number ({shown(weight)})")
@@ -922,6 +930,17 @@ def _metric_shape(msg: Message) -> tuple[str, tuple[tuple[str, int], ...]]:
     """A reply's MetricRecord name and its keys with their list lengths (-1: a number)."""
     name, rec = next(iter(msg.content.metric_records.items()))
     return name, tuple(sorted((k, len(v) if isinstance(v, list) else -1) for k, v in rec.items()))
+
+
+def _metrics_size(metrics: MetricRecord, limit: int) -> int:
+    """The size ``max-metrics-bytes`` bounds: each key's characters plus 8 bytes a value (a list's
+    every element); counting stops once past ``limit``, so a huge record costs no more than that."""
+    size = 0
+    for k, v in metrics.items():
+        size += len(k) + 8 * (len(v) if isinstance(v, list) else 1)
+        if size > limit:
+            break
+    return size
 
 
 def _reason(text: str) -> str:

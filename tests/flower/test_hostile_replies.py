@@ -734,3 +734,50 @@ def test_a_known_node_older_than_the_log_gets_the_full_model_without_a_warning(
             modes += [mode_of(log.downlinks[2])] if 2 in log.downlinks else []
     assert modes == ["full", "full"]  # round 3 (new), round 6 (known, older than the log)
     assert "gets the full model again" not in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("metrics", "rejected"),
+    [
+        ({f"m{i:05d}": 1.0 for i in range(20_000)}, True),  # many keys
+        ({"per-class": [0.5] * 10_000}, True),  # one long list
+        ({"k" * 70_000: 1.0}, True),  # one huge key
+        ({"per-class": [0.5] * 1_000, "loss": 0.1}, False),  # a user's honest list metric
+    ],
+    ids=["many-keys", "long-list", "huge-key", "honest-list"],
+)
+def test_a_reply_with_oversized_metrics_is_rejected_train_and_evaluate(metrics: dict[str, Any], rejected: bool) -> None:
+    strategy = make_strategy(**{"uplink-codec": "dense-fp32"})
+    clients = {n: Client(n) for n in (1, 2, 3)}
+
+    def bloat(reply: Message) -> Message:
+        return _replace_content(reply, metrics=MetricRecord({"num-examples": 10, **metrics}))
+
+    new, _ = train_round(strategy, clients, 1, tiny_model(), tamper=lambda n, r: bloat(r) if n == 2 else r)
+    t = strategy.traffic[1]
+    assert new is not None and t.accepted == (2 if rejected else 3)
+    if rejected:
+        assert list(t.rejected) == [2] and "max-metrics-bytes" in t.rejected[2], t.rejected
+    strategy, honest = _evaluate_round()
+    replies = [bloat(r) if n == 2 else r for n, r in honest.items()]
+    assert strategy.aggregate_evaluate(1, replies) is not None
+    assert list(strategy.traffic[1].rejected_evaluate) == ([2] if rejected else [])
+
+
+def test_max_metrics_bytes_is_the_bound() -> None:
+    """At the bound a reply passes; one byte past it, it is rejected."""
+    strategy = make_strategy(**{"uplink-codec": "dense-fp32", "max-metrics-bytes": 100})
+    # "num-examples" (12 + 8) + "x" * 72 (72 + 8) = 100 bytes
+    at = MetricRecord({"num-examples": 10, "x" * 72: 1.0})
+    past = MetricRecord({"num-examples": 10, "x" * 73: 1.0})
+    clients = {n: Client(n) for n in (1, 2, 3)}
+    train_round(
+        strategy,
+        clients,
+        1,
+        tiny_model(),
+        tamper=lambda n, r: (
+            _replace_content(r, metrics=at) if n == 1 else _replace_content(r, metrics=past) if n == 2 else r
+        ),
+    )
+    assert list(strategy.traffic[1].rejected) == [2]

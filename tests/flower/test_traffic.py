@@ -218,15 +218,26 @@ def test_note_client_keeps_the_residual_to_update_ratio() -> None:
 def test_diagnostic_figures_appear_only_when_measured() -> None:
     t = RoundTraffic()
     got = metric_record(t, {1: t})
-    assert not {"fedcomp.replica-lag", "fedcomp.downlink-delivered", "fedcomp.residual-ratio-mean"} & set(got)
+    diagnostics = {
+        "fedcomp.replica-lag",
+        "fedcomp.downlink-delivered",
+        "fedcomp.residual-ratio-mean",
+        "fedcomp.residual-ratio-median",
+    }
+    assert not diagnostics & set(got)
     t.replica_lag, t.downlink_delivered = 0.0, 0.0  # measured zeros are figures
     got = metric_record(t, {1: t})
     assert got["fedcomp.replica-lag"] == 0.0 and got["fedcomp.downlink-delivered"] == 0.0
-    assert "fedcomp.residual-ratio-mean" not in got
+    assert "fedcomp.residual-ratio-mean" not in got and "fedcomp.residual-ratio-median" not in got
     t.replica_lag, t.downlink_delivered = 1.5, 0.75
     t.residual_ratio = {1: 0.25, 2: 0.75, 3: 2.0}
     got = metric_record(t, {1: t})
+    # One client whose update was about 0 makes the mean huge, not the median.
+    assert (
+        metric_record(RoundTraffic(residual_ratio={1: 0.5, 2: 0.7, 3: 1e5}), {})["fedcomp.residual-ratio-median"] == 0.7
+    )
     assert got["fedcomp.replica-lag"] == 1.5
     assert got["fedcomp.downlink-delivered"] == 0.75
     assert got["fedcomp.residual-ratio-mean"] == 1.0
-    assert len(got) == 19
+    assert got["fedcomp.residual-ratio-median"] == 0.75
+    assert len(got) == 20
