@@ -722,7 +722,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     torch.set_num_threads(1)
     logging.getLogger("flwr").setLevel(logging.WARNING)  # Flower's per-round INFO lines
-    if stored_calibration(Task("", None, seed=args.seed)) is None:
+    if not args.cached_only and stored_calibration(Task("", None, seed=args.seed)) is None:
         try:  # one round's compute for the emulated time, measured before any run (seconds of CPU)
             data = load_partition("mnist", 0, 10, scheme="iid", seed=args.seed, data_dir=args.data_dir)
             task0 = Task("", None, seed=args.seed)
@@ -767,6 +767,9 @@ def main(argv: list[str] | None = None) -> int:
         out.append(f"### {title}, {rounds} rounds\n\n{table(results, shown, calibration=calibration)}\n")
         if mode == "sampled" and (stale := stale_table(results)):
             out.append(f"Residuals at use (rounds since the client last sent; norms before use):\n\n{stale}\n")
+    if not groups:  # (--cached-only, nothing cached yet: no table, no plot, docs left alone)
+        print(f"error: nothing cached for {', '.join(names)} here: run without --cached-only", file=sys.stderr)
+        return 1
     text = "\n".join(out)
     print("\n" + text)
     fig = plot(groups, CACHE / "accuracy_vs_bytes.png")

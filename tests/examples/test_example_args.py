@@ -158,3 +158,14 @@ def test_the_examples_modules_say_what_to_run_instead(module: str) -> None:
     proc = _script(module, "--help")
     assert proc.returncode == 1 and proc.stdout == ""
     assert f"{module}.py is a module of the example scripts, not a command: run examples/sbc_table2.py" in proc.stderr
+
+
+def test_compression_gap_cached_only_with_nothing_cached_says_so(example_main, monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """It crashed in matplotlib (a plot of 0 columns) when nothing was cached yet."""
+    module = importlib.import_module("compression_gap")
+    monkeypatch.setattr(module, "CACHE", tmp_path)
+    err = io.StringIO()
+    with redirect_stderr(err):
+        assert module.main(["--cached-only", "--only", "dense,default"]) == 1
+    assert "nothing cached for dense, default here: run without --cached-only" in err.getvalue()
+    assert list(tmp_path.iterdir()) == []
