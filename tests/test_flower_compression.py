@@ -178,6 +178,20 @@ def test_a_huge_update_is_rejected_under_the_lattice_downlink_and_the_run_goes_o
     assert rounds[3]["accuracy"] > rounds[1]["accuracy"], _figures(res)
 
 
+def test_a_client_app_without_the_mod_is_named_in_the_server_log(tmp_path: Path) -> None:
+    """Client 1 of round 1 runs its ClientApp without compression_mod: its train handler finds no
+    'arrays' record and fails. Under Ray the error's reason starts with ~900 characters of Ray's
+    wrapping, which the hint's check (on the reason cut to 500) never saw: the hint must come."""
+    config = {"num-server-rounds": 2, "local-iters": 2, "script": "012|012", "corrupt-uplink": "",
+              "corrupt-replica": "", "no-mod": "1:1"}  # fmt: skip
+    res = _run(tmp_path, "nomod", app=FAULT_APP, clients=3, **config)
+    rounds = {r["round"]: r for r in res["rounds"]}
+    assert [rounds[r]["updates_aggregated"] for r in (1, 2)] == [2, 3]
+    log = (tmp_path / "nomod" / "flwr-run.log").read_text()
+    assert log.count("Does the ClientApp run it? ClientApp(mods=[compression_mod])") == 1, log[-3000:]
+    assert "failed looking for the ArrayRecord 'arrays' (KeyError" in log
+
+
 def test_a_server_app_that_crashes_mid_run_is_recorded_as_failed(tmp_path: Path) -> None:
     """The fault app's script names client 9 of 1 in round 1: its ServerApp raises IndexError
     after round 0 was recorded. results.json must say so; run_simulation must report it."""

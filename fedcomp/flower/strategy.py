@@ -763,8 +763,13 @@ class CompressionStrategy(Strategy):
         if self._hinted_mod or not msg.has_error():
             return
         key = _through_wrappers(self.strategy, "arrayrecord_key") or "arrays"
-        reason = _reason(msg.error.reason or "")
-        if "KeyError" in reason and repr(key) in reason:
+        # Searched before it is cut: under Ray (a simulation) the reason opens with ~900 characters
+        # of Ray's wrapping before the KeyError, past the 500 an outcome keeps. (A bounded search:
+        # the reason is the client's text.)
+        text = (msg.error.reason or "")[:_HINT_SEARCH_CHARS]
+        at = text.find("KeyError")
+        reason = _reason(text[at:])
+        if at >= 0 and repr(key) in text[at:]:
             self._hinted_mod = True
             log.warning(
                 "fedcomp: node %s's ClientApp failed looking for the ArrayRecord %r (%s): the strategy wrapper "
@@ -930,6 +935,10 @@ def _metric_shape(msg: Message) -> tuple[str, tuple[tuple[str, int], ...]]:
     """A reply's MetricRecord name and its keys with their list lengths (-1: a number)."""
     name, rec = next(iter(msg.content.metric_records.items()))
     return name, tuple(sorted((k, len(v) if isinstance(v, list) else -1) for k, v in rec.items()))
+
+
+#: How much of a failed reply's reason :meth:`CompressionStrategy._hint_if_no_mod` searches.
+_HINT_SEARCH_CHARS = 65_536
 
 
 def _metrics_size(metrics: MetricRecord, limit: int) -> int:

@@ -1,6 +1,7 @@
 """ClientApp of the fault-injection test app: the reference client plus a fault mod outside
 fedcomp's compression mod (corrupts the stored replica before it runs, or the uplink after, or
-replaces the uplink by a finite but huge update: what a hostile client can send)."""
+replaces the uplink by a finite but huge update: what a hostile client can send; or skips the
+compression mod, as a ClientApp built without it would)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ def fault_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> M
         arr = replica[name].numpy().copy()
         arr.flat[0] += 1.0  # one silently flipped value: only the digest can tell
         replica[name] = type(replica[name]).from_numpy_ndarray(arr)
+    if config.get("test-no-mod"):
+        return train(msg, context)  # (the model is in fedcomp's downlink record: KeyError 'arrays')
     reply = call_next(msg, context)
     if config.get("test-corrupt-uplink") and reply.has_content() and keys.UPLINK in reply.content.config_records:
         up = reply.content.config_records[keys.UPLINK]

@@ -12,7 +12,7 @@ from flwr.serverapp.strategy import FedAvg
 from fedcomp.app.apps import server_main
 from fedcomp.app.config import AppConfig
 
-EXTRA_KEYS = ("script", "corrupt-uplink", "corrupt-replica", "huge-uplink", "fail-train")
+EXTRA_KEYS = ("script", "corrupt-uplink", "corrupt-replica", "huge-uplink", "no-mod", "fail-train")
 
 
 def _pairs(text: str) -> set[tuple[int, int]]:
@@ -28,6 +28,7 @@ class ScriptedFedAvg(FedAvg):
         self.bad_uplink = _pairs(str(run_config["corrupt-uplink"]))
         self.bad_replica = _pairs(str(run_config["corrupt-replica"]))
         self.huge_uplink = _pairs(str(run_config.get("huge-uplink", "")))
+        self.no_mod = _pairs(str(run_config.get("no-mod", "")))
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -40,6 +41,7 @@ class ScriptedFedAvg(FedAvg):
             cfg["test-corrupt-uplink"] = (server_round, i) in self.bad_uplink
             cfg["test-corrupt-replica"] = (server_round, i) in self.bad_replica
             cfg["test-huge-uplink"] = (server_round, i) in self.huge_uplink
+            cfg["test-no-mod"] = (server_round, i) in self.no_mod
             content = RecordDict({"arrays": arrays, "config": cfg})
             msgs.append(Message(content=content, dst_node_id=nodes[i], message_type=MessageType.TRAIN))
         return msgs
