@@ -125,15 +125,32 @@ def test_cli_rejects_a_bad_node_config_before_starting_anything(
     assert not (tmp_path / "work").exists()  # nothing was started
 
 
+def test_run_config_reads_as_fedcomp_runs_does() -> None:
+    """``deploy local --run-config "uplink-codec=deft"`` was refused (Flower's parser wants strings
+    quoted) while ``python -m fedcomp run`` takes it: both read one syntax now."""
+    from fedcomp.net.deploy import _parse_run_config
+    from fedcomp.net.run_config import parse_run_config
+
+    text = "uplink-codec=deft sbc-p=0.01 dataset='digits' compress=true sbc-p-max=0.2"
+    assert _parse_run_config([text]) == parse_run_config(text)
+    assert _parse_run_config([text])["uplink-codec"] == "deft"
+    assert _parse_run_config(["sbc-p=0.01", "sbc-p=0.02 local-iters=3"]) == {"sbc-p": 0.02, "local-iters": 3}
+    with pytest.raises(ConfigError, match=r"^--node-config: partition-id: no value after '='"):
+        _parse_run_config(["partition-id="], "--node-config")
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         (["--run-config", "sbc-p=2"], "sbc-p: value 2.0 is outside (0.0, 0.5]"),
+        # (an unquoted string is read as fedcomp run reads it: the next key's value is what fails)
+        (["--run-config", "uplink-codec=deft sbc-p=2"], "sbc-p: value 2.0 is outside (0.0, 0.5]"),
         (["--run-config", "sbc-pp=0.01"], "unknown key 'sbc-pp' (did you mean 'sbc-p'?)"),
         (["--run-config", "device='cuda'"], "device: 'cuda' was asked for"),
         (["--rounds", "0"], "--rounds: must be >= 1"),
         (["--auth"], "--auth: SuperNode authentication needs --tls"),
-        (["--run-config", "sbc-p="], "--run-config: cannot read 'sbc-p='"),
+        (["--run-config", "sbc-p="], "--run-config: sbc-p: no value after '='"),
+        (["--run-config", "sbc-p"], "--run-config: run config: cannot read 'sbc-p'"),
     ],
 )
 def test_bad_configuration_exits_2_before_anything_starts(

@@ -77,6 +77,7 @@ from fedcomp.errors import ConfigError
 from fedcomp.net.links import LinkProfile, parse_link_profiles
 from fedcomp.net.netns import SUPERLINK_PORT, SUPERNODE_PORT, NetnsLab, NetnsUnavailable
 from fedcomp.net.reaper import start_reaper
+from fedcomp.net.run_config import parse_run_config
 from fedcomp.net.superlink import (
     TOKEN_ENV,
     FlowerProcessError,
@@ -938,30 +939,26 @@ def deploy_local(
 # --- CLI ---------------------------------------------------------------------------------------
 
 
-#: Flower's key=value pattern (flwr.common.config.parse_config_args): what it does not match, it drops.
-_PAIR = re.compile(r"(\S+?)=(\'[^\']*\'|\"[^\"]*\"|\S+)")
-
-
-def _parse_run_config(items: list[str]) -> dict[str, Any]:
-    """Parse ``--run-config`` as ``flwr run`` does, but refuse what Flower would silently drop
-    (``sbc-p=`` or a bare ``sbc-p`` would otherwise run with the default)."""
-    if not items:
-        return {}
-    from flwr.common.config import parse_config_args
-
+def _parse_run_config(items: list[str], flag: str = "--run-config") -> dict[str, Any]:
+    """Parse ``--run-config`` (or ``--node-config``) items, later ones overriding earlier ones: a
+    ``.toml`` file as ``flwr run`` reads it, any other item as ``python -m fedcomp run`` reads its
+    text (:func:`~fedcomp.net.run_config.parse_run_config`: unquoted words are strings, and what
+    Flower would silently drop, ``sbc-p=`` or a bare ``sbc-p``, is an error naming it)."""
+    out: dict[str, Any] = {}
     for item in items:
         if item.endswith(".toml"):
+            from flwr.common.config import parse_config_args
+
+            try:
+                out.update(parse_config_args([item]))
+            except Exception as err:
+                raise ConfigError(f"{flag}: {getattr(err, 'message', err)}") from None
             continue
-        rest = _PAIR.sub(" ", item).strip()
-        if rest:
-            raise ConfigError(
-                f"--run-config: cannot read {rest.split()[0]!r} in {item!r} (expected key=value pairs, "
-                "strings quoted: key1=123 key2=false key3='text')"
-            )
-    try:
-        return dict(parse_config_args(items))
-    except Exception as err:
-        raise ConfigError(f"--run-config: {getattr(err, 'message', err)}") from None
+        try:
+            out.update(parse_run_config(item))
+        except ConfigError as err:
+            raise ConfigError(f"{flag}: {err}") from None
+    return out
 
 
 def _print_summary(data: dict[str, Any]) -> None:
@@ -1042,7 +1039,7 @@ def _cmd_supernode(args: argparse.Namespace) -> int:
     ):
         if value is not None:
             cfg[key] = value
-    cfg.update(_parse_run_config(args.node_config))
+    cfg.update(_parse_run_config(args.node_config, "--node-config"))
     pid = cfg.get("partition-id")
     spec = NodeSpec(pid if isinstance(pid, int) and not isinstance(pid, bool) else 0, cfg)  # (errors name it)
     _check_node(spec)
