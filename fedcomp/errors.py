@@ -45,6 +45,12 @@ class ConfigError(ValueError):
     """A codec or run configuration is invalid; the message names the bad key."""
 
 
+class NoProgressError(RuntimeError):
+    """``max-empty-rounds`` train rounds in a row, or every round of a shorter run, aggregated no
+    client update: the run fails rather than evaluate the same model again and call it
+    completed."""
+
+
 def check_number(
     key: str, value: object, *, low: float, high: float, low_open: bool = True, high_open: bool = False
 ) -> float:

@@ -652,6 +652,7 @@ class Federation:
             fraction_train=1.0, fraction_evaluate=1.0, min_train_nodes=1, min_evaluate_nodes=1, min_available_nodes=1
         )
         self.strategy = CompressionStrategy(inner, CompressionConfig.from_run_config(dict(run_config or {})))
+        self.strategy.ends_empty_runs = False  # (rounds of only mutated replies are the point here)
         self.model = small_model(seed)
         self.seed = seed
         self.round = 0

@@ -46,7 +46,7 @@ def test_pyproject_defaults_are_valid_and_match_the_model() -> None:
         ({"sbc-pp": 0.01}, "unknown key 'sbc-pp' (did you mean 'sbc-p'?)"),
         ({"compress": "yes"}, "compress: must be true or false (got 'yes')"),
         ({"error-feedback": 1}, "error-feedback: must be true or false (got 1)"),
-        ({"max-empty-rounds": 0}, "max-empty-rounds: must be >= 1"),
+        ({"max-empty-rounds": 0}, "max-empty-rounds: Input should be greater than or equal to 1 (got 0)"),
         ({"resume": "yes"}, "resume: must be true or false (got 'yes')"),
         ({"dp-clipping-norm": -0.1}, "dp-clipping-norm: must be >= 0"),
         ({"dp-noise-multiplier": "inf"}, "dp-noise-multiplier:"),

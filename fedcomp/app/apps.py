@@ -47,7 +47,7 @@ from fedcomp.app.fl import (
 )
 from fedcomp.app.models import model_for, resolve_device, train_local
 from fedcomp.app.results import RESULTS_FILE, RunRecorder, record_failure
-from fedcomp.errors import ConfigError
+from fedcomp.errors import ConfigError, NoProgressError
 from fedcomp.flower import protocol
 from fedcomp.flower.clipping import clipping_norm_of
 from fedcomp.flower.records import digest, not_finite_and_norm, tensors_from_record
@@ -109,12 +109,6 @@ def privacy_spent(strategy: Strategy | None) -> dict[str, Any]:
 
 
 _DP_WRAPPERS = (DifferentialPrivacyClientSideFixedClipping, DifferentialPrivacyServerSideFixedClipping)
-
-
-class NoProgressError(RuntimeError):
-    """``max-empty-rounds`` train rounds in a row, or every round of a shorter run, aggregated no
-    client update: the run fails rather than evaluate the same model again and call it
-    completed."""
 
 
 class _WatchedGrid(MeteredGrid):
@@ -212,6 +206,7 @@ def server_main(
     wrapper: CompressionStrategy | None = None
     if comp.compress:
         strategy = wrapper = CompressionStrategy(strategy, comp)
+        wrapper.ends_empty_runs = False  # (this app ends such runs itself, after recording the round)
     # One seed, the same partitions every round, compressed or not, and the nodes listed in
     # partition order, which is how DEFT ranks its clients: every run, not only sampled ones.
     strategy = sampling = SeededSampling(strategy, cfg.seed)
@@ -274,8 +269,8 @@ def server_main(
         latest["arrays"] = arrays
         # (a run shorter than max-empty-rounds that aggregated nothing at all fails too)
         all_empty = server_round == cfg.num_server_rounds and 0 < server_round <= len(empty_rounds)
-        if len(empty_rounds) >= cfg.max_empty_rounds or all_empty:
-            raise NoProgressError(_no_progress_message(empty_rounds, recorder.rounds, cfg.max_empty_rounds))
+        if len(empty_rounds) >= cfg.compression.max_empty_rounds or all_empty:
+            raise NoProgressError(_no_progress_message(empty_rounds, recorder.rounds, cfg.compression.max_empty_rounds))
         if server_round > 0:
             _save_state(server_round, arrays)
         return metrics

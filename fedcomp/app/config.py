@@ -78,9 +78,6 @@ class AppConfig(BaseModel):
     #: goes on with the replies it has when it runs out, e.g. after a SuperNode died mid-round.
     #: Flower's own default is 3600.
     round_timeout: float = Field(3600.0, alias="round-timeout", gt=0)
-    #: A run that aggregates no client update in this many train rounds in a row fails (status
-    #: "failed", the clients' errors in results.json) instead of evaluating the same model on.
-    max_empty_rounds: int = Field(3, alias="max-empty-rounds", ge=1)
     #: Continue the run in ``results-dir/run-name`` from its ``checkpoint.pt`` (written after every
     #: round) instead of starting over; the rest of the run config must be the checkpointed run's.
     resume: bool = Field(False, alias="resume")

@@ -55,7 +55,7 @@ from flwr.serverapp.strategy import (
 )
 
 from fedcomp.codecs import DenseFP32, get_codec
-from fedcomp.errors import ConfigError, PayloadError, shown
+from fedcomp.errors import ConfigError, NoProgressError, PayloadError, shown
 from fedcomp.flower import protocol
 from fedcomp.flower.downlink_policy import advance_by_policy, advance_passes, candidates_of, distance
 from fedcomp.flower.grid_fit import REPLY_SLACK, GridFit
@@ -154,6 +154,12 @@ class CompressionStrategy(Strategy):
         #: replies (:func:`streams_weighted_mean`). Set False to force the materialising path.
         self.streaming: bool = streams_weighted_mean(strategy)
         self._hinted_mod = False  # (the hint of :meth:`_hint_if_no_mod`, once a run)
+        #: Whether ``max-empty-rounds`` train rounds in a row without an aggregated update raise
+        #: :class:`~fedcomp.errors.NoProgressError` (the run fails instead of completing with the
+        #: model it started from). False where the app ends such runs itself: the reference app
+        #: records the round first.
+        self.ends_empty_runs: bool = True
+        self._empty_rounds: list[int] = []  # the current streak of train rounds that aggregated nothing
         self._hinted_local_iters = False  # (the warning of configure_train, once a run)
         #: The round's check of replies against the lattice downlink's grid (set in
         #: aggregate_train once the grid exists; not state: rebuilt every round).
@@ -592,7 +598,39 @@ class CompressionStrategy(Strategy):
                 )
         self._settled = max(self._settled, server_round)
         self._traffic(server_round).close_selection()  # (the round's replies are all in)
+        self._count_empty(server_round, arrays is None)
         return arrays, self._with_figures(server_round, metrics, "train")
+
+    def _count_empty(self, server_round: int, empty: bool) -> None:
+        """Keep the streak of train rounds that aggregated nothing; at ``max-empty-rounds`` raise
+        :class:`NoProgressError` naming the rounds and why the last one's replies were left out
+        (a run whose every client fails, e.g. ClientApps without the mod, completed before with
+        the model it started from: Flower calls such a run completed)."""
+        if not empty:
+            self._empty_rounds.clear()
+            return
+        if self._empty_rounds and self._empty_rounds[-1] == server_round:
+            return
+        self._empty_rounds.append(server_round)
+        if not self.ends_empty_runs or len(self._empty_rounds) < self.config.max_empty_rounds:
+            return
+        t = self._traffic(server_round)
+        distinct: dict[str, list[int]] = {}
+        for node, why in sorted({**t.failed, **t.rejected}.items()):
+            distinct.setdefault(why, []).append(node)
+        why = "; ".join(f"{len(nodes)} client(s): {text}" for text, nodes in list(distinct.items())[:3])
+        if len(distinct) > 3:
+            why += f"; and {len(distinct) - 3} other reason(s)"
+        if t.aggregate_refused:
+            why = f"{why}; " if why else ""
+            why += t.aggregate_refused
+        if not why:
+            why = f"no client replied ({len(t.unanswered)} train message(s) unanswered)"
+        first, last = self._empty_rounds[0], self._empty_rounds[-1]
+        raise NoProgressError(
+            f"no client update was aggregated in {len(self._empty_rounds)} train rounds in a row "
+            f"(rounds {first}-{last}; max-empty-rounds = {self.config.max_empty_rounds}): {why}"
+        )
 
     def _refused_aggregate(self, arrays: ArrayRecord | None) -> str | None:
         """Why the round's aggregate must not become the model, or None. Every reply was finite,
@@ -864,6 +902,7 @@ class CompressionStrategy(Strategy):
             "not-seeded": set(self._not_seeded),
             "outcomes": self.outcome_state(),
             "records-from": self._records_from,
+            "empty-rounds": list(self._empty_rounds),
             "uplink-method": type(self.uplink).__name__,
             "uplink": self.uplink.state_dict(),
         }
@@ -891,6 +930,10 @@ class CompressionStrategy(Strategy):
             replica.log_models = self.config.delta_log_models
         self.load_outcome_state(outcomes)
         self._records_from = None if records_from is None else int(records_from)
+        try:  # (a checkpoint from before the streak was kept: none)
+            self._empty_rounds = [int(r) for r in state.get("empty-rounds", [])]
+        except (TypeError, ValueError) as exc:
+            raise PayloadError("", f"strategy state: empty-rounds: {type(exc).__name__}: {exc}") from None
         self.lineage, self.replica, self._target = lineage, replica, target
         self._nodes, self._assumed_seeded, self._not_seeded = nodes, assumed, not_seeded
         if replica is not None:

@@ -87,6 +87,11 @@ class CompressionConfig(BaseModel):
     #: aggregated over the replies and end in the server's records: a client alone in its round
     #: with 200,000 keys cost the aggregation 1.7 s, and its keys reached them all.
     max_metrics_bytes: int = Field(65_536, ge=64, alias="max-metrics-bytes")
+    #: A run whose train rounds aggregate no client update this many times in a row fails
+    #: (:class:`~fedcomp.errors.NoProgressError`, naming the clients' errors) instead of going on
+    #: and completing with the model it started from (ClientApps without the mod, a bug in the
+    #: user's training code, every update rejected).
+    max_empty_rounds: int = Field(3, ge=1, alias="max-empty-rounds")
     #: Clients build the initial model (version 0) themselves, as the server did, from the run's
     #: seed (``make_compression_mod(initial_model=...)``): a client's first downlink is then the
     #: chain of deltas since version 0 (nothing in round 1) instead of the full model. A client

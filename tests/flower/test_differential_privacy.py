@@ -219,7 +219,8 @@ def test_fixedclipping_mod_alone_lets_the_residual_through_and_the_server_reject
     norm, and SBC's error feedback still sends more than the norm (the residual of earlier rounds).
     The server, whose noise is calibrated to the norm, rejects each such reply, naming the norm."""
     monkeypatch.setattr(mod_module, "clipping_norm_of", lambda config: None)
-    strategy = CompressionStrategy(_client_dp(), CompressionConfig.from_run_config({"sbc-p": 0.2}))
+    config = {"sbc-p": 0.2, "max-empty-rounds": 100}  # (rounds whose replies are all rejected: the point)
+    strategy = CompressionStrategy(_client_dp(), CompressionConfig.from_run_config(config))
     clients, model, logs = {n: FlowerClippedClient(n) for n in NODES}, tiny_model(), []
     for rnd in range(1, ROUNDS + 1):
         new, log = train_round(strategy, clients, rnd, model)

@@ -124,7 +124,12 @@ def test_max_update_norm_bounds_gradiveqs_update_not_the_model_or_its_coefficien
         strategy = CompressionStrategy(
             FedAvg(**every) if inner == "fedavg" else FedAvgM(**every),
             CompressionConfig.from_run_config(
-                {"uplink-codec": "gradiveq", "gradiveq-dense-rounds": 2, "max-update-norm": bound}
+                {
+                    "uplink-codec": "gradiveq",
+                    "gradiveq-dense-rounds": 2,
+                    "max-update-norm": bound,
+                    "max-empty-rounds": 9,
+                }
             ),
         )
         clients, model = {n: Client(n) for n in (1, 2)}, tiny_model()

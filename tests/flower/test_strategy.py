@@ -436,3 +436,41 @@ def test_a_client_app_without_the_mod_gets_a_hint_in_the_server_log(caplog: pyte
         r for r in caplog.records if "Does the ClientApp run it? ClientApp(mods=[compression_mod])" in r.getMessage()
     ]
     assert len(hints) == 1 and "looking for the ArrayRecord 'arrays'" in hints[0].getMessage()
+
+
+def test_max_empty_rounds_train_rounds_without_an_update_end_the_run() -> None:
+    """Every client failing (here: ClientApps without the mod) completed the run with the model it
+    started from; now ``max-empty-rounds`` such train rounds in a row raise NoProgressError, naming
+    the rounds and the clients' errors. A round that aggregates resets the streak, which a
+    checkpoint keeps."""
+    from flwr.app import ConfigRecord, Error
+
+    from fedcomp.errors import NoProgressError
+
+    strategy, w = make_strategy(**{"max-empty-rounds": 2}), tiny_model()
+    clients = {n: Client(n) for n in (1, 2)}
+
+    def failing_round(rnd: int) -> None:
+        msgs = list(strategy.configure_train(rnd, record_from_tensors(w), ConfigRecord({}), FixedGrid([1, 2])))
+        replies = [Message(Error(code=0, reason="<class 'KeyError'>:<''arrays''>"), reply_to=m) for m in msgs]
+        assert strategy.aggregate_train(rnd, replies)[0] is None
+
+    failing_round(1)
+    new, _ = train_round(strategy, clients, 2, w)  # aggregates: the streak starts again
+    assert new is not None
+    failing_round(3)
+    saved = strategy.state_dict()
+    with pytest.raises(NoProgressError, match=r"in 2 train rounds in a row \(rounds 3-4; max-empty-rounds = 2\): "
+                       r"2 client\(s\): error 0: <class 'KeyError'>"):  # fmt: skip
+        failing_round(4)
+    resumed = make_strategy(**{"max-empty-rounds": 2})
+    resumed.load_state_dict(saved)
+    strategy = resumed
+    with pytest.raises(NoProgressError, match=r"rounds 3-4"):
+        failing_round(4)
+    # An app that ends such runs itself (the reference app, after recording the round) turns it off.
+    quiet = make_strategy(**{"max-empty-rounds": 1})
+    quiet.ends_empty_runs = False
+    strategy = quiet
+    failing_round(1)
+    failing_round(2)
