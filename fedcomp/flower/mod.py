@@ -28,7 +28,7 @@ from flwr.app.message_type import MessageType  # type: ignore[import-not-found]
 from flwr.clientapp.typing import ClientAppCallable, Mod  # type: ignore[import-not-found]
 
 from fedcomp.codecs import Codec, DenseFP32, Lattice, TensorSpec, get_codec
-from fedcomp.errors import ConfigError, PayloadError
+from fedcomp.errors import ConfigError, PayloadError, shown
 from fedcomp.flower import protocol
 from fedcomp.flower.clipping import clipping_norm_of
 from fedcomp.flower.downlink_policy import chain_decoders
@@ -369,10 +369,28 @@ def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable
     return _compression_mod(msg, context, call_next, None)
 
 
+_said_plain = False  # (the line of _say_plain, once a process)
+
+
+def _say_plain(msg: Message) -> None:
+    """Say once a process that a train message went through uncompressed: a mod whose server has
+    no wrapper runs dense FedAvg without a word otherwise (an own-app audit: no fedcomp line at
+    all). The reference app's dense baseline (``compress = false``) says so too, as it should."""
+    global _said_plain
+    if _said_plain or msg.metadata.message_type != MessageType.TRAIN:
+        return
+    _said_plain = True
+    log.info(
+        "fedcomp: a train message without fedcomp's downlink record passes through uncompressed (the "
+        "server's strategy is not wrapped in CompressionStrategy, or its config says compress = false)"
+    )
+
+
 def _compression_mod(
     msg: Message, context: Context, call_next: ClientAppCallable, initial_model: InitialModel | None
 ) -> Message:
     if not msg.has_content() or protocol.DOWNLINK not in msg.content.config_records:
+        _say_plain(msg)
         return call_next(msg, context)
     try:
         dl = DownlinkHeader.from_record(msg.content.config_records[protocol.DOWNLINK])
@@ -513,7 +531,13 @@ def _handle(
         assert codecs is not None
         trained_rec = reply.content.array_records.get(dl.arrays_key)
         if trained_rec is None:
-            raise ConfigError(f"the ClientApp's train reply has no ArrayRecord {dl.arrays_key!r}")
+            found = sorted(reply.content.array_records)
+            raise ConfigError(
+                f"the ClientApp's train reply has no ArrayRecord {dl.arrays_key!r}"
+                + (f" (it has {shown(found)})" if found else " (it has none)")
+                + f": the server's strategy reads the trained model under arrayrecord_key = {dl.arrays_key!r}; "
+                "name the reply's ArrayRecord so, or set that key on the inner strategy (e.g. FedAvg(arrayrecord_key=...))"
+            )
         trained = tensors_from_record(trained_rec, device)
         delta = {k: trained[k] - st.replica[k] for k in st.replica}
         bad, update_norm = not_finite_and_norm(delta)

@@ -326,3 +326,30 @@ def test_a_float16_or_float64_model_trains_and_the_global_model_comes_back_float
             w = w_next
         results.append(w)
     assert all(torch.equal(results[0][k], results[1][k]) for k in results[1])
+
+
+def test_a_plain_train_message_passes_through_and_says_so_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A mod whose server has no wrapper ran dense without a word (an own-app audit)."""
+    from fedcomp.flower import mod as mod_module
+
+    monkeypatch.setattr(mod_module, "_said_plain", False)
+    model = record_from_tensors(tiny_model())
+    seen = []
+
+    def app(msg: Message, ctx: Context) -> Message:
+        seen.append(msg)
+        return Message(RecordDict({"arrays": msg.content.array_records["arrays"]}), reply_to=msg)
+
+    def plain(kind: str) -> Message:
+        return Message(RecordDict({"arrays": model, "config": ConfigRecord({})}), dst_node_id=1, message_type=kind)
+
+    with caplog.at_level("INFO", logger="flwr"):
+        compression_mod(plain(MessageType.QUERY), context(1), app)
+        assert "passes through uncompressed" not in caplog.text  # (a query is no round's traffic)
+        for _ in range(3):
+            reply = compression_mod(plain(MessageType.TRAIN), context(1), app)
+            assert protocol.UPLINK not in reply.content.config_records
+    assert len(seen) == 4 and all(m.content.array_records["arrays"] is model for m in seen)
+    assert caplog.text.count("passes through uncompressed (the server's strategy is not wrapped") == 1

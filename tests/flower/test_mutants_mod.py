@@ -274,7 +274,16 @@ def test_a_train_reply_without_the_model_is_a_configuration_error() -> None:
 
     with pytest.raises(ConfigError) as info:
         compression_mod(_train_msg(strategy), client.ctx, no_model)
-    assert str(info.value) == "the ClientApp's train reply has no ArrayRecord 'arrays'"
+    assert str(info.value).startswith("the ClientApp's train reply has no ArrayRecord 'arrays' (it has none): ")
+
+    def other_name(msg: Message, ctx: Any) -> Message:
+        model = msg.content.array_records["arrays"]
+        return Message(RecordDict({"model": model, METRICS: MetricRecord({"num-examples": 1})}), reply_to=msg)
+
+    with pytest.raises(ConfigError) as info:
+        compression_mod(_train_msg(strategy), client.ctx, other_name)
+    assert str(info.value).startswith("the ClientApp's train reply has no ArrayRecord 'arrays' (it has ['model']): ")
+    assert "arrayrecord_key = 'arrays'" in str(info.value)
 
 
 def test_without_error_feedback_no_residual_is_kept() -> None:
