@@ -498,8 +498,15 @@ def _handle(
     config = msg.content.config_records.get(dl.config_key)
     rnd_value = config.get(protocol.SERVER_ROUND) if config is not None else None
     # Flower's client-side DP wrappers ask every train reply to stay within this norm (checked
-    # here, before training, so a bad value costs no compute).
+    # here, before training, so a bad value costs no compute); what is scaled away is dropped.
     bound = clipping_norm_of(config) if is_train else None
+    # The server's max-update-norm: what is scaled away stays in the residual (error feedback),
+    # so an honest client is never rejected for its norm (it was, round after round, while its
+    # residual grew: an own-app audit saw every client rejected by round 4). Under both, the
+    # smaller bound, with the DP rule (dropped).
+    kept_bound = _max_update_norm(dl) if is_train else None
+    if bound is not None and kept_bound is not None:
+        bound, kept_bound = min(bound, kept_bound), None
     method_state = MethodState(context, method.method_id)
     rnd = ClientRound(
         codec_config=dict(dl.uplink_codec),
@@ -566,24 +573,29 @@ def _handle(
         ) -> tuple[UpdateEncoder, bytes]:
             enc = UpdateEncoder(base_codec, min_numel=dl.min_compress_numel, error_feedback=feedback)
             enc.load_state_dict(residual, device)
-            sent = keep or bound is not None
+            clip = bound if bound is not None else kept_bound
+            sent = keep or clip is not None
             # Kept sparse where it can be (SBC, STC, top-k on a CPU: positions and values; what the
             # pending update is written from), dense where clipping measures it: its norm is then
             # taken as the server takes the decoded update's, so the two agree to the last bit.
             return enc, enc.encode_to_bytes(
-                update, base_model_version=version, codecs=overrides, keep_sent=sent, sparse_sent=bound is None
+                update, base_model_version=version, codecs=overrides, keep_sent=sent, sparse_sent=clip is None
             )
 
         t0 = time.perf_counter()
-        if bound is None:
+        scale, residual_before = 1.0, st.residual
+        if bound is None and kept_bound is None:
             encoder, data = encode(st.residual, delta)
         else:
-            clipped = _encode_clipped(bound, st.residual, delta, encode)
+            clip = bound if bound is not None else kept_bound
+            assert clip is not None
+            clipped = _encode_clipped(clip, st.residual, delta, encode)
             if clipped is None:
+                name = "clipping_norm" if bound is not None else "max-update-norm"
                 return _local_update_rejected(
-                    msg, f"no encoding by {method.method_id!r} kept the update within clipping_norm {bound}"
+                    msg, f"no encoding by {method.method_id!r} kept the update within {name} {clip}"
                 )
-            encoder, data = clipped
+            encoder, data, scale = clipped
         seconds = time.perf_counter() - t0
         if plan is not None and plan.choice is not None:
             _time_codecs(context, base_codec, seconds, delta, dl.min_compress_numel, st.version)
@@ -594,6 +606,10 @@ def _handle(
             # diverged update, rather than a residual poisoned with inf for every later round.
             return _local_update_rejected(msg, f"the encoded update is not finite (tensors {bad}); values too large?")
         st.residual = encoder.state_dict()
+        if kept_bound is not None and scale < 1.0 and feedback:
+            assert encoder.sent is not None
+            st.residual = _kept_remainder(st.residual, residual_before, delta, encoder.sent)
+            residual_norm = not_finite_and_norm(st.residual)[1]
         if keep:
             assert dl.outcome is not None and encoder.sent is not None
             st.pending = PendingUpdate(dl.outcome.round, encoder.sent)
@@ -633,11 +649,11 @@ def _encode_clipped(
     residual: Mapping[str, torch.Tensor],
     update: Mapping[str, torch.Tensor],
     encode: Callable[[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]], tuple[UpdateEncoder, bytes]],
-) -> tuple[UpdateEncoder, bytes] | None:
+) -> tuple[UpdateEncoder, bytes, float] | None:
     """``encode`` of ``update`` with ``residual``; where what the server would decode (the
     encoder's ``sent``) is longer than ``bound``, ``encode`` again of both scaled down to fit, the
-    part scaled away dropped (fedcomp.flower.clipping). None when no encoding fit (the update is
-    then not sent)."""
+    part scaled away dropped (fedcomp.flower.clipping), and the scale; None when no encoding fit
+    (the update is then not sent)."""
     scale, tried = 1.0, []
     for _ in range(_CLIP_TRIES):
         if scale == 1.0:
@@ -648,12 +664,35 @@ def _encode_clipped(
             )
         sent = not_finite_and_norm(encoder.sent or {})[1]
         if sent <= bound or not math.isfinite(sent):  # (not finite: the caller's check says so)
-            return encoder, data
+            return encoder, data, scale
         tried.append((scale, sent))
         scale = _next_scale(tried, bound)
         if not 0.0 < scale < tried[-1][0]:
             break
     return None
+
+
+def _max_update_norm(dl: DownlinkHeader) -> float | None:
+    """The server's ``max-update-norm`` this client keeps within, or None."""
+    return dl.max_update_norm if dl.max_update_norm > 0 else None
+
+
+def _kept_remainder(
+    residual: Mapping[str, torch.Tensor],
+    before: Mapping[str, torch.Tensor],
+    update: Mapping[str, torch.Tensor],
+    sent: Mapping[str, Any],
+) -> dict[str, torch.Tensor]:
+    """The residual after an encoding scaled down to ``max-update-norm``: everything the client
+    had (``before`` + ``update``) less what was sent, as error feedback keeps it when nothing is
+    scaled (the encoder's own residual, ``residual``, holds only the scaled accumulator's)."""
+    out = dict(residual)
+    for name, u in update.items():
+        r = before.get(name)
+        total = u if r is None else r + u
+        s = sent.get(name)
+        out[name] = total - s.to(total.dtype) if isinstance(s, torch.Tensor) else total
+    return out
 
 
 def _next_scale(tried: list[tuple[float, float]], bound: float) -> float:

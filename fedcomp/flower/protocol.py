@@ -342,6 +342,10 @@ def unsettled_record(table: bytes, node: int) -> tuple[int, UpdateStatus] | None
 # --- server -> client ---------------------------------------------------------------------------
 
 
+#: The downlink field of the server's ``max-update-norm`` (absent when it sets none).
+MAX_UPDATE_NORM = "max-update-norm"
+
+
 @dataclass(frozen=True)
 class DownlinkHeader:
     """The downlink record: the replica the client must hold after applying ``payloads``, and
@@ -368,6 +372,10 @@ class DownlinkHeader:
     extras: dict[str, bytes] = field(default_factory=dict)
     #: Protocol 2: the outcome of this node's last update (None: a protocol-1 downlink).
     outcome: UpdateOutcome | None = None
+    #: The server's ``max-update-norm`` (0: none; the field is then absent): an honest client
+    #: sends at most this, keeping the rest in its residual, rather than be rejected round after
+    #: round while its residual grows.
+    max_update_norm: float = 0.0
 
     _FIELDS = (
         "mode",
@@ -413,6 +421,7 @@ class DownlinkHeader:
                 "bandwidth": self.bandwidth,
                 **self.extras,
                 **({"protocol": PROTOCOL_VERSION, **self.outcome.fields()} if self.outcome is not None else {}),
+                **({MAX_UPDATE_NORM: self.max_update_norm} if self.max_update_norm > 0 else {}),
             }
         )
 
@@ -432,7 +441,15 @@ class DownlinkHeader:
         if version is not None and version not in (1, PROTOCOL_VERSION):
             raise PayloadError("", f"{w}: field 'protocol' is {version}; this client speaks 1 and {PROTOCOL_VERSION}")
         # A protocol-1 downlink has no outcome fields: there they are unexpected, as any other.
-        known = (*cls._FIELDS, "protocol", *(UpdateOutcome._FIELDS if version == PROTOCOL_VERSION else ()))
+        known = (
+            *cls._FIELDS,
+            "protocol",
+            MAX_UPDATE_NORM,
+            *(UpdateOutcome._FIELDS if version == PROTOCOL_VERSION else ()),
+        )
+        bound = _opt(rec, MAX_UPDATE_NORM, float, w)
+        if bound is not None and not (math.isfinite(bound) and bound > 0):
+            raise PayloadError("", f"{w}: field {MAX_UPDATE_NORM!r} must be a finite number > 0, got {bound!r}")
         outcome = UpdateOutcome.from_record(rec, w) if version == PROTOCOL_VERSION else None
         extras = {}
         for k, v in rec.items():
@@ -457,6 +474,7 @@ class DownlinkHeader:
             bandwidth=_get(rec, "bandwidth", str, w),
             extras=extras,
             outcome=outcome,
+            max_update_norm=bound or 0.0,
         )
 
 

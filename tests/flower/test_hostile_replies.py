@@ -10,6 +10,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
 
 from fedcomp.codecs import SBC, DenseFP32, TopK
+from fedcomp.flower import mod as mod_module
 from fedcomp.flower import protocol
 from fedcomp.flower.records import record_from_tensors
 from fedcomp.flower.traffic import metric_record
@@ -25,6 +26,13 @@ from tests.flower.helpers import (  # noqa: F401  (server_identity: autouse fixt
     train_round,
     with_fields,
 )
+
+
+@pytest.fixture
+def unclipped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Clients that ignore the server's ``max-update-norm`` (a mod before the field, or a hostile
+    client): what the server's own check is for. The mod keeps honest clients within it."""
+    monkeypatch.setattr(mod_module, "_max_update_norm", lambda dl: None)
 
 
 def _replace_content(reply: Message, **records: Any) -> Message:
@@ -101,6 +109,7 @@ def test_a_hostile_reply_is_rejected_and_the_round_goes_on(case: str) -> None:
     assert mode_of(log.downlinks[2]) == "chain"
 
 
+@pytest.mark.usefixtures("unclipped")
 def test_an_update_over_the_norm_bound_is_rejected() -> None:
     strategy = make_strategy(**{"max-update-norm": 1e-6})
     clients = {n: Client(n) for n in (1, 2)}
@@ -109,6 +118,36 @@ def test_an_update_over_the_norm_bound_is_rejected() -> None:
     assert all("max-update-norm" in why for why in strategy.traffic[1].rejected.values())
 
 
+@pytest.mark.parametrize("uplink", ["sbc", "dense-fp32", "gradiveq"])
+def test_honest_clients_keep_within_max_update_norm_and_are_never_rejected(
+    uplink: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An own-app audit set max-update-norm a little over honest norms: each rejected update went
+    back into the residual, the next was larger, and by round 4 every client was rejected. The
+    downlink now carries the bound; the mod sends at most that (the rest stays in its residual, or
+    is dropped without error feedback, GradiVeQ), so every honest update is aggregated. A client
+    that ignores the bound is still rejected, round after round."""
+    probe = make_strategy(**{"uplink-codec": uplink})
+    train_round(probe, {n: Client(n) for n in (1, 2)}, 1, tiny_model())
+    bound = 0.5 * min(probe.traffic[1].update_norm.values())  # below every honest update
+    for clips in (True, False):
+        if not clips:
+            monkeypatch.setattr(mod_module, "_max_update_norm", lambda dl: None)
+        strategy = make_strategy(**{"uplink-codec": uplink, "max-update-norm": bound, "max-empty-rounds": 9})
+        clients, model = {n: Client(n) for n in (1, 2)}, tiny_model()
+        for rnd in range(1, 5):
+            new, log = train_round(strategy, clients, rnd, model)
+            t = strategy.traffic[rnd]
+            if clips:
+                assert protocol.DownlinkHeader.from_record(log.downlinks[1]).max_update_norm == bound
+                assert t.accepted == 2 and not t.rejected, (rnd, t.rejected)
+                assert all(bound * 0.99 < v <= bound for v in t.update_norm.values()), t.update_norm
+            else:
+                assert t.accepted == 0 and all("exceeds max-update-norm" in w for w in t.rejected.values())
+            model = new if new is not None else model
+
+
+@pytest.mark.usefixtures("unclipped")
 @pytest.mark.parametrize("inner", ["fedavg", "fedavgm"])
 def test_max_update_norm_bounds_gradiveqs_update_not_the_model_or_its_coefficients(inner: str) -> None:
     """GradiVeQ's compressed rounds: with FedAvg the server aggregates coefficients, with FedAvgM
@@ -510,6 +549,7 @@ def test_an_aggregate_that_overflows_leaves_the_model_as_it_was(inner: str, capl
     assert after is not None and all(bool(torch.isfinite(v).all()) for v in after.values())
 
 
+@pytest.mark.usefixtures("unclipped")
 @pytest.mark.parametrize("inner", ["fedavg", "fedmedian"])  # streaming; materialising
 @pytest.mark.parametrize("uplink", ["sbc", "dense-fp32", "deft"])
 def test_the_recorded_update_norms_are_what_max_update_norm_bounds(uplink: str, inner: str) -> None:

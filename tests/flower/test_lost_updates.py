@@ -17,6 +17,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp.strategy import FedAvg
 
 from fedcomp.errors import PayloadError
+from fedcomp.flower import mod as mod_module
 from fedcomp.flower import protocol
 from fedcomp.flower.pending import PendingUpdate
 from fedcomp.flower.protocol import UpdateStatus
@@ -112,7 +113,9 @@ def stale(reply: Message) -> Message:
 
 
 #: round -> (nodes sampled, {node: tamper}, nodes whose reply never arrives). Node 3 trains 1000x
-#: too far in round 7: rejected by the norm bound then, and again in round 8 (it carries it).
+#: too far in round 7: a client that does not keep within the server's norm bound (a mod before
+#: the field) is rejected then, and again in round 8 (it carries it); the mod sends the bound's
+#: worth and keeps the rest in its residual.
 SCHEDULE: dict[int, tuple[tuple[int, ...], dict[int, Any], tuple[int, ...]]] = {
     1: (NODES, {}, ()),
     2: (NODES, {1: truncated}, ()),
@@ -123,7 +126,8 @@ SCHEDULE: dict[int, tuple[tuple[int, ...], dict[int, Any], tuple[int, ...]]] = {
     7: (NODES, {}, ()),
     8: (NODES, {}, ()),
 }
-EXPECTED_REJECTED = {2: {1}, 3: {2}, 6: {2}, 7: {3}, 8: {3}}
+EXPECTED_REJECTED = {2: {1}, 3: {2}, 6: {2}}
+UNCLIPPED_REJECTED = {**EXPECTED_REJECTED, 7: {3}, 8: {3}}
 
 
 def _run(method: str, **run_config: Any) -> tuple[CompressionStrategy, RecordingFedAvg, dict, dict]:
@@ -171,15 +175,24 @@ def _sum(tensors: Iterable[dict[str, torch.Tensor]], like: dict[str, torch.Tenso
     return out
 
 
+@pytest.mark.parametrize("clips", [True, False], ids=["client-keeps-the-bound", "client-ignores-it"])
 @pytest.mark.parametrize("method", ["sbc", "stc", "topk", "deft", "dense-fp32", "dense-fp16", "identity"])
-def test_every_local_update_is_aggregated_or_still_in_the_residual(method: str) -> None:
+def test_every_local_update_is_aggregated_or_still_in_the_residual(
+    method: str, clips: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not clips:
+        monkeypatch.setattr(mod_module, "_max_update_norm", lambda dl: None)
     strategy, inner, clients, models = _run(method)
     # The faults happened as scripted: rejections with their reasons, replies that never came.
     rejected = {r: set(t.rejected) for r, t in strategy.traffic.items() if t.rejected}
-    assert rejected == EXPECTED_REJECTED, {r: t.rejected for r, t in strategy.traffic.items()}
+    expected = EXPECTED_REJECTED if clips else UNCLIPPED_REJECTED
+    assert rejected == expected, {r: t.rejected for r, t in strategy.traffic.items()}
     assert strategy.traffic[2].rejected[1].startswith("payload:")  # the decoder's typed error
     assert "expected" in strategy.traffic[3].rejected[2] and "version" in strategy.traffic[3].rejected[2]
-    assert "max-update-norm" in strategy.traffic[7].rejected[3]
+    if clips:  # node 3 sent the bound's worth in rounds 7 and 8, and was aggregated
+        assert all(BOUND * 0.99 < strategy.traffic[r].update_norm[3] <= BOUND for r in (7, 8))
+    else:
+        assert "max-update-norm" in strategy.traffic[7].rejected[3]
     assert {r: len(t.unanswered) for r, t in strategy.traffic.items() if t.unanswered} == {4: 2, 5: 1}
     for node, client in clients.items():
         assert protocol.STATE_PENDING not in client.ctx.state.config_records, node  # all settled
