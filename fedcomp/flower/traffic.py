@@ -74,8 +74,10 @@ class RoundTraffic:
     #: Diagnostics. ``replica_lag``: ||W - R|| / ||W - W_prev|| after this round's downlink (how
     #: far the model clients train from trails the server's model, in rounds of movement);
     #: ``downlink_delivered``: 1 - ||W - R_after|| / ||W - R_before||, the share of the outstanding
-    #: difference the downlink closed; ``residual_ratio``: each client's ||residual|| / ||update||
-    #: after encoding (what error feedback holds back, relative to what it trained).
+    #: difference the downlink closed (negative when the replica moved away from W: the lattice
+    #: downlink's first advance, from the exact initial model onto its grid, whose step is several
+    #: rounds of movement); ``residual_ratio``: each client's ||residual|| / ||update|| after
+    #: encoding (what error feedback holds back, relative to what it trained).
     replica_lag: float | None = None
     downlink_passes: int = 0  # delta versions made this round (``downlink-passes``)
     downlink_delivered: float | None = None

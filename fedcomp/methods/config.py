@@ -268,7 +268,11 @@ class CompressionConfig(BaseModel):
         except ValidationError as exc:
             raise ConfigError(format_validation_error(exc)) from None
         if not keys & set(run_config):
-            log.info("fedcomp: the run config sets no compression keys; defaults: %s", config.describe())
+            # (the settings themselves are the wrapper's start-up line)
+            log.info(
+                "fedcomp: the run config sets no compression keys: fedcomp's defaults apply (a key your "
+                "app's [tool.flwr.app.config] declares can be set with --run-config)"
+            )
         return config
 
     def describe(self) -> str:
@@ -276,9 +280,16 @@ class CompressionConfig(BaseModel):
         from fedcomp.methods.registry import DOWNLINKS, UPLINKS
 
         up, down = UPLINKS[self.uplink_codec], DOWNLINKS[self.downlink_codec]
+        # (the codecs' configs above are round 1's: a schedule says what follows)
+        schedules = [
+            f"{key} {schedule}"
+            for key, schedule in (("sbc-p", self.sbc_p), ("3lc-s", self.threelc_s), ("topk-density", self.topk_density))
+            if schedule.kind != "constant"
+        ]
         return (
             f"uplink {up.summary(self)}, downlink {down.summary(self)}, local iterations {self.local_iters}, "
             f"error feedback {self.error_feedback}, tensors under {self.min_compress_numel} values dense"
+            + (f"; schedules (round 1's values above): {', '.join(schedules)}" if schedules else "")
         )
 
     def uplink_codec_at(self, server_round: int) -> Codec:

@@ -65,7 +65,8 @@ def test_the_two_copies_differ_only_by_the_two_compression_lines() -> None:
             "+ app = ClientApp(mods=[compression_mod])",
         ],
         "mnistquick/server_app.py": [
-            "+ from fedcomp.flower.strategy import CompressionConfig, CompressionStrategy",
+            "+ from fedcomp.flower.settings import CompressionConfig",
+            "+ from fedcomp.flower.strategy import CompressionStrategy",
             "-     strategy = FedAvg(fraction_evaluate=fraction_evaluate)",
             "+     strategy = CompressionStrategy(FedAvg(fraction_evaluate=fraction_evaluate), "
             "CompressionConfig.from_run_config(rc))",
@@ -81,6 +82,10 @@ def test_the_two_pyprojects_differ_only_by_compression_keys() -> None:
     assert not compression_keys & set(configs[0]), "the plain app must not carry compression keys"
     own = {k: v for k, v in configs[1].items() if k not in compression_keys}
     assert own == configs[0]
+    # The compressed app declares the fedcomp keys it lets --run-config set, at fedcomp's defaults
+    # (declaring a key must not change the run).
+    declared = {k: v for k, v in configs[1].items() if k in compression_keys}
+    assert declared and CompressionConfig.from_run_config(declared) == CompressionConfig()
 
 
 # --- arguments -----------------------------------------------------------------------------------

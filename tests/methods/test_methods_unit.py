@@ -328,8 +328,10 @@ def test_describe_is_one_line_with_the_settings() -> None:
     c = _config(**{"sbc-p": "list:0.1,0.2", "local-iters": 5, "3lc-s": 1.5, "error-feedback": False})
     assert c.describe() == (
         "uplink sbc {'id': 'sbc', 'p': 0.1, 'mode': 'fast'}, downlink 3lc {'id': '3lc', 's': 1.5, 'zero_run': True}, "
-        "local iterations 5, error feedback False, tensors under 1000 values dense"
+        "local iterations 5, error feedback False, tensors under 1000 values dense; "
+        "schedules (round 1's values above): sbc-p list:0.1,0.2"
     )
+    assert "schedules" not in _config(**{"sbc-p": 0.1}).describe()
 
 
 def test_defaults_are_logged_when_the_run_config_sets_no_compression_key(caplog: pytest.LogCaptureFixture) -> None:
@@ -337,7 +339,10 @@ def test_defaults_are_logged_when_the_run_config_sets_no_compression_key(caplog:
         c = CompressionConfig.from_run_config({"lr": 0.1})
     assert c == CompressionConfig()
     msgs = [r.getMessage() for r in caplog.records]
-    assert msgs == [f"fedcomp: the run config sets no compression keys; defaults: {c.describe()}"]
+    assert msgs == [
+        "fedcomp: the run config sets no compression keys: fedcomp's defaults apply (a key your app's "
+        "[tool.flwr.app.config] declares can be set with --run-config)"
+    ]
     caplog.clear()
     with caplog.at_level(logging.INFO):
         CompressionConfig.from_run_config({"sbc-p": 0.02})

@@ -9,7 +9,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 
-from fedcomp.flower.strategy import CompressionConfig, CompressionStrategy
+from fedcomp.flower.settings import CompressionConfig
+from fedcomp.flower.strategy import CompressionStrategy
 from mnistquick.task import Net, load_centralized_dataset, test
 
 # Create ServerApp
