@@ -23,8 +23,9 @@ def check_app_run_config(app_dir: Path, overrides: dict[str, Any]) -> None:
     """Raise :class:`ConfigError` (naming the key) for a run config the fedcomp app would refuse.
 
     The config is what Flower hands the ServerApp: the app's ``[tool.flwr.app.config]`` defaults
-    updated with ``overrides``. Devices are checked too (``device``/``client-device = 'cuda'`` on a
-    machine without CUDA): in ``deploy local`` every process runs on this machine. An app whose
+    updated with ``overrides``. Devices and the dataset's files are checked too (``device`` /
+    ``client-device = 'cuda'`` on a machine without CUDA; ``dataset = 'mnist'`` without its
+    files): in ``deploy local`` every process runs on this machine. An app whose
     defaults are not all fedcomp keys is another app: it is left to validate itself.
     """
     from fedcomp.app.config import AppConfig  # the app layer: torch-free, but only needed here
@@ -40,6 +41,12 @@ def check_app_run_config(app_dir: Path, overrides: dict[str, Any]) -> None:
         return
     config = AppConfig.from_run_config({**defaults, **overrides})
     config.check_devices(("device", "client-device"))
+    from fedcomp.app.data import DataError, check_dataset_files
+
+    try:  # (else the ServerApp fails on it once the deployment is up, 17 s later, exit 1)
+        check_dataset_files(config.dataset, config.resolved_data_dir())
+    except DataError as exc:
+        raise ConfigError(f"dataset: {exc}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -125,6 +125,20 @@ def test_cli_rejects_a_bad_node_config_before_starting_anything(
     assert not (tmp_path / "work").exists()  # nothing was started
 
 
+def test_missing_data_exits_2_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It started the SuperLink and SuperNodes, and the ServerApp failed 17 s later (exit 1)."""
+    from fedcomp.deploy import main as deploy_main
+
+    monkeypatch.setenv("FEDCOMP_DATA_DIR", str(tmp_path / "empty"))
+    code = deploy_main(["local", "--nodes", "2", "--work-dir", str(tmp_path / "work"),
+                        "--results-dir", str(tmp_path / "results"), "--run-config", "dataset='mnist'"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("CONFIG ERROR: dataset: "), err
+    assert not (tmp_path / "work").exists() and not (tmp_path / "results").exists()
+
+
 def test_run_config_reads_as_fedcomp_runs_does() -> None:
     """``deploy local --run-config "uplink-codec=deft"`` was refused (Flower's parser wants strings
     quoted) while ``python -m fedcomp run`` takes it: both read one syntax now."""
