@@ -568,12 +568,13 @@ def _handle(
         keep = dl.outcome is not None and method.client_keeps_sent(feedback)
         version = st.version
 
+        clip = bound if bound is not None else kept_bound  # (the norm the reply must keep within)
+
         def encode(
             residual: Mapping[str, torch.Tensor], update: Mapping[str, torch.Tensor]
         ) -> tuple[UpdateEncoder, bytes]:
             enc = UpdateEncoder(base_codec, min_numel=dl.min_compress_numel, error_feedback=feedback)
             enc.load_state_dict(residual, device)
-            clip = bound if bound is not None else kept_bound
             sent = keep or clip is not None
             # Kept sparse where it can be (SBC, STC, top-k on a CPU: positions and values; what the
             # pending update is written from), dense where clipping measures it: its norm is then
@@ -584,11 +585,9 @@ def _handle(
 
         t0 = time.perf_counter()
         scale, residual_before = 1.0, st.residual
-        if bound is None and kept_bound is None:
+        if clip is None:
             encoder, data = encode(st.residual, delta)
         else:
-            clip = bound if bound is not None else kept_bound
-            assert clip is not None
             clipped = _encode_clipped(clip, st.residual, delta, encode)
             if clipped is None:
                 name = "clipping_norm" if bound is not None else "max-update-norm"
