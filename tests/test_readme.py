@@ -113,3 +113,16 @@ def test_the_library_example_runs_as_written() -> None:
     assert isinstance(decoded, dict) and decoded.keys() == update.keys()  # type: ignore[attr-defined]
     assert 0 < int((decoded["weight"] != 0).sum()) <= 2 * 78  # SBC kept about 1 % of 7,840 (one side)
     assert torch.equal(decoded["bias"], update["bias"])  # type: ignore[index]
+
+
+def test_the_own_app_example_runs_as_written() -> None:
+    """The first block of "Library use", copied and pasted: it used a `context` it never had."""
+    section = README.read_text().split("## Library use: compression in your own Flower app", 1)[1]
+    block = re.findall(r"```python\n(.*?)```", section, flags=re.S)[0]
+    names: dict[str, object] = {}
+    exec(compile(block, "README.md (Library use)", "exec"), names)
+    from flwr.clientapp import ClientApp
+    from flwr.serverapp import ServerApp
+
+    assert isinstance(names["app"], ClientApp) and isinstance(names["server"], ServerApp)
+    assert "context" not in names and callable(names["main"])
