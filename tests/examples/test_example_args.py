@@ -162,10 +162,17 @@ def test_the_examples_modules_say_what_to_run_instead(module: str) -> None:
 
 def test_compression_gap_cached_only_with_nothing_cached_says_so(example_main, monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """It crashed in matplotlib (a plot of 0 columns) when nothing was cached yet."""
+    import logging
+
     module = importlib.import_module("compression_gap")
     monkeypatch.setattr(module, "CACHE", tmp_path)
     err = io.StringIO()
-    with redirect_stderr(err):
-        assert module.main(["--cached-only", "--only", "dense,default"]) == 1
+    flwr_log = logging.getLogger("flwr")
+    level = flwr_log.level
+    try:  # (main quiets Flower's logger for its runs: later tests in this process read its INFO lines)
+        with redirect_stderr(err):
+            assert module.main(["--cached-only", "--only", "dense,default"]) == 1
+    finally:
+        flwr_log.setLevel(level)
     assert "nothing cached for dense, default here: run without --cached-only" in err.getvalue()
     assert list(tmp_path.iterdir()) == []
