@@ -104,12 +104,7 @@ def validate(app_dir: Path, overrides: Mapping[str, Any], check_devices: bool = 
     cfg = AppConfig.from_run_config({**defaults, **overrides}, ignore=extra)
     if check_devices:
         cfg.check_devices()  # a local simulation: the clients run on this machine too
-        from fedcomp.app.data import DataError, check_dataset_files
-
-        try:  # (else each client fails on it once the simulation is up, 40 s later)
-            check_dataset_files(cfg.dataset, cfg.resolved_data_dir())
-        except DataError as exc:
-            raise ConfigError(f"dataset: {exc}") from None
+        cfg.check_dataset()  # (else each client fails on it once the simulation is up, 40 s later)
     return cfg
 
 

@@ -41,12 +41,7 @@ def check_app_run_config(app_dir: Path, overrides: dict[str, Any]) -> None:
         return
     config = AppConfig.from_run_config({**defaults, **overrides})
     config.check_devices(("device", "client-device"))
-    from fedcomp.app.data import DataError, check_dataset_files
-
-    try:  # (else the ServerApp fails on it once the deployment is up, 17 s later, exit 1)
-        check_dataset_files(config.dataset, config.resolved_data_dir())
-    except DataError as exc:
-        raise ConfigError(f"dataset: {exc}") from None
+    config.check_dataset()  # (else the ServerApp fails on it once the deployment is up, 17 s later)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -53,6 +53,7 @@ from fedcomp.flower.clipping import clipping_norm_of
 from fedcomp.flower.records import digest, not_finite_and_norm, tensors_from_record
 from fedcomp.flower.sampling import SeededSampling
 from fedcomp.flower.strategy import CompressionStrategy
+from fedcomp.flower.traffic import by_reason
 
 log = logging.getLogger("flwr").getChild("fedcomp")
 
@@ -436,10 +437,7 @@ def _no_progress_message(empty_rounds: list[int], rounds: list[dict[str, Any]], 
     ``limit``: max-empty-rounds (a run that ended sooner, every round empty, names its rounds)."""
     last: dict[str, Any] = next((r for r in reversed(rounds) if r["round"] == empty_rounds[-1]), {})
     errors = last.get("client_errors") or {}
-    distinct: dict[str, list[str]] = {}
-    for node, text in errors.items():
-        distinct.setdefault(text, []).append(node)
-    why = "; ".join(f"{len(nodes)} client(s): {text}" for text, nodes in distinct.items())
+    why = by_reason(errors)
     which = (
         f"max-empty-rounds = {limit}"
         if len(empty_rounds) >= limit

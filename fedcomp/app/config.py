@@ -150,6 +150,17 @@ class AppConfig(BaseModel):
             why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA device is visible"
             raise ConfigError(f"{asked[0]}: 'cuda' was asked for but {why} (use 'cpu' or 'auto')")
 
+    def check_dataset(self) -> None:
+        """Raise :class:`ConfigError` naming ``dataset`` when its files are not where the config
+        says (a command that starts processes on this machine checks it first: else each of them
+        fails on it once it is up)."""
+        from fedcomp.app.data import DataError, check_dataset_files  # (torch: only when asked)
+
+        try:
+            check_dataset_files(self.dataset, self.resolved_data_dir())
+        except DataError as exc:
+            raise ConfigError(f"dataset: {exc}") from None
+
     def to_run_config(self) -> dict[str, Any]:
         """The kebab-case dict this config came from (what results.json records)."""
         return {**self.model_dump(by_alias=True, exclude={"compression"}), **self.compression.to_run_config()}

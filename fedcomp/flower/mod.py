@@ -606,8 +606,12 @@ def _handle(
             return _local_update_rejected(msg, f"the encoded update is not finite (tensors {bad}); values too large?")
         st.residual = encoder.state_dict()
         if kept_bound is not None and scale < 1.0 and feedback:
-            assert encoder.sent is not None
-            st.residual = _kept_remainder(st.residual, residual_before, delta, encoder.sent)
+            # What was scaled away goes back into the residual, as an update that was not
+            # aggregated does (the method's client_recover).
+            away = {
+                k: (1.0 - scale) * (u if k not in residual_before else residual_before[k] + u) for k, u in delta.items()
+            }
+            st.residual = method.client_recover(away, st.residual)
             residual_norm = not_finite_and_norm(st.residual)[1]
         if keep:
             assert dl.outcome is not None and encoder.sent is not None
@@ -674,24 +678,6 @@ def _encode_clipped(
 def _max_update_norm(dl: DownlinkHeader) -> float | None:
     """The server's ``max-update-norm`` this client keeps within, or None."""
     return dl.max_update_norm if dl.max_update_norm > 0 else None
-
-
-def _kept_remainder(
-    residual: Mapping[str, torch.Tensor],
-    before: Mapping[str, torch.Tensor],
-    update: Mapping[str, torch.Tensor],
-    sent: Mapping[str, Any],
-) -> dict[str, torch.Tensor]:
-    """The residual after an encoding scaled down to ``max-update-norm``: everything the client
-    had (``before`` + ``update``) less what was sent, as error feedback keeps it when nothing is
-    scaled (the encoder's own residual, ``residual``, holds only the scaled accumulator's)."""
-    out = dict(residual)
-    for name, u in update.items():
-        r = before.get(name)
-        total = u if r is None else r + u
-        s = sent.get(name)
-        out[name] = total - s.to(total.dtype) if isinstance(s, torch.Tensor) else total
-    return out
 
 
 def _next_scale(tried: list[tuple[float, float]], bound: float) -> float:

@@ -76,7 +76,7 @@ from fedcomp.flower.records import (
 )
 from fedcomp.flower.replica import ServerReplica, grid_exponents
 from fedcomp.flower.settings import CompressionConfig
-from fedcomp.flower.traffic import RoundTraffic, metric_record
+from fedcomp.flower.traffic import RoundTraffic, by_reason, metric_record
 from fedcomp.flower.weighted_sum import Contribution, WeightedSum, sparse_delta
 from fedcomp.methods.base import UplinkMethod
 from fedcomp.methods.registry import get_downlink, get_uplink
@@ -618,12 +618,7 @@ class CompressionStrategy(Strategy):
         if not self.ends_empty_runs or len(self._empty_rounds) < self.config.max_empty_rounds:
             return
         t = self._traffic(server_round)
-        distinct: dict[str, list[int]] = {}
-        for node, why in sorted({**t.failed, **t.rejected}.items()):
-            distinct.setdefault(why, []).append(node)
-        why = "; ".join(f"{len(nodes)} client(s): {text}" for text, nodes in list(distinct.items())[:3])
-        if len(distinct) > 3:
-            why += f"; and {len(distinct) - 3} other reason(s)"
+        why = by_reason(dict(sorted({**t.failed, **t.rejected}.items())), most=3)
         if t.aggregate_refused:
             why = f"{why}; " if why else ""
             why += t.aggregate_refused

@@ -41,6 +41,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -175,6 +176,17 @@ def totals(traffic: Mapping[int, RoundTraffic]) -> tuple[int, int]:
 
 def _ratio(dense: int, sent: int) -> float:
     return float(dense) / sent if sent > 0 else 0.0
+
+
+def by_reason(reasons: Mapping[Any, str], most: int | None = None) -> str:
+    """``"2 client(s): <reason>; 1 client(s): <other>"``: clients grouped by their reason, in the
+    order the reasons first come; at most ``most`` reasons, then how many more there were."""
+    groups: dict[str, int] = {}
+    for text in reasons.values():
+        groups[text] = groups.get(text, 0) + 1
+    shown = list(groups.items())[:most]
+    out = "; ".join(f"{n} client(s): {text}" for text, n in shown)
+    return out + (f"; and {len(groups) - len(shown)} other reason(s)" if len(groups) > len(shown) else "")
 
 
 def metric_record(t: RoundTraffic, run: Mapping[int, RoundTraffic]) -> dict[str, int | float]:
