@@ -3,7 +3,7 @@
 Two ways to say which entries:
 
 * ``TopK(p=...)``: plain per-client top-k of the whole tensor, ``k = max(1, round(p * numel))``.
-* ``TopK(ranges=((start, stop, k), ...))``: DEFT's layer-wise selection (Gong et al., ICPP 2023,
+* ``TopK(ranges=((start, stop, k), ...))``: DEFT's layer-wise selection (Yoon and Oh, ICPP 2023,
   Algorithm 5): the top ``k`` by magnitude inside each range ``[start, stop)`` of the flattened
   tensor, nothing outside. The ranges come from the server's allocation for this round
   (:mod:`fedcomp.methods.deft`); ``ranges=()`` sends nothing.

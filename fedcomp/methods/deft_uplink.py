@@ -48,7 +48,7 @@ def _large(specs: Sequence[TensorSpec], min_numel: int) -> list[int]:
 
 
 class DeftUplink(UplinkMethod):
-    """DEFT (Gong et al. 2023): top-k inside partitions the server allocates so that no two
+    """DEFT (Yoon and Oh, ICPP 2023): top-k inside partitions the server allocates so that no two
     clients select the same entries; k per partition from the last aggregate's norms."""
 
     method_id = "deft"
