@@ -114,6 +114,8 @@ KEYS_ADDED_OFF: dict[str, Any] = {
     "lattice-step": 8.0,  # the "lattice" downlink's (issue 12), read only by it
     "lattice-weight-step": 1024.0,  # its bound by the weights (2026-11-27): 1024 never binds on LeNet
     "downlink-candidates": "3lc,3lc*2,sparse-fp16,sparse-fp32,dense-fp32",  # the "auto" downlink's
+    "max-update-norm-factor": 0.0,  # (2026-11-29)
+    "max-empty-rounds": 3,  # (2026-11-28: it ends a run that aggregates nothing; none of these does)
 }
 
 #: The stale-residual policy's keys (fedcomp.methods.feedback.StaleResidual), read here: the mod
@@ -464,9 +466,21 @@ def _same_run_elsewhere(task: Task, path: Path) -> None:
     defaults (e.g. the 3LC downlink before lattice became the app's default) for today's."""
     fields = _recorded_fields(task)
     for other in CACHE.glob(f"{task.setting}-*.json"):
-        if json.loads(other.read_text()).get("key_fields") == fields:
+        if _without_keys_off(json.loads(other.read_text()).get("key_fields")) == fields:
             other.rename(path)
             return
+
+
+def _without_keys_off(fields: Any) -> Any:
+    """Recorded ``key_fields`` as :meth:`Task.key_fields` would make them today: without the
+    :data:`KEYS_ADDED_OFF` at their off values (a run recorded after a key was added, before it
+    was listed there, is the same run)."""
+    if not isinstance(fields, dict) or not isinstance(fields.get("compression"), dict):
+        return fields
+    compression = {
+        k: v for k, v in fields["compression"].items() if not (k in KEYS_ADDED_OFF and v == KEYS_ADDED_OFF[k])
+    }
+    return {**fields, "compression": compression}
 
 
 def _recorded_fields(task: Task) -> dict[str, Any]:
@@ -661,6 +675,13 @@ def plot(groups: Mapping[str, Mapping[str, Mapping[str, Any]]], path: Path) -> P
     return path
 
 
+def extra_setting(keys: Mapping[str, Any]) -> dict[str, Any]:
+    """An ``--extra`` setting's run config: ``keys`` over the reference app's defaults, so that
+    ``{"sbc-p": 0.1}`` differs from ``default`` in that key alone (it was taken alone before, and
+    ran the library's defaults: 3LC down, the initial model sent in round 1)."""
+    return {**APP_COMPRESSION_DEFAULTS, **keys}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="6 rounds, dense and the default setting only")
@@ -685,8 +706,9 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="NAME=JSON",
-        help="an ad-hoc setting: a name and a JSON object of run-config keys, e.g. "
-        "'s2={\"sbc-p\": 0.02}' (repeatable; run it with --only NAME or alone)",
+        help="an ad-hoc setting: a name and a JSON object of run-config keys over the reference app's "
+        "defaults (the 'default' setting), e.g. 's2={\"sbc-p\": 0.02}' (repeatable; run it with "
+        "--only NAME or alone)",
     )
     ap.add_argument("--data-dir", default=None, help="folder holding mnist/ (default: $FEDCOMP_DATA_DIR)")
     ap.add_argument("--refresh", action="store_true", help="rerun even when cached")
@@ -707,7 +729,7 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
-        settings[name] = value
+        settings[name] = extra_setting(value)
         extra_names.append(name)
     names = [n for n in args.only.split(",") if n] or (
         ["dense", "default"] if args.quick else (["dense", *extra_names] if extra_names else list(SETTINGS))

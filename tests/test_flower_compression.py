@@ -178,6 +178,33 @@ def test_a_huge_update_is_rejected_under_the_lattice_downlink_and_the_run_goes_o
     assert rounds[3]["accuracy"] > rounds[1]["accuracy"], _figures(res)
 
 
+def test_a_huge_update_in_round_one_is_rejected_by_the_adaptive_norm_bound(tmp_path: Path) -> None:
+    """One client's finite update of 1e30 in round 1, under a 3LC downlink (no grid to leave) and
+    no max-update-norm: ``max-update-norm-factor`` bounds round 1 by the round's own median norm,
+    so that update is rejected and the two others are aggregated; round 2's bound is the factor
+    times their median norm, and no honest client is rejected in either round."""
+    config = {
+        "num-server-rounds": 2,
+        "local-iters": 3,
+        "script": "012|012",
+        "corrupt-uplink": "",
+        "corrupt-replica": "",
+        "huge-uplink": "1:1",
+        "downlink-codec": "3lc",
+        "max-update-norm-factor": 4.0,
+    }
+    res = _run(tmp_path, "factor", app=FAULT_APP, clients=3, **config)
+    rounds = {r["round"]: r for r in res["rounds"]}
+    ids = rounds[1]["clients"]["ids"]
+    rejected = {ids.index(k): v for k, v in rounds[1]["rejected"].items()}
+    assert list(rejected) == [1] and "4 x the median of this round's updates" in rejected[1], rejected
+    assert [rounds[r]["updates_aggregated"] for r in (1, 2)] == [2, 3] and rounds[2]["rejected"] == {}
+    norms = sorted(rounds[1]["client_update_norm"].values())
+    assert rounds[2]["update_norm_bound"] == pytest.approx(4.0 * norms[0], rel=1e-9)  # (lower median of 2)
+    assert rounds[1]["update_norm_bound"] == pytest.approx(4.0 * norms[-1], rel=1e-9)  # (the middle of 3)
+    assert rounds[2]["accuracy"] > rounds[0]["accuracy"], _figures(res)
+
+
 def test_a_client_app_without_the_mod_is_named_in_the_server_log(tmp_path: Path) -> None:
     """Client 1 of round 1 runs its ClientApp without compression_mod: its train handler finds no
     'arrays' record and fails. Under Ray the error's reason starts with ~900 characters of Ray's

@@ -397,6 +397,7 @@ def test_rounds_whose_aggregate_is_refused_count_as_empty(tmp_path: Path, monkey
             "run-name": "refused",
             "dataset": "digits",
             "seeded-initial-model": False,
+            "max-update-norm-factor": 0.0,  # (its bound would reject these replies first)
         },
     )  # fmt: skip  (the fake clients cannot build the initial model)
     with pytest.raises(NoProgressError, match="no client update was aggregated in 2 rounds in a row"):

@@ -260,6 +260,7 @@ def server_main(
                 client_residual_ratio=_by_node(t.residual_ratio),
                 # What max-update-norm bounds, per accepted update (where to set it).
                 client_update_norm=_by_node(t.update_norm),
+                update_norm_bound=t.update_norm_bound or None,
             )
             if t.sparse_numel:
                 recorder.add_metrics(uplink_union_density=t.union_nnz / t.sparse_numel)

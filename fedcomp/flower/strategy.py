@@ -36,7 +36,7 @@ import math
 import secrets
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -164,6 +164,12 @@ class CompressionStrategy(Strategy):
         #: The round's check of replies against the lattice downlink's grid (set in
         #: aggregate_train once the grid exists; not state: rebuilt every round).
         self._fit: GridFit | None = None
+        #: ``max-update-norm-factor``: the median norm of the last aggregated round's accepted
+        #: updates (state), and the bound on each update's norm this train round's downlinks carry
+        #: (0: none), with what it came from (for its rejections' reasons).
+        self._norm_ref: tuple[int, float] | None = None
+        self._bound: float = self.config.max_update_norm
+        self._bound_why = "max-update-norm"
 
     # --- downlink ------------------------------------------------------------------------------
 
@@ -260,7 +266,7 @@ class CompressionStrategy(Strategy):
                 bandwidth=self._bandwidth,
                 extras=extra,
                 outcome=outcome,
-                max_update_norm=self.config.max_update_norm,
+                max_update_norm=self._bound,
             )
             # A fresh RecordDict per message: the inner strategy shares one between all messages.
             content = RecordDict({k: v for k, v in msg.content.items() if k != self._arrays_key})
@@ -312,6 +318,7 @@ class CompressionStrategy(Strategy):
             return self.strategy.configure_train(server_round, arrays, config, grid)
         self._sync_replica(arrays, server_round)
         self._start_round(server_round)
+        self._set_bound(server_round)
         config = ConfigRecord(dict(config))
         scheduled = self.config.local_iters_at(server_round)
         own = config.get(protocol.LOCAL_ITERS)
@@ -346,6 +353,94 @@ class CompressionStrategy(Strategy):
         self._sync_replica(arrays, server_round)
         self._start_round(server_round)
         return self._with_downlink(msgs, server_round)
+
+    def _set_bound(self, server_round: int) -> None:
+        """This train round's bound on each update's L2 norm: ``max-update-norm``, or
+        ``max-update-norm-factor`` times the reference norm :meth:`_note_norms` keeps (before any
+        update was aggregated, the model's float tensors' norm, which
+        :meth:`_tighten_first_bound` then tightens), whichever is smaller. The downlinks carry it;
+        honest clients send at most that, so only a client that ignores it is rejected."""
+        self._bound, self._bound_why = self.config.max_update_norm, "max-update-norm"
+        factor = self.config.max_update_norm_factor
+        if factor > 0 and self._target is not None:
+            if self._norm_ref is not None:
+                ref_round, ref = self._norm_ref
+                of = f"round {ref_round}'s reference norm {ref:.4g} (its updates' median, falling at most x{factor:g} a round)"
+            else:
+                ref = not_finite_and_norm({k: t for k, t in self._target.items() if t.is_floating_point()})[1]
+                of = f"the model's norm {ref:.4g}, no update aggregated yet"
+            # (a model of zeros and no update yet: no adaptive bound)
+            if math.isfinite(factor * ref) and ref > 0 and (self._bound <= 0 or factor * ref < self._bound):
+                self._bound, self._bound_why = factor * ref, f"max-update-norm-factor {factor:g} x {of}"
+        self._traffic(server_round).update_norm_bound = self._bound
+
+    def _note_norms(self, server_round: int, aggregated: Iterable[Message] | None) -> None:
+        """Keep the median norm of the round's aggregated updates (the lower one of an even count:
+        one of two clients may be the hostile one) for :meth:`_set_bound`. It falls by at most the
+        factor a round, as it can rise by at most that (clients clip to the bound): one round in
+        which a hostile client was half of the accepted replies, sending updates of about 0, froze
+        the model for 30-70 rounds before (a red-team audit). A round that aggregated nothing
+        (``aggregated`` None) loosens it by the factor: a bound no client could meet (GradiVeQ's
+        decoded ``mu + U c`` cannot be scaled below ``mu``) would otherwise end the run."""
+        factor = self.config.max_update_norm_factor
+        if factor <= 0:
+            return
+        if aggregated is None:
+            if self._norm_ref is not None:
+                self._norm_ref = (self._norm_ref[0], self._norm_ref[1] * factor)
+            return
+        norms = self._traffic(server_round).update_norm
+        found = sorted(
+            norms[n] for n in {m.metadata.src_node_id for m in aggregated if not m.has_error()} if n in norms
+        )
+        median = found[(len(found) - 1) // 2] if found else 0.0
+        if median > 0:
+            floor = self._norm_ref[1] / factor if self._norm_ref is not None else 0.0
+            self._norm_ref = (server_round, max(median, floor))
+
+    def _tighten_first_bound(self, server_round: int, ordered: Sequence[Message]) -> None:
+        """Before any update was aggregated, the bound sent (the factor times the model's norm) is
+        loose: 85 times an honest update in one audit, so one client could replace the model. Until
+        then the round's own updates set it: the factor times their (lower) median norm, read from
+        each reply before any is aggregated (each round until one aggregates; a reply that cannot
+        be read is left to the real pass, which rejects it). Clients clipped to the looser bound; an honest one over the
+        tighter is rejected this once, its update goes back to its residual, and it clips from the
+        next round on. Not for a method that decodes by itself (GradiVeQ): the model's bound holds."""
+        factor = self.config.max_update_norm_factor
+        if factor <= 0 or self._norm_ref is not None or self.replica is None:
+            return
+        norms = sorted(n for n in (self._peek_norm(m, server_round) for m in ordered) if n is not None and n > 0)
+        if not norms:
+            return
+        bound = factor * norms[(len(norms) - 1) // 2]
+        if self._bound <= 0 or bound < self._bound:
+            self._bound = bound
+            self._bound_why = (
+                f"max-update-norm-factor {factor:g} x the median of this round's updates, {bound / factor:.4g}"
+            )
+            self._traffic(server_round).update_norm_bound = bound
+
+    def _peek_norm(self, msg: Message, server_round: int) -> float | None:
+        """The L2 norm of the update ``msg`` carries, as the streaming path decodes it, with no
+        side effect; None for an error reply, a reply that does not parse or is stale (the real
+        pass says why), or a method that decodes by itself."""
+        assert self.replica is not None
+        base_decode = getattr(self.uplink.decode, "__func__", None) is UplinkMethod.decode
+        if msg.has_error() or not msg.has_content() or not (base_decode or self.uplink.checks_sent):
+            return None
+        try:
+            rec = msg.content.config_records.get(protocol.UPLINK)
+            report = UplinkReport.from_record(rec) if rec is not None else None
+            if report is None or report.payload is None:
+                return None
+            update = update_from_bytes(report.payload, expected=self.replica.specs)
+            if update.base_model_version != self.replica.version:
+                return None
+            codecs = {c.codec_id: c for c in (get_codec(self.uplink.round_codec_config(server_round)), DenseFP32())}
+            norm = sparse_delta(update, self.replica.specs, codecs).norm
+        except Exception:  # (whatever it is, the real pass rejects it with its reason)
+            return None
+        return norm if math.isfinite(norm) else None
 
     def _start_round(self, server_round: int) -> None:
         """Every earlier train round is over: a reply of one that is not on record never arrived.
@@ -497,18 +592,23 @@ class CompressionStrategy(Strategy):
         if bad:
             raise PayloadError(bad[0], "decoded values are not all finite")
         clip = _client_clipping_norm(self.strategy)
-        if self.config.max_update_norm > 0 or clip is not None:
+        if self._bound > 0 or clip is not None:
             self._check_norm(norm, clip)
         return norm
 
     def _check_norm(self, norm: float, clip: float | None) -> None:
         """``norm`` within ``max-update-norm`` and within ``clip``, the client-side DP wrapper's
         clipping norm (:func:`_client_clipping_norm`, None without one)."""
-        bound = self.config.max_update_norm
+        bound = self._bound
         # (the slack, as for the DP norm below: honest clients send at most the bound, measured in
         # float64 by another order of summation; see compression_mod)
         if bound > 0 and norm > bound * (1 + 1e-9):
-            raise PayloadError("", f"update norm {norm:.4g} exceeds max-update-norm {bound:g}")
+            what = (
+                f"max-update-norm {bound:g}"
+                if self._bound_why == "max-update-norm"
+                else (f"{bound:.4g}, this round's bound ({self._bound_why})")
+            )
+            raise PayloadError("", f"update norm {norm:.4g} exceeds {what}")
         # The client measured what it sent in float64 as this does (fedcomp.flower.clipping); the
         # slack covers only a different order of summation.
         if clip is not None and norm > clip * (1 + 1e-9):
@@ -563,6 +663,7 @@ class CompressionStrategy(Strategy):
         ordered = sorted(replies, key=_reply_order)
         grid = self.replica.grid if self.replica is not None else None
         self._fit = GridFit(self._target, grid, REPLY_SLACK) if grid is not None and self._target is not None else None
+        self._tighten_first_bound(server_round, ordered)
 
         if self.streaming:
             accepted, arrays, metrics = self._aggregate_streaming(server_round, ordered)
@@ -599,6 +700,7 @@ class CompressionStrategy(Strategy):
                     if arrays is not None
                     else (server_round, UpdateStatus.REJECTED, _reason(nothing))
                 )
+        self._note_norms(server_round, accepted if arrays is not None else None)
         self._settled = max(self._settled, server_round)
         self._traffic(server_round).close_selection()  # (the round's replies are all in)
         self._count_empty(server_round, arrays is None)
@@ -901,6 +1003,7 @@ class CompressionStrategy(Strategy):
             "outcomes": self.outcome_state(),
             "records-from": self._records_from,
             "empty-rounds": list(self._empty_rounds),
+            "norm-ref": None if self._norm_ref is None else list(self._norm_ref),
             "uplink-method": type(self.uplink).__name__,
             "uplink": self.uplink.state_dict(),
         }
@@ -932,6 +1035,7 @@ class CompressionStrategy(Strategy):
             self._empty_rounds = [int(r) for r in state.get("empty-rounds", [])]
         except (TypeError, ValueError) as exc:
             raise PayloadError("", f"strategy state: empty-rounds: {type(exc).__name__}: {exc}") from None
+        self._norm_ref = _norm_ref(state.get("norm-ref"))  # (a checkpoint from before it: None)
         self.lineage, self.replica, self._target = lineage, replica, target
         self._nodes, self._assumed_seeded, self._not_seeded = nodes, assumed, not_seeded
         if replica is not None:
@@ -950,6 +1054,21 @@ class CompressionStrategy(Strategy):
 
     def __repr__(self) -> str:
         return f"CompressionStrategy({self.strategy!r})"
+
+
+def _norm_ref(saved: object) -> tuple[int, float] | None:
+    """A checkpoint's ``norm-ref`` (round, median norm), checked; None when it has none."""
+    if saved is None:
+        return None
+    if not isinstance(saved, list | tuple) or len(saved) != 2:
+        raise PayloadError("", f"strategy state: norm-ref is not a (round, norm) pair: {shown(saved)}")
+    try:
+        ref_round, ref = int(saved[0]), float(saved[1])
+    except (TypeError, ValueError) as exc:
+        raise PayloadError("", f"strategy state: norm-ref: {type(exc).__name__}: {exc}") from None
+    if not (math.isfinite(ref) and ref > 0):
+        raise PayloadError("", f"strategy state: norm-ref {ref!r} is not a finite norm > 0")
+    return ref_round, ref
 
 
 def _not_finite(arrays: ArrayRecord) -> str | None:

@@ -27,6 +27,8 @@ and in the ``Result`` that ``strategy.start`` returns. The keys are stable:
 ``fedcomp.server-codec-seconds``        server time compressing the downlink and decoding replies
 ``fedcomp.client-encode-seconds``       the clients' uplink encode time, summed
 ``fedcomp.downlink-passes``             downlink deltas made this round (``downlink-passes``)
+``fedcomp.update-norm-bound``           the bound on each update's norm the round's train messages
+                                        carried (``max-update-norm`` or its factor; absent: none)
 ``fedcomp.replica-lag``                 ||W - R|| / ||W - W_prev|| after the downlink (when it moved)
 ``fedcomp.downlink-delivered``          share of the outstanding W - R this round's downlink closed
 ``fedcomp.residual-ratio-mean``         mean over clients of ||residual|| / ||update|| after encoding
@@ -139,6 +141,8 @@ class RoundTraffic:
     #: The L2 norm of each accepted update in model space, as the server decoded it (what
     #: ``max-update-norm`` bounds: honest clients' figures say where to set it).
     update_norm: dict[int, float] = field(default_factory=dict)
+    #: The bound on each update's norm this round's train messages carried (0: none).
+    update_norm_bound: float = 0.0
 
     def note_client(self, node: int, report: UplinkReport) -> None:
         """Copy what the client mod reported in its uplink record (values it did not send: skipped)."""
@@ -211,6 +215,7 @@ def metric_record(t: RoundTraffic, run: Mapping[int, RoundTraffic]) -> dict[str,
         "fedcomp.server-codec-seconds": float(t.encode_seconds + t.decode_seconds),
         "fedcomp.client-encode-seconds": float(sum(t.client_encode_seconds.values())),
         "fedcomp.downlink-passes": t.downlink_passes,
+        **({"fedcomp.update-norm-bound": t.update_norm_bound} if t.update_norm_bound > 0 else {}),
         **({"fedcomp.replica-lag": t.replica_lag} if t.replica_lag is not None else {}),
         **({"fedcomp.downlink-delivered": t.downlink_delivered} if t.downlink_delivered is not None else {}),
         **(

@@ -82,6 +82,11 @@ class CompressionConfig(BaseModel):
     max_num_examples: int = Field(1_000_000_000, ge=1, alias="max-num-examples")
     #: Reject an update whose L2 norm exceeds this (0: no bound).
     max_update_norm: float = Field(0.0, ge=0, alias="max-update-norm")
+    #: An adaptive bound on each update's L2 norm (0: none): this many times the median norm of
+    #: the last aggregated round's accepted updates (before any: of the model's own norm). Sent in
+    #: the downlink as ``max-update-norm`` is, so honest clients keep within it and a client that
+    #: ignores it is rejected; with ``max-update-norm`` also set, the smaller bound holds.
+    max_update_norm_factor: float = Field(0.0, ge=0, le=1e6, allow_inf_nan=False, alias="max-update-norm-factor")
     #: Reject a reply (train or evaluate) whose MetricRecord is larger than this: its keys'
     #: characters plus 8 bytes a value (a list counts each element). The round's metrics are
     #: aggregated over the replies and end in the server's records: a client alone in its round
@@ -108,7 +113,7 @@ class CompressionConfig(BaseModel):
     gradiveq_slice: int = Field(0, ge=0, le=4096, alias="gradiveq-slice")
     #: Compression loss threshold epsilon that picks each tensor's dimension k.
     gradiveq_eps: float = Field(0.1, gt=0, lt=1, alias="gradiveq-eps")
-    #: Largest k; 0 = up to d/2 (less would not compress).
+    #: Largest k; 0 = d - 1. A tensor whose k (from the eps criterion) exceeds it is sent dense.
     gradiveq_max_dim: int = Field(0, ge=0, alias="gradiveq-max-dim")
     #: Uncompressed (dense fp32) rounds whose client updates the compressor is fitted on.
     gradiveq_dense_rounds: int = Field(2, ge=1, le=100, alias="gradiveq-dense-rounds")
@@ -140,6 +145,15 @@ class CompressionConfig(BaseModel):
 
         if v not in UPLINKS:
             raise ValueError(f"unknown uplink method (known: {sorted(UPLINKS)})")
+        return v
+
+    @field_validator("max_update_norm_factor")
+    @classmethod
+    def _factor_not_ratcheting(cls, v: float) -> float:
+        # Clients clip to factor x the last median, so the next median is at most that: under 2
+        # the bound could only shrink round after round, wherever the honest norms went.
+        if 0 < v < 2:
+            raise ValueError("must be 0 (no adaptive bound) or at least 2")
         return v
 
     @field_validator("downlink_codec")
@@ -290,7 +304,15 @@ class CompressionConfig(BaseModel):
             f"uplink {up.summary(self)}, downlink {down.summary(self)}, local iterations {self.local_iters}, "
             f"error feedback {self.error_feedback}, tensors under {self.min_compress_numel} values dense"
             + (f"; schedules (round 1's values above): {', '.join(schedules)}" if schedules else "")
+            + (f"; {self._bounds()}" if self.bounds_update_norm else "")
         )
+
+    def _bounds(self) -> str:
+        """What bounds each update's norm (``describe``)."""
+        bounds = [f"max-update-norm {self.max_update_norm:g}"] if self.max_update_norm > 0 else []
+        if self.max_update_norm_factor > 0:
+            bounds.append(f"{self.max_update_norm_factor:g} x the last round's median (round 1: x the model's norm)")
+        return "update norms at most " + " and ".join(bounds)
 
     def uplink_codec_at(self, server_round: int) -> Codec:
         """The codec clients encode with this round (the uplink method decides;
@@ -307,6 +329,11 @@ class CompressionConfig(BaseModel):
 
     def local_iters_at(self, server_round: int) -> int:
         return int(self.local_iters.at(server_round))
+
+    @property
+    def bounds_update_norm(self) -> bool:
+        """Whether the server bounds each update's norm (``max-update-norm`` or its factor)."""
+        return self.max_update_norm > 0 or self.max_update_norm_factor > 0
 
 
 def format_validation_error(exc: ValidationError) -> str:

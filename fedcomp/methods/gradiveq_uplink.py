@@ -158,9 +158,9 @@ class GradiVeQUplink(UplinkMethod):
         out: dict[str, torch.Tensor] = {}
         # The update in model space, for the server's norm checks (max-update-norm, a DP clipping
         # norm): at hand outside the compressed domain; inside it, decompressed only when
-        # max-update-norm asks (what the compressed domain saves is that decompression).
+        # max-update-norm (or its factor) asks (what the compressed domain saves is that decompression).
         model_delta: dict[str, torch.Tensor] | None = (
-            {} if not compressed_domain or self.config.max_update_norm > 0 else None
+            {} if not compressed_domain or self.config.bounds_update_norm else None
         )
         dense = DenseFP32()
         for spec, enc in zip(specs, update.tensors, strict=True):

@@ -176,3 +176,24 @@ def test_compression_gap_cached_only_with_nothing_cached_says_so(example_main, m
         flwr_log.setLevel(level)
     assert "nothing cached for dense, default here: run without --cached-only" in err.getvalue()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_compression_gap_extra_settings_start_from_the_apps_defaults(example_main) -> None:  # type: ignore[no-untyped-def]
+    """``--extra 'x={"sbc-p": 0.1}'`` differs from ``default`` in that key alone: it ran the
+    library's defaults before (3LC down, the initial model sent), unlike the setting it was meant
+    to vary. And a run recorded with a key added later at its off value is found in the cache."""
+    module = importlib.import_module("compression_gap")
+    from fedcomp.app.config import APP_COMPRESSION_DEFAULTS
+
+    setting = module.extra_setting({"sbc-p": 0.1})
+    assert setting == {**APP_COMPRESSION_DEFAULTS, "sbc-p": 0.1}
+    assert setting["downlink-codec"] == "lattice" and setting["seeded-initial-model"] is True
+    task = module.Task("default", {**APP_COMPRESSION_DEFAULTS, "max-update-norm-factor": 0.0}, rounds=3)
+    fields = module._recorded_fields(task)
+    recorded = {
+        **fields,
+        "compression": {**fields["compression"], "max-empty-rounds": 3, "max-update-norm-factor": 0.0},
+    }
+    assert recorded != fields and module._without_keys_off(recorded) == fields
+    other = {**fields, "compression": {**fields["compression"], "max-update-norm-factor": 4.0}}
+    assert module._without_keys_off(other) != fields
