@@ -54,7 +54,7 @@ from flwr.serverapp.strategy import (
     Strategy,
 )
 
-from fedcomp.codecs import DenseFP32, get_codec
+from fedcomp.codecs import Codec, DenseFP32, get_codec
 from fedcomp.errors import ConfigError, NoProgressError, PayloadError, shown
 from fedcomp.flower import protocol
 from fedcomp.flower.downlink_policy import advance_by_policy, advance_passes, candidates_of, distance
@@ -393,7 +393,7 @@ class CompressionStrategy(Strategy):
         found = sorted(
             norms[n] for n in {m.metadata.src_node_id for m in aggregated if not m.has_error()} if n in norms
         )
-        median = found[(len(found) - 1) // 2] if found else 0.0
+        median = _lower_median(found) if found else 0.0
         if median > 0:
             floor = self._norm_ref[1] / factor if self._norm_ref is not None else 0.0
             self._norm_ref = (server_round, max(median, floor))
@@ -412,7 +412,7 @@ class CompressionStrategy(Strategy):
         norms = sorted(n for n in (self._peek_norm(m, server_round) for m in ordered) if n is not None and n > 0)
         if not norms:
             return
-        bound = factor * norms[(len(norms) - 1) // 2]
+        bound = factor * _lower_median(norms)
         if self._bound <= 0 or bound < self._bound:
             self._bound = bound
             self._bound_why = (
@@ -425,8 +425,7 @@ class CompressionStrategy(Strategy):
         side effect; None for an error reply, a reply that does not parse or is stale (the real
         pass says why), or a method that decodes by itself."""
         assert self.replica is not None
-        base_decode = getattr(self.uplink.decode, "__func__", None) is UplinkMethod.decode
-        if msg.has_error() or not msg.has_content() or not (base_decode or self.uplink.checks_sent):
+        if msg.has_error() or not msg.has_content() or not self._decodes_sparse():
             return None
         try:
             rec = msg.content.config_records.get(protocol.UPLINK)
@@ -436,8 +435,7 @@ class CompressionStrategy(Strategy):
             update = update_from_bytes(report.payload, expected=self.replica.specs)
             if update.base_model_version != self.replica.version:
                 return None
-            codecs = {c.codec_id: c for c in (get_codec(self.uplink.round_codec_config(server_round)), DenseFP32())}
-            norm = sparse_delta(update, self.replica.specs, codecs).norm
+            norm = sparse_delta(update, self.replica.specs, self._round_codecs(server_round)).norm
         except Exception:  # (whatever it is, the real pass rejects it with its reason)
             return None
         return norm if math.isfinite(norm) else None
@@ -542,6 +540,17 @@ class CompressionStrategy(Strategy):
         content[self._arrays_key] = record_from_tensors(decoded.arrays)
         msg.content = content
 
+    def _decodes_sparse(self) -> bool:
+        """Whether the uplink method decodes as the base method does (W + delta, the round's
+        codec), possibly checking what it decoded (DEFT's allocation): its replies can then be read
+        sparse, never as W + delta. Not GradiVeQ, which decodes by itself."""
+        base_decode = getattr(self.uplink.decode, "__func__", None) is UplinkMethod.decode
+        return base_decode or self.uplink.checks_sent
+
+    def _round_codecs(self, server_round: int) -> dict[str, Codec]:
+        """The codecs a reply of ``server_round`` may use, by id: the round's and dense fp32."""
+        return {c.codec_id: c for c in (get_codec(self.uplink.round_codec_config(server_round)), DenseFP32())}
+
     def _stream_reply(self, msg: Message, server_round: int) -> Contribution:
         """The streaming path's :meth:`_decode_reply`: the same checks, but the reply is turned
         into what :class:`~fedcomp.flower.weighted_sum.WeightedSum` adds (its delta, sparse where the codec is SBC, or the
@@ -549,11 +558,8 @@ class CompressionStrategy(Strategy):
         assert self.replica is not None and self._target is not None
         update, node, t0 = self._open_reply(msg, server_round)
         traffic = self._traffic(server_round)
-        base_decode = getattr(self.uplink.decode, "__func__", None) is UplinkMethod.decode
-        if base_decode or self.uplink.checks_sent:
-            # The base method's decode (W + delta, the round's codec) and the method's check of what
-            # it decoded (DEFT's allocation): kept sparse, never W + delta.
-            accepted = {c.codec_id: c for c in (get_codec(self.uplink.round_codec_config(server_round)), DenseFP32())}
+        if self._decodes_sparse():
+            accepted = self._round_codecs(server_round)
             # (a method reporting its selection, top-k or DEFT, needs every tensor as a term: no kernel)
             selection = self.uplink.reports_selection
             delta = sparse_delta(update, self.replica.specs, accepted, kernel=not selection)
@@ -1054,6 +1060,12 @@ class CompressionStrategy(Strategy):
 
     def __repr__(self) -> str:
         return f"CompressionStrategy({self.strategy!r})"
+
+
+def _lower_median(values: Sequence[float]) -> float:
+    """The median of sorted ``values``, the lower middle one of an even count: of two clients,
+    one may be the hostile one, whose update is larger or smaller."""
+    return values[(len(values) - 1) // 2]
 
 
 def _norm_ref(saved: object) -> tuple[int, float] | None:

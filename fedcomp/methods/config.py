@@ -83,9 +83,10 @@ class CompressionConfig(BaseModel):
     #: Reject an update whose L2 norm exceeds this (0: no bound).
     max_update_norm: float = Field(0.0, ge=0, alias="max-update-norm")
     #: An adaptive bound on each update's L2 norm (0: none): this many times the median norm of
-    #: the last aggregated round's accepted updates (before any: of the model's own norm). Sent in
-    #: the downlink as ``max-update-norm`` is, so honest clients keep within it and a client that
-    #: ignores it is rejected; with ``max-update-norm`` also set, the smaller bound holds.
+    #: the last aggregated round's accepted updates (before any, of the round's own; see
+    #: ``CompressionStrategy._set_bound``). Sent in the downlink as ``max-update-norm`` is, so
+    #: honest clients keep within it and a client that ignores it is rejected; with
+    #: ``max-update-norm`` also set, the smaller bound holds.
     max_update_norm_factor: float = Field(0.0, ge=0, le=1e6, allow_inf_nan=False, alias="max-update-norm-factor")
     #: Reject a reply (train or evaluate) whose MetricRecord is larger than this: its keys'
     #: characters plus 8 bytes a value (a list counts each element). The round's metrics are
@@ -311,7 +312,7 @@ class CompressionConfig(BaseModel):
         """What bounds each update's norm (``describe``)."""
         bounds = [f"max-update-norm {self.max_update_norm:g}"] if self.max_update_norm > 0 else []
         if self.max_update_norm_factor > 0:
-            bounds.append(f"{self.max_update_norm_factor:g} x the last round's median (round 1: x the model's norm)")
+            bounds.append(f"{self.max_update_norm_factor:g} x the last round's median (before any, the round's own)")
         return "update norms at most " + " and ".join(bounds)
 
     def uplink_codec_at(self, server_round: int) -> Codec:
