@@ -346,6 +346,19 @@ def unsettled_record(table: bytes, node: int) -> tuple[int, UpdateStatus] | None
 MAX_UPDATE_NORM = "max-update-norm"
 
 
+def work_scale(local_iters: object, scheduled: object, most: int) -> float:
+    """How many times the train config's local iterations (``scheduled``) a client trained
+    (``local_iters``, at most ``most``), and at least 1: the factor its ``max-update-norm`` grows
+    by. An update's norm grows with the local steps taken, and the bandwidth policy
+    (``adapt-local-iters``) gives a client on a fast link ten times the steps of one on a slow link:
+    one bound for both clipped or rejected the fast one. 1 when either count is not a positive
+    int (a config without ``local-iters``)."""
+    counts = (local_iters, scheduled)
+    if not all(isinstance(c, int) and not isinstance(c, bool) and c > 0 for c in counts):
+        return 1.0
+    return max(1.0, min(int(local_iters), most) / int(scheduled))  # type: ignore[call-overload]
+
+
 @dataclass(frozen=True)
 class DownlinkHeader:
     """The downlink record: the replica the client must hold after applying ``payloads``, and

@@ -170,6 +170,9 @@ class CompressionStrategy(Strategy):
         self._norm_ref: tuple[int, float] | None = None
         self._bound: float = self.config.max_update_norm
         self._bound_why = "max-update-norm"
+        #: The train round's local iterations as the train config says (a client that trained more
+        #: has a bound that many times larger: :func:`~fedcomp.flower.protocol.work_scale`).
+        self._round_iters: object = None
 
     # --- downlink ------------------------------------------------------------------------------
 
@@ -337,6 +340,7 @@ class CompressionStrategy(Strategy):
                 server_round,
             )
         config[protocol.LINEAGE] = self.lineage
+        self._round_iters = config.get(protocol.LOCAL_ITERS)
         msgs = self.strategy.configure_train(server_round, arrays, config, grid)
         return self._with_downlink(msgs, server_round, train=True, listed=grid.get_node_ids())
 
@@ -389,10 +393,10 @@ class CompressionStrategy(Strategy):
             if self._norm_ref is not None:
                 self._norm_ref = (self._norm_ref[0], self._norm_ref[1] * factor)
             return
-        norms = self._traffic(server_round).update_norm
-        found = sorted(
-            norms[n] for n in {m.metadata.src_node_id for m in aggregated if not m.has_error()} if n in norms
-        )
+        t = self._traffic(server_round)
+        nodes = {m.metadata.src_node_id for m in aggregated if not m.has_error()}
+        # (per the train config's local iterations: see protocol.work_scale)
+        found = sorted(t.update_norm[n] / self._work(t.local_iters.get(n)) for n in nodes if n in t.update_norm)
         median = _lower_median(found) if found else 0.0
         if median > 0:
             floor = self._norm_ref[1] / factor if self._norm_ref is not None else 0.0
@@ -438,7 +442,7 @@ class CompressionStrategy(Strategy):
             norm = sparse_delta(update, self.replica.specs, self._round_codecs(server_round)).norm
         except Exception:  # (whatever it is, the real pass rejects it with its reason)
             return None
-        return norm if math.isfinite(norm) else None
+        return norm / self._work(report.local_iters) if math.isfinite(norm) else None
 
     def _start_round(self, server_round: int) -> None:
         """Every earlier train round is over: a reply of one that is not on record never arrived.
@@ -526,7 +530,7 @@ class CompressionStrategy(Strategy):
         update, node, t0 = self._open_reply(msg, server_round)
         traffic = self._traffic(server_round)
         decoded = self.uplink.decode(update, self.replica.specs, self._target, server_round, node)
-        norm = self._check_values(decoded.delta if decoded.delta is not None else decoded.arrays)
+        norm = self._check_values(decoded.delta if decoded.delta is not None else decoded.arrays, traffic, node)
         if self._fit is not None and decoded.delta is not None:
             self._fit.check_dense(decoded.delta, node)
         if self.uplink.reports_selection and decoded.delta is not None:
@@ -539,6 +543,10 @@ class CompressionStrategy(Strategy):
             traffic.update_norm[node] = norm
         content[self._arrays_key] = record_from_tensors(decoded.arrays)
         msg.content = content
+
+    def _work(self, local_iters: object) -> float:
+        """The factor a reply's bound grows by for the local iterations it reports."""
+        return protocol.work_scale(local_iters, self._round_iters, self.config.local_iters_max)
 
     def _decodes_sparse(self) -> bool:
         """Whether the uplink method decodes as the base method does (W + delta, the round's
@@ -565,7 +573,9 @@ class CompressionStrategy(Strategy):
             delta = sparse_delta(update, self.replica.specs, accepted, kernel=not selection)
             if self.uplink.checks_sent:
                 self.uplink.check_sent(node, delta.terms, self.replica.specs)
-            self._check_norm(delta.norm, _client_clipping_norm(self.strategy))
+            self._check_norm(
+                delta.norm, _client_clipping_norm(self.strategy), self._work(traffic.local_iters.get(node))
+            )
             if self._fit is not None:
                 self._fit.check(delta.parts(), node)
             traffic.update_norm[node] = delta.norm
@@ -575,7 +585,7 @@ class CompressionStrategy(Strategy):
             contribution = Contribution(delta=delta)
         else:  # the method's own decode (DEFT's checks, GradiVeQ's coefficients): one dense reply
             decoded = self.uplink.decode(update, self.replica.specs, self._target, server_round, node)
-            norm = self._check_values(decoded.delta if decoded.delta is not None else decoded.arrays)
+            norm = self._check_values(decoded.delta if decoded.delta is not None else decoded.arrays, traffic, node)
             if self._fit is not None and decoded.delta is not None:
                 self._fit.check_dense(decoded.delta, node)
             if decoded.delta is not None:
@@ -590,7 +600,7 @@ class CompressionStrategy(Strategy):
         msg.content = content  # the payload is not needed any more: let it go
         return contribution
 
-    def _check_values(self, tensors: dict[str, torch.Tensor]) -> float:
+    def _check_values(self, tensors: dict[str, torch.Tensor], traffic: RoundTraffic, node: int) -> float:
         """Every decoded value finite, and the update within ``max-update-norm`` and within the
         clipping norm of Flower's client-side DP wrapper, where the inner strategy is one; return
         the update's L2 norm."""
@@ -599,21 +609,23 @@ class CompressionStrategy(Strategy):
             raise PayloadError(bad[0], "decoded values are not all finite")
         clip = _client_clipping_norm(self.strategy)
         if self._bound > 0 or clip is not None:
-            self._check_norm(norm, clip)
+            self._check_norm(norm, clip, self._work(traffic.local_iters.get(node)))
         return norm
 
-    def _check_norm(self, norm: float, clip: float | None) -> None:
+    def _check_norm(self, norm: float, clip: float | None, work: float = 1.0) -> None:
         """``norm`` within ``max-update-norm`` and within ``clip``, the client-side DP wrapper's
         clipping norm (:func:`_client_clipping_norm`, None without one)."""
-        bound = self._bound
+        bound = self._bound * work  # (a client that trained more local iterations: more room)
         # (the slack, as for the DP norm below: honest clients send at most the bound, measured in
         # float64 by another order of summation; see compression_mod)
         if bound > 0 and norm > bound * (1 + 1e-9):
             what = (
-                f"max-update-norm {bound:g}"
+                f"max-update-norm {self._bound:g}"
                 if self._bound_why == "max-update-norm"
-                else (f"{bound:.4g}, this round's bound ({self._bound_why})")
+                else (f"{self._bound:.4g}, this round's bound ({self._bound_why})")
             )
+            if work > 1:
+                what += f" x {work:.4g} for the local iterations it reports"
             raise PayloadError("", f"update norm {norm:.4g} exceeds {what}")
         # The client measured what it sent in float64 as this does (fedcomp.flower.clipping); the
         # slack covers only a different order of summation.

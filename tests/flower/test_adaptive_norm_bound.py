@@ -26,6 +26,7 @@ from tests.flower.helpers import (  # noqa: F401  (server_identity: autouse fixt
     server_identity,
     tiny_model,
     train_round,
+    with_fields,
 )
 from tests.flower.test_hostile_replies import _huge_payload
 
@@ -229,3 +230,46 @@ def test_a_round_that_aggregates_nothing_loosens_the_bound(monkeypatch: pytest.M
     assert strategy.traffic[2].accepted == 0
     _, log = train_round(strategy, clients, 3, model)
     assert _bound_of(log.downlinks[1]) == pytest.approx(FACTOR * second, rel=1e-12)
+
+
+class _ScaledClient(Client):
+    """A client whose training moves the model ``k`` times as far as the others'."""
+
+    k = 1.0
+
+    def replied(self, received: dict[str, torch.Tensor], trained: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {key: received[key] + self.k * (trained[key] - received[key]) for key in received}
+
+
+@pytest.mark.parametrize(("k", "claimed", "accepted"), [(30, None, False), (30, 100, True), (60, 10**6, False)])
+def test_a_client_that_trained_more_local_iterations_has_more_room(
+    k: float, claimed: int | None, accepted: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An update's norm grows with the local steps: the bandwidth policy gave a client on a fast
+    link 100 iterations where the config said 10, and at factor 4 the server rejected its honest
+    update (a real simulation, tests/test_flower_bandwidth.py). Its bound is now 100 / 10 times
+    larger (4 x 10 x the median: room for 30x, not for 60x); a claim past local-iters-max (100)
+    counts as 100."""
+    monkeypatch.setattr(mod_module, "_max_update_norm", lambda dl: None)  # (the server's check alone)
+    assert protocol.work_scale(100, 10, 100) == 10 and protocol.work_scale(10**6, 10, 100) == 10
+    assert protocol.work_scale(5, 10, 100) == 1 and protocol.work_scale(None, 10, 100) == 1
+    strategy = make_strategy(**{"max-update-norm-factor": FACTOR, "uplink-codec": "dense-fp32"})
+    far = _ScaledClient(3)
+    far.k = k
+    clients, model = {1: Client(1), 2: Client(2), 3: far}, tiny_model()
+    model, _ = train_round(strategy, clients, 1, model, nodes=[1, 2])
+    assert model is not None
+
+    def claim(node: int, reply: Message) -> Message:
+        if node == 3 and claimed is not None:
+            up = reply.content.config_records[protocol.UPLINK]
+            reply.content[protocol.UPLINK] = with_fields(up, local_iters=claimed)
+        return reply
+
+    train_round(strategy, clients, 2, model, tamper=claim)
+    t = strategy.traffic[2]
+    assert (3 not in t.rejected) is accepted, (t.rejected, t.update_norm, strategy._bound)
+    if not accepted:
+        assert "this round's bound" in t.rejected[3]
+    if claimed:
+        assert t.local_iters[3] == claimed
