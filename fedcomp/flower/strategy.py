@@ -578,24 +578,25 @@ class CompressionStrategy(Strategy):
             )
             if self._fit is not None:
                 self._fit.check(delta.parts(), node)
-            traffic.update_norm[node] = delta.norm
+            norm: float | None = delta.norm
             if selection:
                 numels = {spec.name: spec.numel for spec in self.replica.specs}
                 traffic.note_selection(delta.terms, self.config.min_compress_numel, numels)
             contribution = Contribution(delta=delta)
         else:  # the method's own decode (DEFT's checks, GradiVeQ's coefficients): one dense reply
             decoded = self.uplink.decode(update, self.replica.specs, self._target, server_round, node)
-            norm = self._check_values(decoded.delta if decoded.delta is not None else decoded.arrays, traffic, node)
+            checked = self._check_values(decoded.delta if decoded.delta is not None else decoded.arrays, traffic, node)
             if self._fit is not None and decoded.delta is not None:
                 self._fit.check_dense(decoded.delta, node)
-            if decoded.delta is not None:
-                traffic.update_norm[node] = norm
+            norm = checked if decoded.delta is not None else None
             if self.uplink.reports_selection and decoded.delta is not None:
                 traffic.note_selection(decoded.delta, self.config.min_compress_numel)
             contribution = Contribution(arrays=decoded.arrays)
         traffic.decode_seconds += time.perf_counter() - t0
         content = RecordDict({k: v for k, v in msg.content.items() if k != protocol.UPLINK})
         self._check_structure(content)
+        if norm is not None:  # (only an accepted update's: after every check, as _decode_reply)
+            traffic.update_norm[node] = norm
         self.uplink.accept(server_round, node)
         msg.content = content  # the payload is not needed any more: let it go
         return contribution

@@ -103,6 +103,7 @@ def test_a_hostile_reply_is_rejected_and_the_round_goes_on(case: str) -> None:
     t = strategy.traffic[1]
     assert list(t.rejected) == [2] and why in t.rejected[2], t.rejected
     assert t.accepted == 2 and new is not None
+    assert sorted(t.update_norm) == [1, 3]  # (client_update_norm: accepted updates only)
     assert all(bool(torch.isfinite(v).all()) for v in new.values())
     # The rejected client's replica state is intact: a chain next round, not a full model.
     _, log = train_round(strategy, clients, 2, new)
