@@ -527,8 +527,7 @@ def _handle(
         return Message(Error(code=int(ErrorCode.RESYNC), reason=f"fedcomp: {exc}"), reply_to=msg)
     plan = _plan_bandwidth(msg, context, dl, st, method, rnd) if is_train else None
     if kept_bound is not None and plan is not None:  # (more local iterations than scheduled: more room)
-        budget = BandwidthBudget.from_json(dl.bandwidth)
-        kept_bound *= protocol.work_scale(plan.local_iters, plan.scheduled, budget.local_iters_max)
+        kept_bound *= plan.work
     t_train = time.perf_counter()
     reply = call_next(msg, context)
     train_seconds = time.perf_counter() - t_train
@@ -721,12 +720,13 @@ class _Plan:
         local_iters: int | None,
         codec_config: dict[str, Any] | None = None,
         p: float | None = None,
-        scheduled: int | None = None,
+        work: float = 1.0,
     ) -> None:
         self.link, self.choice, self.local_iters = link, choice, local_iters
         self.codec_config, self.p = codec_config, p
-        #: The train config's local iterations, before the policy changed them.
-        self.scheduled = scheduled if scheduled is not None else local_iters
+        #: How many times the train config's local iterations the policy chose (at least 1): the
+        #: factor the server's ``max-update-norm`` grows by (:func:`protocol.work_scale`).
+        self.work = work
 
 
 def _plan_bandwidth(
@@ -757,15 +757,16 @@ def _plan_bandwidth(
         codec_id=codec_id,
     )
     choice = get_policy(budget.policy).choose(budget, situation)
-    scheduled = iters
+    work = 1.0
     if config is not None and iters is not None and choice.local_iters != iters:
         # A copy: the config record may be shared with other messages.
         msg.content[dl.config_key] = ConfigRecord({**config, protocol.LOCAL_ITERS: int(choice.local_iters)})
+        work = protocol.work_scale(int(choice.local_iters), iters, budget.local_iters_max)
         iters = int(choice.local_iters)
     if choice.codec is not None:  # the policy replaced the method's codec (dense fp32): no p
-        return _Plan(link, choice, iters, dict(choice.codec), None, scheduled)
+        return _Plan(link, choice, iters, dict(choice.codec), None, work)
     codec_config = method.with_p(rnd.codec_config, choice.p)
-    return _Plan(link, choice, iters, codec_config, method.p_of(codec_config), scheduled)
+    return _Plan(link, choice, iters, codec_config, method.p_of(codec_config), work)
 
 
 def _bandwidth_report(

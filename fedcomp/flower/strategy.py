@@ -407,9 +407,10 @@ class CompressionStrategy(Strategy):
         loose: 85 times an honest update in one audit, so one client could replace the model. Until
         then the round's own updates set it: the factor times their (lower) median norm, read from
         each reply before any is aggregated (each round until one aggregates; a reply that cannot
-        be read is left to the real pass, which rejects it). Clients clipped to the looser bound; an honest one over the
-        tighter is rejected this once, its update goes back to its residual, and it clips from the
-        next round on. Not for a method that decodes by itself (GradiVeQ): the model's bound holds."""
+        be read is left to the real pass, which rejects it). Clients clipped to the looser bound;
+        an honest one over the tighter is rejected this once, its update goes back to its residual,
+        and it clips from the next round on. Not for a method that decodes by itself (GradiVeQ):
+        the model's bound holds. (Each reply is parsed and decoded twice in such a round.)"""
         factor = self.config.max_update_norm_factor
         if factor <= 0 or self._norm_ref is not None or self.replica is None:
             return
@@ -530,7 +531,8 @@ class CompressionStrategy(Strategy):
         update, node, t0 = self._open_reply(msg, server_round)
         traffic = self._traffic(server_round)
         decoded = self.uplink.decode(update, self.replica.specs, self._target, server_round, node)
-        norm = self._check_values(decoded.delta if decoded.delta is not None else decoded.arrays, traffic, node)
+        work = self._work(traffic.local_iters.get(node))
+        norm = self._check_values(decoded.delta if decoded.delta is not None else decoded.arrays, work)
         if self._fit is not None and decoded.delta is not None:
             self._fit.check_dense(decoded.delta, node)
         if self.uplink.reports_selection and decoded.delta is not None:
@@ -585,7 +587,8 @@ class CompressionStrategy(Strategy):
             contribution = Contribution(delta=delta)
         else:  # the method's own decode (DEFT's checks, GradiVeQ's coefficients): one dense reply
             decoded = self.uplink.decode(update, self.replica.specs, self._target, server_round, node)
-            checked = self._check_values(decoded.delta if decoded.delta is not None else decoded.arrays, traffic, node)
+            work = self._work(traffic.local_iters.get(node))
+            checked = self._check_values(decoded.delta if decoded.delta is not None else decoded.arrays, work)
             if self._fit is not None and decoded.delta is not None:
                 self._fit.check_dense(decoded.delta, node)
             norm = checked if decoded.delta is not None else None
@@ -601,7 +604,7 @@ class CompressionStrategy(Strategy):
         msg.content = content  # the payload is not needed any more: let it go
         return contribution
 
-    def _check_values(self, tensors: dict[str, torch.Tensor], traffic: RoundTraffic, node: int) -> float:
+    def _check_values(self, tensors: dict[str, torch.Tensor], work: float) -> float:
         """Every decoded value finite, and the update within ``max-update-norm`` and within the
         clipping norm of Flower's client-side DP wrapper, where the inner strategy is one; return
         the update's L2 norm."""
@@ -610,7 +613,7 @@ class CompressionStrategy(Strategy):
             raise PayloadError(bad[0], "decoded values are not all finite")
         clip = _client_clipping_norm(self.strategy)
         if self._bound > 0 or clip is not None:
-            self._check_norm(norm, clip, self._work(traffic.local_iters.get(node)))
+            self._check_norm(norm, clip, work)
         return norm
 
     def _check_norm(self, norm: float, clip: float | None, work: float = 1.0) -> None:

@@ -41,6 +41,7 @@ and in the ``Result`` that ``strategy.start`` returns. The keys are stable:
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -185,9 +186,7 @@ def _ratio(dense: int, sent: int) -> float:
 def by_reason(reasons: Mapping[Any, str], most: int | None = None) -> str:
     """``"2 client(s): <reason>; 1 client(s): <other>"``: clients grouped by their reason, in the
     order the reasons first come; at most ``most`` reasons, then how many more there were."""
-    groups: dict[str, int] = {}
-    for text in reasons.values():
-        groups[text] = groups.get(text, 0) + 1
+    groups = Counter(reasons.values())  # (in the order the reasons first come)
     shown = list(groups.items())[:most]
     out = "; ".join(f"{n} client(s): {text}" for text, n in shown)
     return out + (f"; and {len(groups) - len(shown)} other reason(s)" if len(groups) > len(shown) else "")
