@@ -116,6 +116,7 @@ KEYS_ADDED_OFF: dict[str, Any] = {
     "downlink-candidates": "3lc,3lc*2,sparse-fp16,sparse-fp32,dense-fp32",  # the "auto" downlink's
     "max-update-norm-factor": 0.0,  # (2026-11-29)
     "max-empty-rounds": 3,  # (2026-11-28: it ends a run that aggregates nothing; none of these does)
+    "deft-norms": "clients",  # (2026-11-29: read by DEFT alone, and no DEFT run was cached before it)
 }
 
 #: The stale-residual policy's keys (fedcomp.methods.feedback.StaleResidual), read here: the mod

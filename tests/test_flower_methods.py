@@ -27,10 +27,14 @@ def test_deft_trains_with_disjoint_selections_at_the_set_density(tmp_path: Path)
     res = _run(tmp_path, "deft", **{"num-server-rounds": 4, "uplink-codec": "deft", "topk-density": 0.01})
     rounds = res["rounds"]
     acc = [r["accuracy"] for r in rounds]
-    # Digits, 3 clients x 10 local iterations, 4 rounds, 1 % in all: measured 0.259, 0.458,
-    # 0.687, 0.791. The same run without the clients' residuals (error-feedback = false) reaches
+    # Digits, 3 clients x 10 local iterations, 4 rounds, 1 % in all: measured 0.273, 0.465,
+    # 0.677, 0.788 (k by the clients' norms; by the last aggregate's, 0.259, 0.458, 0.687,
+    # 0.791). The same run without the clients' residuals (error-feedback = false) reaches
     # 0.566: what a client leaves unsent must come back in later rounds.
     assert acc[4] > 0.76, acc
+    # Round 1 sizes k by partition size; later rounds by the norms the clients reported (the
+    # field crossed real Flower messages both ways: asked for in the allocation, sent as bytes).
+    assert [r["deft_k_from"] for r in rounds[1:]] == ["sizes", "clients", "clients", "clients"]
     for r in rounds[1:]:
         assert r["rejected"] == {}
         # All clients together send 1 % of the compressed tensors' entries, never more: the

@@ -618,6 +618,7 @@ def _handle(
         if keep:
             assert dl.outcome is not None and encoder.sent is not None
             st.pending = PendingUpdate(dl.outcome.round, encoder.sent)
+        extras = method.client_extras(rnd, residual_before if feedback else {}, delta)
         out = RecordDict({k: v for k, v in reply.content.items() if k != dl.arrays_key})
         report = UplinkReport(
             replica_version=st.version,
@@ -630,6 +631,7 @@ def _handle(
             residual_norm=residual_norm,
             update_norm=update_norm,
             status=status,
+            extras=extras,
             update_round=dl.outcome.round if dl.outcome is not None else None,
             **_bandwidth_report(context, plan, method, train_seconds),
         )

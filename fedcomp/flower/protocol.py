@@ -496,6 +496,11 @@ class DownlinkHeader:
 
 #: The longest device or codec name an uplink report may carry.
 MAX_NAME_CHARS = 64
+#: The most bytes of a method's own an uplink report may carry, all keys together (DEFT's norms
+#: take 4 bytes a compressed tensor).
+MAX_UPLINK_EXTRA_BYTES = 1 << 20
+#: The most fields of a method's own (status values and bytes) an uplink report may carry.
+MAX_UPLINK_METHOD_FIELDS = 256
 
 
 @dataclass(frozen=True)
@@ -525,6 +530,8 @@ class UplinkReport:
     update_norm: float | None = None
     #: A method's own status values (keys from :func:`extra_key`).
     status: dict[str, int] = field(default_factory=dict)
+    #: A method's own bytes in a train reply (keys from :func:`extra_key`; DEFT's tensor norms).
+    extras: dict[str, bytes] = field(default_factory=dict)
     #: Protocol 2: the ``round`` of the downlink this train reply answers (its update's round).
     update_round: int | None = None
 
@@ -555,6 +562,7 @@ class UplinkReport:
         if self.link is not None:
             out.update(zip(self._LINK, (float(x) for x in self.link), strict=True))
         out.update(self.status)
+        out.update(self.extras)
         return ConfigRecord(out)
 
     @classmethod
@@ -566,13 +574,21 @@ class UplinkReport:
         if any(k in rec for k in cls._LINK):
             link = tuple(float(_get(rec, k, numbers, w)) for k in cls._LINK)
         known = {"replica-version", "replica-digest", *cls._LINK, *(key for key, _, _ in cls._OPTIONAL)}
-        status = {}
+        status: dict[str, int] = {}
+        extras: dict[str, bytes] = {}
         for k, v in rec.items():
             if k in known:
                 continue
-            if "." not in k or isinstance(v, bool) or not isinstance(v, int):
+            if "." in k and isinstance(v, bytes):
+                extras[k] = v
+            elif "." not in k or isinstance(v, bool) or not isinstance(v, int):
                 raise PayloadError("", f"{w}: unexpected field {shown(k)}")
-            status[k] = v
+            else:
+                status[k] = v
+        if len(status) + len(extras) > MAX_UPLINK_METHOD_FIELDS:
+            raise PayloadError("", f"{w}: more than {MAX_UPLINK_METHOD_FIELDS} fields of a method's own")
+        if sum(len(v) for v in extras.values()) > MAX_UPLINK_EXTRA_BYTES:
+            raise PayloadError("", f"{w}: a method's fields hold more than {MAX_UPLINK_EXTRA_BYTES} bytes")
         replica_version = _get(rec, "replica-version", int, w)
         replica_digest = _get(rec, "replica-digest", str, w)
         optional: dict[str, Any] = {}
@@ -590,7 +606,7 @@ class UplinkReport:
                 raise PayloadError("", f"{w}: field {key!r} is longer than {MAX_NAME_CHARS} characters")
         if optional["sbc_p"] is not None and optional["sbc_p"] > 1:
             raise PayloadError("", f"{w}: field 'sbc-p' must be <= 1, got {optional['sbc_p']!r}")
-        return cls(replica_version, replica_digest, link=link, status=status, **optional)  # type: ignore[arg-type]
+        return cls(replica_version, replica_digest, link=link, status=status, extras=extras, **optional)  # type: ignore[arg-type]
 
 
 # --- client state ---------------------------------------------------------------------------------

@@ -514,8 +514,9 @@ class CompressionStrategy(Strategy):
         traffic = self._traffic(server_round)
         node = msg.metadata.src_node_id
         traffic.note_client(node, report)
-        traffic.uplink[node] = len(report.payload)
+        traffic.uplink[node] = len(report.payload) + sum(len(v) for v in report.extras.values())
         traffic.dense_uplink[node] = fp32_bytes(self.replica.tensors)
+        self.uplink.note_extras(server_round, node, report.extras)
         t0 = time.perf_counter()
         update = update_from_bytes(report.payload, expected=self.replica.specs)  # bounded by the model
         if update.base_model_version != self.replica.version:

@@ -182,6 +182,12 @@ class UplinkMethod:
         delta = decode_update(update, specs, [codec, DenseFP32()])
         return Decoded({k: model[k] + delta[k] for k in model}, delta)
 
+    def note_extras(self, server_round: int, node: int, extras: Mapping[str, bytes]) -> None:
+        """The bytes of its own a train reply of ``node`` carries (keys from :func:`extra_key`,
+        what :meth:`client_extras` returned), before the reply is decoded; raise
+        :class:`~fedcomp.errors.PayloadError` when they are unusable (the reply is rejected). A
+        method keeps them only once :meth:`accept` says the reply passed every check."""
+
     def accept(self, server_round: int, node: int) -> None:
         """The reply of ``node`` that :meth:`decode` read in ``server_round`` passed every check of
         the server's (finite values, norm bound, structure): a method that learns from replies
@@ -208,6 +214,16 @@ class UplinkMethod:
     def client_codecs(cls, rnd: ClientRound) -> tuple[Codec, dict[str, Codec] | None]:
         """Train messages: the default codec and per-tensor overrides (None: no overrides)."""
         return get_codec(rnd.codec_config), None
+
+    @classmethod
+    def client_extras(
+        cls, rnd: ClientRound, residual: Mapping[str, torch.Tensor], update: Mapping[str, torch.Tensor]
+    ) -> dict[str, bytes]:
+        """Train messages, after encoding: bytes of the method's own for the reply (keys from
+        :func:`extra_key`; the server's :meth:`note_extras` reads them). ``residual`` is the one
+        the update was encoded with (empty without error feedback), ``update`` this round's local
+        update. Default: none."""
+        return {}
 
     @classmethod
     def client_status(cls, state: StateStore) -> dict[str, int]:

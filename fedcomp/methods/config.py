@@ -108,6 +108,12 @@ class CompressionConfig(BaseModel):
     #: Fraction of the (compressed) model's entries selected per round: per client for "topk";
     #: over all clients together for "deft" (the allocation splits it among them).
     topk_density: Schedule = Field(Schedule.parse(0.01), alias="topk-density")
+    #: Where DEFT's per-partition k come from (Algorithm 3's norms): "clients", the median over the
+    #: last round's accepted clients of the norms each reports of its accumulated update (the
+    #: paper's, 4 bytes a compressed tensor in each reply); "aggregate", the server's last
+    #: aggregated update (no bytes; it holds only what was selected, so k drifts toward the
+    #: partitions that had large ones).
+    deft_norms: Literal["clients", "aggregate"] = Field("clients", alias="deft-norms")
     # --- "gradiveq" uplink (fedcomp.methods.gradiveq) ---
     #: Values per slice (d); 0 = each tensor's fan-in (the product of its shape after the first
     #: dimension: one output unit's weights, the paper's "multiple of the filter size").

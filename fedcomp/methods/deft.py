@@ -15,21 +15,24 @@ the model.
 
 Departures from the paper, all deliberate:
 
-* **Norms come from the previous round's aggregated update**, which the server holds, not from
-  the current gradient of a delegated worker: in federated learning the server plans before the
-  clients train. With no aggregate yet (round 1) ``k`` is proportional to partition size.
-  :func:`plan_round` takes one L2 norm per tensor and gives each part of a split tensor the norm
-  ``N * sqrt(size_part / size_tensor)`` (the parts' squared norms add up to ``N**2``, as if the
-  energy were spread evenly); :func:`plan_round_from_aggregate` measures each part's norm exactly.
-  What this costs: the aggregate holds only what was selected, so a partition's norm follows its
-  last ``k`` as much as its gradient, and the allocation drifts from the paper's. In a simulation
-  of :func:`assign_k` alone (one client with error feedback, density 1 %, four partitions of
-  40,000/10,000/20,000/20,000 entries with standard deviations 1/3/0.3/1, 30 rounds), the
-  paper's norms (of the accumulated gradient) gave ``k`` = 284/359/61/196 in round 5 and
-  318/295/77/210 in round 30; the previous aggregate's gave 159/587/19/135 and 240/436/36/188:
-  more to the high-norm partition, a third to a half as much to the low-norm one. With equal
-  partitions both stay equal. Clients reporting their accumulators' norms would follow the paper
-  at a few bytes a partition a round; not built.
+* **Norms come from the previous round**: in federated learning the server plans before the
+  clients train, so a round's k follow norms of the round before. By default (``deft-norms =
+  "clients"``) each client reports the L2 norm of every compressed tensor's accumulated update
+  (its residual plus its update: what it selects from, the paper's local error) and the server
+  takes the median over the accepted replies (:mod:`fedcomp.methods.deft_uplink`): the paper's
+  norms, one round late and one per tensor rather than per partition. With no norms yet (round
+  1) ``k`` is proportional to partition size. :func:`plan_round` takes one L2 norm per tensor and
+  gives each part of a split tensor the norm ``N * sqrt(size_part / size_tensor)`` (the parts'
+  squared norms add up to ``N**2``, as if the energy were spread evenly).
+  ``deft-norms = "aggregate"`` plans from the server's previous aggregated update instead
+  (:func:`plan_round_from_aggregate` measures each part's norm exactly), which costs no uplink
+  bytes but drifts: the aggregate holds only what was selected, so a partition's norm follows
+  its last ``k`` as much as its gradient. In a simulation of :func:`assign_k` alone (one client
+  with error feedback, density 1 %, four partitions of 40,000/10,000/20,000/20,000 entries with
+  standard deviations 1/3/0.3/1, 30 rounds), the paper's norms (of the accumulated gradient) gave
+  ``k`` = 284/359/61/196 in round 5 and 318/295/77/210 in round 30; the previous aggregate's gave
+  159/587/19/135 and 240/436/36/188: more to the high-norm partition, a third to a half as much
+  to the low-norm one. With equal partitions both stay equal.
 * **The server plans every allocation** (no rotating delegate, so no broadcast of bins between
   workers); client ``i`` of the round gets bin ``(round + i) % n``, Algorithm 4's rotation.
 * **Algorithm 2 skips empty parts**: a tensor split into ``n`` parts with fewer than ``n``
@@ -189,8 +192,8 @@ def plan_round(
 ) -> list[DeftAllocation]:
     """Every client's allocation for this round, client ``i`` at index ``i``.
 
-    ``norms`` is one L2 norm per tensor (model order) of the previous aggregated update, or None
-    in the first round (k proportional to size). Parts of a split tensor share its norm as
+    ``norms`` is one L2 norm per tensor (model order), the clients' reported median, or None in
+    the first round (k proportional to size). Parts of a split tensor share its norm as
     ``N * sqrt(part / tensor)``.
     """
     parts = partition_layers(numels, n_clients)

@@ -165,9 +165,11 @@ class DeftPartition(_message.Message):
     def __init__(self, tensor: _Optional[int] = ..., start: _Optional[int] = ..., stop: _Optional[int] = ..., k: _Optional[int] = ...) -> None: ...
 
 class DeftAllocation(_message.Message):
-    __slots__ = ("round", "partitions")
+    __slots__ = ("round", "partitions", "report_norms")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PARTITIONS_FIELD_NUMBER: _ClassVar[int]
+    REPORT_NORMS_FIELD_NUMBER: _ClassVar[int]
     round: int
     partitions: _containers.RepeatedCompositeFieldContainer[DeftPartition]
-    def __init__(self, round: _Optional[int] = ..., partitions: _Optional[_Iterable[_Union[DeftPartition, _Mapping]]] = ...) -> None: ...
+    report_norms: bool
+    def __init__(self, round: _Optional[int] = ..., partitions: _Optional[_Iterable[_Union[DeftPartition, _Mapping]]] = ..., report_norms: _Optional[bool] = ...) -> None: ...

@@ -129,6 +129,8 @@ class DeftAllocation:
 
     round: int
     partitions: tuple[DeftPartition, ...] = field(default_factory=tuple)
+    #: Whether the server asks for the client's per-tensor norms in its reply (``deft.norms``).
+    report_norms: bool = False
 
 
 @dataclass(frozen=True)

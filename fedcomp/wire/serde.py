@@ -1169,6 +1169,7 @@ def allocation_to_bytes(a: DeftAllocation) -> bytes:
     msg = pb.DeftAllocation(
         round=a.round,
         partitions=[pb.DeftPartition(tensor=p.tensor, start=p.start, stop=p.stop, k=p.k) for p in a.partitions],
+        report_norms=a.report_norms,
     )
     return msg.SerializeToString(deterministic=True)
 
@@ -1179,6 +1180,7 @@ def allocation_from_bytes(data: bytes) -> DeftAllocation:
     return DeftAllocation(
         round=msg.round,
         partitions=tuple(DeftPartition(p.tensor, p.start, p.stop, p.k) for p in msg.partitions),
+        report_norms=msg.report_norms,
     )
 
 

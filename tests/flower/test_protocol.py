@@ -15,7 +15,15 @@ from flwr.app import ConfigRecord
 
 from fedcomp.errors import PayloadError
 from fedcomp.flower import protocol
-from fedcomp.flower.protocol import DownlinkHeader, DownlinkMode, ReplicaMeta, UpdateStatus, UplinkReport
+from fedcomp.flower.protocol import (
+    MAX_UPLINK_EXTRA_BYTES,
+    MAX_UPLINK_METHOD_FIELDS,
+    DownlinkHeader,
+    DownlinkMode,
+    ReplicaMeta,
+    UpdateStatus,
+    UplinkReport,
+)
 
 DL_CODEC = {"id": "3lc", "s": 1.0}
 UL_CODEC = {"id": "sbc", "p": 0.01}
@@ -350,6 +358,26 @@ def test_uplink_status_values_are_kept() -> None:
     }
 
 
+def test_uplink_method_bytes_are_kept_up_to_their_cap() -> None:
+    back = UplinkReport.from_record({"replica-version": 1, "replica-digest": "x", "m.raw": b"ab", "m.a": 2})
+    assert (back.extras, back.status) == ({"m.raw": b"ab"}, {"m.a": 2})
+    assert dict(UplinkReport(1, "x", extras={"m.raw": b"ab"}).to_record()) == {
+        "replica-version": 1,
+        "replica-digest": "x",
+        "m.raw": b"ab",
+    }
+    half = b"\0" * (MAX_UPLINK_EXTRA_BYTES // 2)
+    UplinkReport.from_record({"replica-version": 1, "replica-digest": "x", "m.a": half, "m.b": half})
+    too_many = {"replica-version": 1, "replica-digest": "x", "m.a": half, "m.b": half + b"\0"}
+    assert _ul_error(too_many) == f"payload: uplink: a method's fields hold more than {MAX_UPLINK_EXTRA_BYTES} bytes"
+    fields = {f"m.k{i}": (b"" if i % 2 else i) for i in range(MAX_UPLINK_METHOD_FIELDS)}
+    UplinkReport.from_record({"replica-version": 1, "replica-digest": "x", **fields})
+    fields["m.one-more"] = 1
+    assert _ul_error({"replica-version": 1, "replica-digest": "x", **fields}) == (
+        f"payload: uplink: more than {MAX_UPLINK_METHOD_FIELDS} fields of a method's own"
+    )
+
+
 @pytest.mark.parametrize("field", ["replica-version", "replica-digest"])
 def test_a_missing_replica_field_is_named(field: str) -> None:
     rec = {k: v for k, v in FULL_RECORD.items() if k != field}
@@ -392,7 +420,7 @@ def test_an_uplink_field_of_the_wrong_type_is_named(field: str, value: Any, mess
 
 @pytest.mark.parametrize(
     ("key", "value"),
-    [("bogus", 1), ("m.flag", True), ("m.ratio", 0.5), ("m.name", "x"), ("m.raw", b"x"), ("nodot", b"x")],
+    [("bogus", 1), ("m.flag", True), ("m.ratio", 0.5), ("m.name", "x"), ("nodot", b"x")],
 )
 def test_an_unexpected_uplink_field_is_named(key: str, value: Any) -> None:
     assert _ul_error({**FULL_RECORD, key: value}) == f"payload: uplink: unexpected field {key!r}"
