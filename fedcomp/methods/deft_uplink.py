@@ -83,6 +83,8 @@ class DeftUplink(UplinkMethod):
         self._n_large = 0
         #: What the last plan sized k by: "clients", "aggregate" or "sizes" (results.json).
         self.planned_from = "sizes"
+        #: The last plan's k per compressed tensor (its partitions' k summed), by name.
+        self.planned_k: dict[str, int] = {}
         self._ranges: dict[int, list[Ranges]] = {}
         self.last_round: int | None = None
 
@@ -130,6 +132,10 @@ class DeftUplink(UplinkMethod):
             allocations = plan_round_from_aggregate(agg, density, len(nodes), server_round)
             self.planned_from = "aggregate"
         report = self.config.deft_norms == "clients"
+        self.planned_k = {specs[i].name: 0 for i in large}
+        for alloc in allocations:
+            for p in alloc.partitions:
+                self.planned_k[specs[large[p.tensor]].name] += p.k
         out: dict[int, bytes] = {}
         for node, alloc in zip(nodes, allocations, strict=True):
             # plan_round numbers the compressed tensors; the wire numbers the model's tensors.
@@ -166,7 +172,7 @@ class DeftUplink(UplinkMethod):
         self.check(node, delta, specs)
 
     def round_metrics(self, server_round: int) -> dict[str, Any]:
-        return {"deft_k_from": self.planned_from}
+        return {"deft_k_from": self.planned_from, "deft_k": dict(self.planned_k)}
 
     def note_extras(self, server_round: int, node: int, extras: Mapping[str, bytes]) -> None:
         """Read ``node``'s norms (kept once :meth:`accept` takes the reply); raise

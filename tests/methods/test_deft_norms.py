@@ -24,6 +24,7 @@ from fedcomp.wire.serde import allocation_from_bytes, allocation_to_bytes
 from tests.flower.helpers import (
     Client,
     FixedGrid,
+    RoundLog,
     local_delta,
     make_strategy,
     server_identity,  # noqa: F401 (autouse fixture)
@@ -71,6 +72,21 @@ def _tamper(node: int, data: bytes | None):  # type: ignore[no-untyped-def]
     return hook
 
 
+def _second_round(tamper: Any) -> tuple[CompressionStrategy, RoundLog, dict[str, torch.Tensor] | None]:
+    """Rounds 1 and 2 with all three clients, ``tamper`` on round 2's replies."""
+    strategy, clients = _strategy(), _clients()
+    w1, _ = train_round(strategy, clients, 1, tiny_model())
+    assert w1 is not None
+    w2, log = train_round(strategy, clients, 2, w1, tamper=tamper)
+    return strategy, log, w2
+
+
+def _lower_median_of_1_and_3(log: RoundLog) -> list[float]:
+    """What the plan follows when node 2's norms are left out: the lower median of two, the smaller."""
+    honest = [_norms(log.uplinks[n]) for n in (1, 3)]
+    return [min(a, b) for a, b in zip(*honest, strict=True)]
+
+
 def test_clients_report_their_norms_and_the_next_round_is_planned_from_their_median() -> None:
     strategy, clients = _strategy(), _clients()
     w1, log1 = train_round(strategy, clients, 1, tiny_model())
@@ -90,9 +106,8 @@ def test_clients_report_their_norms_and_the_next_round_is_planned_from_their_med
     # Each reply's bytes count as its uplink, norms included.
     assert all(strategy.traffic[1].uplink[n] > len(log1.uplinks[n]["payload"]) for n in NODES)
 
-    assert strategy.round_metrics(1) == {"deft_k_from": "sizes"}  # (round 1's plan)
+    assert strategy.round_metrics(1)["deft_k_from"] == "sizes"  # (round 1's plan)
     _w2, log2 = train_round(strategy, clients, 2, w1)
-    assert strategy.round_metrics(2) == {"deft_k_from": "clients"}
     numels = [tiny_model()[k].numel() for k in LARGE]
     planned = plan_round(numels, median, 0.05, len(NODES), 2)
     for i, n in enumerate(NODES):
@@ -101,6 +116,13 @@ def test_clients_report_their_norms_and_the_next_round_is_planned_from_their_med
             DeftPartition(LARGE_INDEX[LARGE[p.tensor]], p.start, p.stop, p.k) for p in planned[i].partitions
         )
         assert got == DeftAllocation(2, expected_parts, report_norms=True)
+    metrics = strategy.round_metrics(2)
+    assert metrics["deft_k_from"] == "clients"
+    # k per compressed tensor: its partitions' k over all clients, the round's whole budget.
+    assert metrics["deft_k"] == {
+        name: sum(p.k for a in planned for p in a.partitions if LARGE[p.tensor] == name) for name in LARGE
+    }
+    assert sum(metrics["deft_k"].values()) == round(0.05 * sum(numels))
 
 
 def test_a_client_reports_the_norm_of_its_residual_plus_its_update() -> None:
@@ -142,34 +164,22 @@ class _NoStore:
     ids=["short", "nan", "inf", "negative", "empty"],
 )
 def test_malformed_norms_reject_that_reply_and_the_round_goes_on(data: bytes, word: str) -> None:
-    strategy, clients = _strategy(), _clients()
-    w1, _ = train_round(strategy, clients, 1, tiny_model())
-    assert w1 is not None
-    w2, log = train_round(strategy, clients, 2, w1, tamper=_tamper(2, data))
+    strategy, log, w2 = _second_round(_tamper(2, data))
     rejected = strategy.traffic[2].rejected
     assert set(rejected) == {2} and NORMS in rejected[2] and word in rejected[2], rejected
     assert w2 is not None
-    # The next plan follows the two accepted replies only (the lower median of two: the smaller).
-    honest = [_norms(log.uplinks[n]) for n in (1, 3)]
-    assert _deft(strategy).norms == [min(a, b) for a, b in zip(*honest, strict=True)]
+    assert _deft(strategy).norms == _lower_median_of_1_and_3(log)  # the accepted replies' only
 
 
 def test_a_reply_without_norms_is_aggregated_and_the_others_plan() -> None:
-    strategy, clients = _strategy(), _clients()
-    w1, _ = train_round(strategy, clients, 1, tiny_model())
-    assert w1 is not None
-    _w2, log = train_round(strategy, clients, 2, w1, tamper=_tamper(2, None))
+    strategy, log, _w2 = _second_round(_tamper(2, None))
     assert strategy.traffic[2].rejected == {}
-    honest = [_norms(log.uplinks[n]) for n in (1, 3)]
-    assert _deft(strategy).norms == [min(a, b) for a, b in zip(*honest, strict=True)]
+    assert _deft(strategy).norms == _lower_median_of_1_and_3(log)
 
 
 def test_one_client_claiming_huge_norms_does_not_move_the_plan_past_the_honest_ones() -> None:
-    strategy, clients = _strategy(), _clients()
-    w1, _ = train_round(strategy, clients, 1, tiny_model())
-    assert w1 is not None
     huge = np.array([3e38, 0.0], dtype="<f4").tobytes()  # all of k to w1, none to w2
-    _w2, log = train_round(strategy, clients, 2, w1, tamper=_tamper(2, huge))
+    strategy, log, _w2 = _second_round(_tamper(2, huge))
     honest = [_norms(log.uplinks[n]) for n in (1, 3)]
     norms = _deft(strategy).norms
     assert norms is not None
@@ -178,10 +188,6 @@ def test_one_client_claiming_huge_norms_does_not_move_the_plan_past_the_honest_o
 
 
 def test_a_rejected_reply_s_norms_are_not_used() -> None:
-    strategy, clients = _strategy(), _clients()
-    w1, _ = train_round(strategy, clients, 1, tiny_model())
-    assert w1 is not None
-
     def corrupt(n: int, reply: Message) -> Message:  # node 2's norms read well, its update does not
         reply = _tamper(2, np.array([1e6, 1e6], dtype="<f4").tobytes())(n, reply)
         if n == 2:
@@ -190,10 +196,9 @@ def test_a_rejected_reply_s_norms_are_not_used() -> None:
             reply.content[protocol.UPLINK] = with_fields(uplink_of(reply), payload=bytes(payload))
         return reply
 
-    _w2, log = train_round(strategy, clients, 2, w1, tamper=corrupt)
+    strategy, log, _w2 = _second_round(corrupt)
     assert set(strategy.traffic[2].rejected) == {2}
-    honest = [_norms(log.uplinks[n]) for n in (1, 3)]
-    assert _deft(strategy).norms == [min(a, b) for a, b in zip(*honest, strict=True)]
+    assert _deft(strategy).norms == _lower_median_of_1_and_3(log)
 
 
 def test_with_aggregate_norms_nothing_is_asked_or_sent() -> None:
@@ -205,11 +210,11 @@ def test_with_aggregate_norms_nothing_is_asked_or_sent() -> None:
         assert NORMS not in log.uplinks[n]
     deft = _deft(strategy)
     assert deft.norms is None and deft.aggregate is not None
-    assert strategy.round_metrics(1) == {"deft_k_from": "sizes"}
+    assert strategy.round_metrics(1)["deft_k_from"] == "sizes"
     # A client that reports anyway is not listened to.
     _w2, _ = train_round(strategy, clients, 2, w1, tamper=_tamper(2, np.ones(2, dtype="<f4").tobytes()))
     assert strategy.traffic[2].rejected == {} and deft.norms is None
-    assert strategy.round_metrics(2) == {"deft_k_from": "aggregate"}
+    assert strategy.round_metrics(2)["deft_k_from"] == "aggregate"
 
 
 def test_the_norms_survive_a_checkpoint_and_one_round_s_reports_do_not() -> None:
