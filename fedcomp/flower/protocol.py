@@ -7,9 +7,11 @@ and read records only through these classes, whose ``from_record`` checks every 
 raises :class:`~fedcomp.errors.PayloadError` naming the field, so a malformed record is one typed
 error, never an exception from deep inside the strategy.
 
-Methods may add their own bytes to the downlink (a DEFT allocation, a GradiVeQ compressor) and
-small status values to the uplink (the compressor version a client holds); those travel as
-``extras`` / ``status`` under keys the method names, prefixed with its id by :func:`extra_key`.
+Methods may add their own bytes to the downlink (a DEFT allocation, a GradiVeQ compressor), and
+to the uplink small status values (the compressor version a client holds) and bytes of a train
+reply (DEFT's norms, sent only when the allocation asks: a server that predates them would reject
+a reply carrying them); those travel as ``extras`` / ``status`` under keys the method names,
+prefixed with its id by :func:`extra_key`.
 
 **Protocol versions.** Version 1 (no ``protocol`` field): the records as above. Version 2 adds
 update outcomes, so that no update is lost silently: every downlink carries ``protocol = 2`` and
