@@ -36,7 +36,7 @@ import math
 import secrets
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -78,7 +78,7 @@ from fedcomp.flower.replica import ServerReplica, grid_exponents
 from fedcomp.flower.settings import CompressionConfig
 from fedcomp.flower.traffic import RoundTraffic, by_reason, metric_record
 from fedcomp.flower.weighted_sum import Contribution, WeightedSum, sparse_delta
-from fedcomp.methods.base import UplinkMethod
+from fedcomp.methods.base import SentTerm, UplinkMethod
 from fedcomp.methods.registry import get_downlink, get_uplink
 from fedcomp.wire.payloads import EncodedUpdate
 from fedcomp.wire.serde import update_from_bytes
@@ -536,11 +536,12 @@ class CompressionStrategy(Strategy):
         norm = self._check_values(decoded.delta if decoded.delta is not None else decoded.arrays, work)
         if self._fit is not None and decoded.delta is not None:
             self._fit.check_dense(decoded.delta, node)
-        if self.uplink.reports_selection and decoded.delta is not None:
-            traffic.note_selection(decoded.delta, self.config.min_compress_numel)
         traffic.decode_seconds += time.perf_counter() - t0
         content = RecordDict({k: v for k, v in msg.content.items() if k != protocol.UPLINK})
         self._check_structure(content)
+        # Accepted: what it selected and its norm count from here on (a rejected reply's did not).
+        if self.uplink.reports_selection and decoded.delta is not None:
+            traffic.note_selection(decoded.delta, self.config.min_compress_numel)
         self.uplink.accept(server_round, node)
         if decoded.delta is not None:  # (else GradiVeQ's coefficients: not the model's space)
             traffic.update_norm[node] = norm
@@ -582,9 +583,7 @@ class CompressionStrategy(Strategy):
             if self._fit is not None:
                 self._fit.check(delta.parts(), node)
             norm: float | None = delta.norm
-            if selection:
-                numels = {spec.name: spec.numel for spec in self.replica.specs}
-                traffic.note_selection(delta.terms, self.config.min_compress_numel, numels)
+            selected: Mapping[str, SentTerm] | None = delta.terms if selection else None
             contribution = Contribution(delta=delta)
         else:  # the method's own decode (DEFT's checks, GradiVeQ's coefficients): one dense reply
             decoded = self.uplink.decode(update, self.replica.specs, self._target, server_round, node)
@@ -593,13 +592,16 @@ class CompressionStrategy(Strategy):
             if self._fit is not None and decoded.delta is not None:
                 self._fit.check_dense(decoded.delta, node)
             norm = checked if decoded.delta is not None else None
-            if self.uplink.reports_selection and decoded.delta is not None:
-                traffic.note_selection(decoded.delta, self.config.min_compress_numel)
+            selected = decoded.delta if self.uplink.reports_selection else None
             contribution = Contribution(arrays=decoded.arrays)
         traffic.decode_seconds += time.perf_counter() - t0
         content = RecordDict({k: v for k, v in msg.content.items() if k != protocol.UPLINK})
         self._check_structure(content)
-        if norm is not None:  # (only an accepted update's: after every check, as _decode_reply)
+        # Accepted (after every check, as _decode_reply): its selection and norm count.
+        if selected is not None:
+            numels = {spec.name: spec.numel for spec in self.replica.specs}
+            traffic.note_selection(selected, self.config.min_compress_numel, numels)
+        if norm is not None:
             traffic.update_norm[node] = norm
         self.uplink.accept(server_round, node)
         msg.content = content  # the payload is not needed any more: let it go

@@ -19,6 +19,7 @@ from fedcomp.wire.serde import update_from_bytes, update_to_bytes
 from tests.flower.helpers import (  # noqa: F401  (server_identity: autouse fixture)
     Client,
     FixedGrid,
+    decode_payload,
     make_strategy,
     mode_of,
     server_identity,
@@ -827,3 +828,28 @@ def test_max_metrics_bytes_is_the_bound() -> None:
         ),
     )
     assert list(strategy.traffic[1].rejected) == [2]
+
+
+@pytest.mark.parametrize("streaming", [True, False], ids=["streaming", "materialising"])
+@pytest.mark.parametrize("uplink", ["topk", "deft"])
+def test_a_reply_rejected_for_its_records_adds_nothing_to_the_round_s_selection(uplink: str, streaming: bool) -> None:
+    """``uplink_union_density`` counts accepted replies only: a reply whose update decoded and
+    passed its checks but whose records did not (an ArrayRecord of its own) was counted before."""
+    strategy = make_strategy(**{"uplink-codec": uplink, "topk-density": 0.05})
+    strategy.streaming = streaming
+    clients = {n: Client(n) for n in (1, 2, 3)}
+
+    def extra_record(node: int, reply: Message) -> Message:
+        return _replace_content(reply, extra=ArrayRecord({"x": torch.zeros(3)})) if node == 2 else reply
+
+    _, log = train_round(strategy, clients, 1, tiny_model(), tamper=extra_record)
+    t = strategy.traffic[1]
+    assert set(t.rejected) == {2} and "ArrayRecord" in t.rejected[2]
+    codec = strategy.config.uplink_codec_at(1)
+    kept = [
+        decode_payload(protocol.UplinkReport.from_record(log.uplinks[n]).payload, tiny_model(), codec) for n in (1, 3)
+    ]
+    union = sum(int(((kept[0][k] != 0) | (kept[1][k] != 0)).sum()) for k in ("w1", "w2"))
+    assert (t.union_nnz, t.sparse_numel) == (union, 2000 + 1200)
+    node_2 = decode_payload(protocol.UplinkReport.from_record(log.uplinks[2]).payload, tiny_model(), codec)
+    assert sum(int(((node_2[k] != 0) & (kept[0][k] == 0) & (kept[1][k] == 0)).sum()) for k in ("w1", "w2")) > 0
