@@ -93,6 +93,11 @@ class DeftUplink(UplinkMethod):
         return {k: v for k, v in super().state_dict().items() if k not in ("_reported", "_accepted")}
 
     @classmethod
+    def summary(cls, config: CompressionConfig) -> str:
+        by = "the clients' reported norms" if config.deft_norms == "clients" else "the last aggregate's norms"
+        return f"{cls.method_id} {cls.codec_config(config, 1)} (p of all clients together; k by {by})"
+
+    @classmethod
     def codec_config(cls, config: CompressionConfig, server_round: int) -> dict[str, Any]:
         """Plain top-k; each client's partitions come with its allocation."""
         return {"id": "topk", "p": config.topk_density.at(server_round)}

@@ -17,6 +17,7 @@ from fedcomp.flower import protocol
 from fedcomp.flower.records import record_from_tensors
 from fedcomp.flower.strategy import CompressionStrategy
 from fedcomp.methods.base import ClientRound
+from fedcomp.methods.config import CompressionConfig
 from fedcomp.methods.deft import plan_round
 from fedcomp.methods.deft_uplink import DeftUplink
 from fedcomp.wire.payloads import DeftAllocation, DeftPartition
@@ -237,3 +238,11 @@ def test_the_norms_survive_a_checkpoint_and_one_round_s_reports_do_not() -> None
         for s in (strategy, again)
     ]
     assert allocations[0] == allocations[1]
+
+
+@pytest.mark.parametrize(
+    ("norms", "said"), [("clients", "the clients' reported norms"), ("aggregate", "the last aggregate's norms")]
+)
+def test_the_run_s_description_says_where_k_comes_from(norms: str, said: str) -> None:
+    config = CompressionConfig.from_run_config({"uplink-codec": "deft", "deft-norms": norms})
+    assert f"uplink deft {{'id': 'topk', 'p': 0.01}} (p of all clients together; k by {said})" in config.describe()
