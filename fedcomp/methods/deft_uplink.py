@@ -12,8 +12,9 @@ The norms (``deft-norms``): with ``"clients"`` (the default, the paper's) the al
 client for the L2 norm of every compressed tensor's accumulated update (its residual plus this
 round's update: what it selects from), 4 bytes a tensor in the reply's uplink record
 (``deft.norms``). The next round's k follow, per tensor, the median of the accepted replies'
-norms: a client that misreports moves the median only as far as the next honest value, and a
-reply whose norms are malformed (wrong count, not finite, negative) is rejected. A tensor split
+norms: false norms only misplace k (never a value of the model), fewer than half of the replies
+cannot move a median outside the honest ones' range, and a reply whose norms are malformed (wrong
+count, not finite, negative) is rejected. A tensor split
 into parts gives each part ``N * sqrt(part / tensor)`` (:func:`~fedcomp.methods.deft.plan_round`):
 per-part norms would cost a value per part (thousands a reply for ResNet-50 over 100 clients).
 With ``"aggregate"`` the server plans from its last aggregated update instead (no bytes, but the
