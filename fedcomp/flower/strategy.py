@@ -409,8 +409,9 @@ class CompressionStrategy(Strategy):
         each reply before any is aggregated (each round until one aggregates; a reply that cannot
         be read is left to the real pass, which rejects it). Clients clipped to the looser bound;
         an honest one over the tighter is rejected this once, its update goes back to its residual,
-        and it clips from the next round on. Not for a method that decodes by itself (GradiVeQ):
-        the model's bound holds. (Each reply is parsed and decoded twice in such a round.)"""
+        and it clips from the next round on. Not in a round whose replies are not the update itself
+        (GradiVeQ's coefficients; its first rounds, dense, are read): the model's bound holds.
+        (Each reply is parsed and decoded twice in such a round.)"""
         factor = self.config.max_update_norm_factor
         if factor <= 0 or self._norm_ref is not None or self.replica is None:
             return
@@ -428,9 +429,9 @@ class CompressionStrategy(Strategy):
     def _peek_norm(self, msg: Message, server_round: int) -> float | None:
         """The L2 norm of the update ``msg`` carries, as the streaming path decodes it, with no
         side effect; None for an error reply, a reply that does not parse or is stale (the real
-        pass says why), or a method that decodes by itself."""
+        pass says why), or a round whose replies are not the update itself."""
         assert self.replica is not None
-        if msg.has_error() or not msg.has_content() or not self._decodes_sparse():
+        if msg.has_error() or not msg.has_content() or not self.uplink.reply_is_update(server_round):
             return None
         try:
             rec = msg.content.config_records.get(protocol.UPLINK)
@@ -552,13 +553,6 @@ class CompressionStrategy(Strategy):
         """The factor a reply's bound grows by for the local iterations it reports."""
         return protocol.work_scale(local_iters, self._round_iters, self.config.local_iters_max)
 
-    def _decodes_sparse(self) -> bool:
-        """Whether the uplink method decodes as the base method does (W + delta, the round's
-        codec), possibly checking what it decoded (DEFT's allocation): its replies can then be read
-        sparse, never as W + delta. Not GradiVeQ, which decodes by itself."""
-        base_decode = getattr(self.uplink.decode, "__func__", None) is UplinkMethod.decode
-        return base_decode or self.uplink.checks_sent
-
     def _round_codecs(self, server_round: int) -> dict[str, Codec]:
         """The codecs a reply of ``server_round`` may use, by id: the round's and dense fp32."""
         return {c.codec_id: c for c in (get_codec(self.uplink.round_codec_config(server_round)), DenseFP32())}
@@ -570,7 +564,7 @@ class CompressionStrategy(Strategy):
         assert self.replica is not None and self._target is not None
         update, node, t0 = self._open_reply(msg, server_round)
         traffic = self._traffic(server_round)
-        if self._decodes_sparse():
+        if self.uplink.decodes_as_base():
             accepted = self._round_codecs(server_round)
             # (a method reporting its selection, top-k or DEFT, needs every tensor as a term: no kernel)
             selection = self.uplink.reports_selection

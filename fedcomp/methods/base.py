@@ -182,6 +182,19 @@ class UplinkMethod:
         delta = decode_update(update, specs, [codec, DenseFP32()])
         return Decoded({k: model[k] + delta[k] for k in model}, delta)
 
+    def decodes_as_base(self) -> bool:
+        """Whether :meth:`decode` is the base class's (W + delta, the round's codec), possibly
+        followed by :meth:`check_sent` (DEFT's allocation): the server can then read every reply
+        sparse, never as W + delta. Not GradiVeQ, which decodes by itself."""
+        return getattr(self.decode, "__func__", None) is UplinkMethod.decode or self.checks_sent
+
+    def reply_is_update(self, server_round: int) -> bool:
+        """Whether a reply of ``server_round`` is the client's update encoded by the round's codec
+        (or dense fp32), so the server can read its norm without this method's decode: the first
+        round's norm bound is set from the replies' median before any is decoded. Default:
+        :meth:`decodes_as_base`."""
+        return self.decodes_as_base()
+
     def note_extras(self, server_round: int, node: int, extras: Mapping[str, bytes]) -> None:
         """The bytes of its own a train reply of ``node`` carries (keys from :func:`extra_key`,
         what :meth:`client_extras` returned), before the reply is decoded; raise

@@ -102,6 +102,10 @@ class GradiVeQUplink(UplinkMethod):
         """Whether clients send coefficients this round (never before the first fit)."""
         return self.compressor is not None and self._cycle_position(server_round) >= self.config.gradiveq_dense_rounds
 
+    def reply_is_update(self, server_round: int) -> bool:
+        """Dense rounds (the samples) carry the update; compressed ones carry coefficients."""
+        return not self.compressed(server_round)
+
     def round_codec_config(self, server_round: int) -> dict[str, Any]:
         if self.compressed(server_round):
             return {"id": "gradiveq", "version": self.version}
