@@ -48,8 +48,6 @@ class GridFit:
         #: below it is at most ``2**24 - 1`` (and the bound is exact in float32).
         self.limits = {k: (K_LIMIT - 1) * math.ldexp(1.0, e) for k, e in grid.items()}
         self._peaks: dict[str, float] = {}  # max |W| per tensor, when first needed
-        #: The nodes whose replies :meth:`check` rejected this round.
-        self.rejected: set[int] = set()
 
     def _flat(self, name: str) -> np.ndarray:
         return self._model[name].detach().reshape(-1).to(torch.float64).numpy()
@@ -61,11 +59,10 @@ class GridFit:
             peak = self._peaks[name] = float(t.abs().max()) if t.numel() else 0.0
         return peak
 
-    def check(self, parts: Iterable[tuple[str, np.ndarray | None, np.ndarray | float]], node: int = 0) -> None:
+    def check(self, parts: Iterable[tuple[str, np.ndarray | None, np.ndarray | float]]) -> None:
         """Raise :class:`PayloadError` naming the first tensor where ``W + delta`` reaches
         ``slack`` times the grid's bound; ``parts`` as
-        :meth:`fedcomp.flower.weighted_sum.ReplyDelta.parts` gives them (finite), ``node`` the
-        sender."""
+        :meth:`fedcomp.flower.weighted_sum.ReplyDelta.parts` gives them (finite)."""
         for name, positions, values in parts:
             bound = self.limits.get(name)
             if bound is None:
@@ -80,7 +77,6 @@ class GridFit:
             base = self._flat(name)
             reach = float(np.abs((base if positions is None else base[positions]) + arr).max())
             if reach >= limit:
-                self.rejected.add(node)
                 past = f"{self.slack:g} times past" if self.slack != 1 else "past"
                 raise PayloadError(
                     name,
@@ -89,9 +85,9 @@ class GridFit:
                     "(max-update-norm bounds them)",
                 )
 
-    def check_dense(self, delta: Mapping[str, torch.Tensor], node: int = 0) -> None:
+    def check_dense(self, delta: Mapping[str, torch.Tensor]) -> None:
         """:meth:`check` of a dense model-space ``delta``."""
-        self.check(((k, None, _flat32(t)) for k, t in delta.items()), node)
+        self.check((k, None, _flat32(t)) for k, t in delta.items())
 
     def off_grid(self, model: Mapping[str, torch.Tensor]) -> str | None:
         """The first tensor of ``model`` (an aggregate) that leaves the grid, or None."""

@@ -536,7 +536,7 @@ class CompressionStrategy(Strategy):
         work = self._work(traffic.local_iters.get(node))
         norm = self._check_values(decoded.delta if decoded.delta is not None else decoded.arrays, work)
         if self._fit is not None and decoded.delta is not None:
-            self._fit.check_dense(decoded.delta, node)
+            self._fit.check_dense(decoded.delta)
         traffic.decode_seconds += time.perf_counter() - t0
         content = RecordDict({k: v for k, v in msg.content.items() if k != protocol.UPLINK})
         self._check_structure(content)
@@ -575,7 +575,7 @@ class CompressionStrategy(Strategy):
                 delta.norm, _client_clipping_norm(self.strategy), self._work(traffic.local_iters.get(node))
             )
             if self._fit is not None:
-                self._fit.check(delta.parts(), node)
+                self._fit.check(delta.parts())
             norm: float | None = delta.norm
             selected: Mapping[str, SentTerm] | None = delta.terms if selection else None
             contribution = Contribution(delta=delta)
@@ -584,7 +584,7 @@ class CompressionStrategy(Strategy):
             work = self._work(traffic.local_iters.get(node))
             checked = self._check_values(decoded.delta if decoded.delta is not None else decoded.arrays, work)
             if self._fit is not None and decoded.delta is not None:
-                self._fit.check_dense(decoded.delta, node)
+                self._fit.check_dense(decoded.delta)
             norm = checked if decoded.delta is not None else None
             selected = decoded.delta if self.uplink.reports_selection else None
             contribution = Contribution(arrays=decoded.arrays)

@@ -24,8 +24,7 @@ def test_a_large_step_where_the_weights_are_small_fits() -> None:
     fit = _fit()
     fit.check([("w", np.array([3, 5]), 10.0)])  # SBC-like: positions and one value
     fit.check([("w", None, np.array([0, 0, 0, 10, 0, 0, 0, 0], np.float32))])  # dense
-    fit.check_dense({"w": torch.tensor([-30.0, 0, 0, 0, 0, 0, 0, 0])})  # 15 - 30: |W| = 15
-    assert not fit.rejected
+    fit.check_dense({"w": torch.tensor([-30.0, 0, 0, 0, 0, 0, 0, 0])})  # 15 - 30: |W| = 15 (no raise)
 
 
 @pytest.mark.parametrize(
@@ -41,15 +40,13 @@ def test_a_step_past_the_grid_is_refused_naming_the_tensor(part: tuple) -> None:
     with pytest.raises(PayloadError, match=rf"tensor '{part[0]}'.*lattice downlink's grid") as err:
         fit.check([part])
     assert f"{LIMIT:.4g}" in str(err.value)
-    assert fit.rejected == {0}
 
 
 def test_with_slack_a_reply_is_refused_only_that_many_times_past_the_bound() -> None:
     fit = GridFit({"w": torch.zeros(4)}, {"w": -20}, slack=4.0)
     fit.check([("w", None, np.array([3.9 * LIMIT, 0, 0, 0]))])  # (past the bound: the mean may not be)
     with pytest.raises(PayloadError, match=r"4 times past the lattice downlink's grid"):
-        fit.check([("w", np.array([2]), 4.0 * LIMIT)], node=7)
-    assert fit.rejected == {7}
+        fit.check([("w", np.array([2]), 4.0 * LIMIT)])
     assert fit.off_grid({"w": torch.tensor([LIMIT, 0, 0, 0])}) == "w"  # (the aggregate: exact)
 
 
