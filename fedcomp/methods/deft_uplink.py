@@ -81,10 +81,10 @@ class DeftUplink(UplinkMethod):
         self.norms: list[float] | None = None
         self._reported: dict[int, np.ndarray] = {}  # this round's replies' norms, by node
         self._accepted: list[np.ndarray] = []  # those of replies that passed every check
-        self._n_large = 0
         #: What the last plan sized k by: "clients", "aggregate" or "sizes" (results.json).
         self.planned_from = "sizes"
-        #: The last plan's k per compressed tensor (its partitions' k summed), by name.
+        #: The last plan's k per compressed tensor (its partitions' k summed), by name: also the
+        #: tensors a reply's norms are for.
         self.planned_k: dict[str, int] = {}
         self._ranges: dict[int, list[Ranges]] = {}
         self.last_round: int | None = None
@@ -96,7 +96,7 @@ class DeftUplink(UplinkMethod):
     @classmethod
     def summary(cls, config: CompressionConfig) -> str:
         by = "the clients' reported norms" if config.deft_norms == "clients" else "the last aggregate's norms"
-        return f"{cls.method_id} {cls.codec_config(config, 1)} (p of all clients together; k by {by})"
+        return f"{super().summary(config)} (p of all clients together; k by {by})"
 
     @classmethod
     def codec_config(cls, config: CompressionConfig, server_round: int) -> dict[str, Any]:
@@ -122,7 +122,7 @@ class DeftUplink(UplinkMethod):
         seed ended on different models.)"""
         large = _large(specs, self.min_numel)
         self._ranges, self._reported, self._accepted = {}, {}, []
-        self._n_large = len(large)
+        self.planned_k = {specs[i].name: 0 for i in large}
         self.last_round = server_round
         if not nodes:
             return {}
@@ -138,7 +138,6 @@ class DeftUplink(UplinkMethod):
             allocations = plan_round_from_aggregate(agg, density, len(nodes), server_round)
             self.planned_from = "aggregate"
         report = self.config.deft_norms == "clients"
-        self.planned_k = {specs[i].name: 0 for i in large}
         for alloc in allocations:
             for p in alloc.partitions:
                 self.planned_k[specs[large[p.tensor]].name] += p.k
@@ -187,11 +186,12 @@ class DeftUplink(UplinkMethod):
         data = extras.get(self.NORMS_KEY)
         if data is None or self.config.deft_norms != "clients":
             return
-        if len(data) != 4 * self._n_large:
+        n = len(self.planned_k)
+        if len(data) != 4 * n:
             raise PayloadError(
                 "",
-                f"uplink: field {self.NORMS_KEY!r} has {len(data)} bytes, expected {4 * self._n_large} "
-                f"(a float32 for each of the {self._n_large} compressed tensors)",
+                f"uplink: field {self.NORMS_KEY!r} has {len(data)} bytes, expected {4 * n} "
+                f"(a float32 for each of the {n} compressed tensors)",
             )
         norms = np.frombuffer(data, dtype="<f4").astype(np.float64)
         if not (np.isfinite(norms).all() and (norms >= 0).all()):
